@@ -1,0 +1,186 @@
+/*
+ * flashmsa — MiniMax Sparse Attention (MSA) training kernels. C ABI.
+ *
+ * The contract is SPEC.md (shared/): selection, forward, backward, modes, errors, numerics.
+ *
+ * Conventions
+ * - Tensors pass as views (flashmsa_tensor_t): pointer, dtype, shape, strides (in ELEMENTS),
+ *   device. Memory belongs to the caller; the library never allocates device memory behind the
+ *   caller's back (it asks for a workspace through the *_workspace_size queries).
+ * - An optional tensor is "absent" when data == NULL and ndim == 0 (FLASHMSA_TENSOR_NONE).
+ *   A present tensor with zero elements may have data == NULL.
+ * - Every entry point validates all of its arguments before anything runs; a call that fails
+ *   writes none of its outputs. The failure is a status code plus a thread-local message
+ *   (flashmsa_last_error()) naming the argument and the expected vs actual value.
+ * - Varlen first: q [total, Hq, D] with cu_seqlens [B+1] int32 and max_seqlen. A batched call
+ *   passes q, k, v, qp, kp, out, dout, dq, ... as [B, S, H, D] and no cu_seqlens; it means the
+ *   same as varlen with B sequences of length S, and every per-token tensor that has no batched
+ *   form (lse, dlse, proxy_lse, indices) keeps its varlen layout with total = B * S.
+ */
+#ifndef FLASHMSA_FLASHMSA_H_
+#define FLASHMSA_FLASHMSA_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(_WIN32)
+#define FLASHMSA_API __declspec(dllexport)
+#else
+#define FLASHMSA_API __attribute__((visibility("default")))
+#endif
+
+#define FLASHMSA_VERSION_MAJOR 0
+#define FLASHMSA_VERSION_MINOR 1
+#define FLASHMSA_VERSION_PATCH 0
+
+/* Block size of the selection (keys per block). Fixed by the spec. */
+#define FLASHMSA_BLOCK_SIZE 128
+/* Largest topk the API accepts. */
+#define FLASHMSA_MAX_TOPK 64
+/* Largest tensor rank. */
+#define FLASHMSA_MAX_DIMS 4
+
+typedef enum flashmsa_status {
+  FLASHMSA_SUCCESS = 0,
+  FLASHMSA_ERROR_INVALID_ARGUMENT = 1, /* bad shape, dtype, stride, ratio, value, ... */
+  FLASHMSA_ERROR_NOT_SUPPORTED = 2,    /* valid per the spec but not built / instantiated */
+  FLASHMSA_ERROR_DEVICE = 3,           /* a CUDA runtime error */
+  FLASHMSA_ERROR_WORKSPACE = 4,        /* workspace missing or too small */
+  FLASHMSA_ERROR_INTERNAL = 5
+} flashmsa_status_t;
+
+typedef enum flashmsa_dtype {
+  FLASHMSA_DTYPE_BF16 = 0,
+  FLASHMSA_DTYPE_FP16 = 1,
+  FLASHMSA_DTYPE_FP32 = 2, /* inputs: CPU backend only (testing) */
+  FLASHMSA_DTYPE_FP64 = 3, /* inputs: CPU backend only (testing) */
+  FLASHMSA_DTYPE_INT32 = 4
+} flashmsa_dtype_t;
+
+typedef enum flashmsa_device_type {
+  FLASHMSA_DEVICE_CPU = 0,
+  FLASHMSA_DEVICE_CUDA = 1
+} flashmsa_device_type_t;
+
+typedef struct flashmsa_tensor {
+  void* data;
+  flashmsa_dtype_t dtype;
+  int32_t ndim;                        /* 0 with data == NULL: absent */
+  int64_t shape[FLASHMSA_MAX_DIMS];
+  int64_t strides[FLASHMSA_MAX_DIMS];  /* in elements; strides[ndim-1] must be 1 */
+  flashmsa_device_type_t device_type;
+  int32_t device_id;
+} flashmsa_tensor_t;
+
+typedef enum flashmsa_mode {
+  FLASHMSA_MODE_SPARSE = 0, /* selection by the proxy, then sparse attention */
+  FLASHMSA_MODE_DENSE = 1,  /* warmup: dense causal attention, kl over the full causal set */
+  FLASHMSA_MODE_GIVEN = 2   /* caller-provided indices [Hp, total, topk] */
+} flashmsa_mode_t;
+
+/* Online-softmax numerics of the forward (SPEC section 3). Never a silent default:
+ * TRAIN uses the exact running max (rescale threshold 0), INFER lazy rescaling with
+ * threshold 8 (log2 units). The CPU reference computes in fp64 and is exact in both. */
+typedef enum flashmsa_numerics {
+  FLASHMSA_NUMERICS_TRAIN = 0,
+  FLASHMSA_NUMERICS_INFER = 1
+} flashmsa_numerics_t;
+
+/* ---- selection ------------------------------------------------------------------------ */
+typedef struct flashmsa_select_args {
+  flashmsa_tensor_t qp;          /* [total, Hp, Dp] or [B, S, Hp, Dp] */
+  flashmsa_tensor_t kp;          /* [total, Hpk, Dp] or [B, S, Hpk, Dp] */
+  flashmsa_tensor_t cu_seqlens;  /* [B+1] int32 (varlen); absent for batched inputs */
+  int64_t max_seqlen;            /* varlen: >= every length; batched: 0 or S */
+  int32_t topk;                  /* 1..FLASHMSA_MAX_TOPK, counts the local block */
+  double proxy_scale;            /* 0 selects 1/sqrt(Dp); else finite and > 0 */
+  flashmsa_tensor_t indices;     /* out: [Hp, total, topk] int32 */
+  flashmsa_tensor_t proxy_lse;   /* out, optional: [Hp, total] fp32 */
+  void* stream;                  /* cudaStream_t for the CUDA backend; ignored on the CPU */
+} flashmsa_select_args_t;
+
+/* ---- forward -------------------------------------------------------------------------- */
+typedef struct flashmsa_fwd_args {
+  flashmsa_tensor_t q;           /* [total, Hq, D] or [B, S, Hq, D] */
+  flashmsa_tensor_t k, v;        /* [total, Hkv, D] */
+  flashmsa_tensor_t qp;          /* [total, Hp, Dp]; required in SPARSE mode, optional otherwise */
+  flashmsa_tensor_t kp;          /* [total, Hpk, Dp]; given together with qp */
+  flashmsa_tensor_t cu_seqlens;
+  int64_t max_seqlen;
+  flashmsa_mode_t mode;
+  flashmsa_numerics_t numerics;
+  int32_t topk;                  /* SPARSE: 1..64; GIVEN: taken from indices; DENSE: ignored */
+  double softmax_scale;          /* 0 selects 1/sqrt(D) */
+  double proxy_scale;            /* 0 selects 1/sqrt(Dp) */
+  int32_t compute_kl;            /* write the kl value (else kl = 0, a placeholder) */
+  int32_t validate;              /* opt-in data checks (synchronises on the GPU) */
+  flashmsa_tensor_t indices;     /* SPARSE: out (optional), GIVEN: in, DENSE: absent */
+  flashmsa_tensor_t out;         /* [total, Hq, D], dtype of q */
+  flashmsa_tensor_t lse;         /* [Hq, total] fp32 (fp64 allowed for fp64 inputs) */
+  flashmsa_tensor_t proxy_lse;   /* optional, [Hp, total] fp32 (needs qp, kp) */
+  flashmsa_tensor_t kl;          /* optional, scalar ([] or [1]) fp32 (fp64 for fp64 inputs) */
+  void* stream;
+} flashmsa_fwd_args_t;
+
+/* ---- backward ------------------------------------------------------------------------- */
+typedef struct flashmsa_bwd_args {
+  flashmsa_tensor_t q, k, v;
+  flashmsa_tensor_t qp, kp;      /* optional together; needed for the proxy gradient */
+  flashmsa_tensor_t cu_seqlens;
+  int64_t max_seqlen;
+  flashmsa_mode_t mode;          /* SPARSE and GIVEN read indices; DENSE reads none */
+  double softmax_scale;
+  double proxy_scale;
+  int32_t deterministic;
+  int32_t validate;
+  flashmsa_tensor_t indices;     /* [Hp, total, topk] int32 (SPARSE / GIVEN) */
+  flashmsa_tensor_t out;         /* [total, Hq, D] forward output */
+  flashmsa_tensor_t lse;         /* [Hq, total] forward lse */
+  flashmsa_tensor_t proxy_lse;   /* optional [Hp, total]; recomputed when absent */
+  flashmsa_tensor_t dout;        /* [total, Hq, D] */
+  flashmsa_tensor_t dlse;        /* optional [Hq, total] fp32: gradient of lse */
+  flashmsa_tensor_t dkl;         /* optional scalar fp32: upstream gradient g of kl (absent: 0) */
+  flashmsa_tensor_t dq, dk, dv;  /* outputs, shapes and dtypes of q, k, v */
+  flashmsa_tensor_t dqp, dkp;    /* outputs; required when qp, kp are given */
+  void* stream;
+} flashmsa_bwd_args_t;
+
+/* Initialise an argument struct: every tensor absent, scales 0 (defaults), TRAIN numerics. */
+FLASHMSA_API void flashmsa_select_args_init(flashmsa_select_args_t* args);
+FLASHMSA_API void flashmsa_fwd_args_init(flashmsa_fwd_args_t* args);
+FLASHMSA_API void flashmsa_bwd_args_init(flashmsa_bwd_args_t* args);
+
+/* Workspace queries: bytes of device (or host, for the CPU backend) scratch the call needs.
+ * They validate the arguments' metadata like the calls themselves. */
+FLASHMSA_API flashmsa_status_t flashmsa_select_workspace_size(const flashmsa_select_args_t* args,
+                                                              size_t* bytes);
+FLASHMSA_API flashmsa_status_t flashmsa_fwd_workspace_size(const flashmsa_fwd_args_t* args,
+                                                           size_t* bytes);
+FLASHMSA_API flashmsa_status_t flashmsa_bwd_workspace_size(const flashmsa_bwd_args_t* args,
+                                                           size_t* bytes);
+
+/* The operations. workspace may be NULL when the query returned 0. */
+FLASHMSA_API flashmsa_status_t flashmsa_select(const flashmsa_select_args_t* args, void* workspace,
+                                               size_t workspace_bytes);
+FLASHMSA_API flashmsa_status_t flashmsa_fwd(const flashmsa_fwd_args_t* args, void* workspace,
+                                            size_t workspace_bytes);
+FLASHMSA_API flashmsa_status_t flashmsa_bwd(const flashmsa_bwd_args_t* args, void* workspace,
+                                            size_t workspace_bytes);
+
+/* The message of the last failed call on this thread ("" after a success). */
+FLASHMSA_API const char* flashmsa_last_error(void);
+FLASHMSA_API const char* flashmsa_status_string(flashmsa_status_t status);
+FLASHMSA_API const char* flashmsa_dtype_name(flashmsa_dtype_t dtype);
+/* 1 when the library was built with its CUDA backend and a CUDA device is visible. */
+FLASHMSA_API int flashmsa_cuda_available(void);
+FLASHMSA_API const char* flashmsa_version(void);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* FLASHMSA_FLASHMSA_H_ */

@@ -1,0 +1,210 @@
+// The C ABI: argument checks, error capture, dispatch by device.
+#include <exception>
+#include <new>
+#include <string>
+
+#include "api/backends.hpp"
+#include "flashmsa/flashmsa.h"
+
+namespace flashmsa {
+namespace {
+
+thread_local std::string g_last_error;
+
+template <class F>
+flashmsa_status_t guarded(F&& f) {
+  try {
+    f();
+    g_last_error.clear();
+    return FLASHMSA_SUCCESS;
+  } catch (const ApiError& e) {
+    g_last_error = e.what();
+    return e.status;
+  } catch (const std::bad_alloc&) {
+    g_last_error = "flashmsa: out of host memory";
+    return FLASHMSA_ERROR_INTERNAL;
+  } catch (const std::exception& e) {
+    g_last_error = std::string("flashmsa: internal error: ") + e.what();
+    return FLASHMSA_ERROR_INTERNAL;
+  } catch (...) {
+    g_last_error = "flashmsa: internal error";
+    return FLASHMSA_ERROR_INTERNAL;
+  }
+}
+
+template <class A>
+void require(const A* a, const char* fn) {
+  if (a == nullptr) invalid(std::string(fn) + ": args is NULL");
+}
+
+void require_out(const void* p, const char* fn, const char* name) {
+  if (p == nullptr) invalid(std::string(fn) + ": " + name + " is NULL");
+}
+
+void cuda_ready(const Geometry& g, const char* fn) {
+  if (!cuda::available())
+    fail(FLASHMSA_ERROR_NOT_SUPPORTED,
+         std::string(fn) + ": the tensors are on a CUDA device, but this flashmsa was built "
+                           "without its CUDA backend or no CUDA device is visible");
+  cuda::check_supported(g, fn);
+}
+
+void workspace_ok(size_t need, void* ws, size_t bytes, const char* fn) {
+  if (need > 0 && (ws == nullptr || bytes < need))
+    fail(FLASHMSA_ERROR_WORKSPACE, std::string(fn) + ": workspace: expected at least " +
+                                       std::to_string(need) + " bytes, got " +
+                                       std::to_string(ws ? bytes : 0) +
+                                       " (ask flashmsa_*_workspace_size)");
+}
+
+flashmsa_tensor_t none() {
+  flashmsa_tensor_t t{};
+  t.data = nullptr;
+  t.ndim = 0;
+  t.dtype = FLASHMSA_DTYPE_FP32;
+  t.device_type = FLASHMSA_DEVICE_CPU;
+  return t;
+}
+
+}  // namespace
+}  // namespace flashmsa
+
+using namespace flashmsa;
+
+extern "C" {
+
+void flashmsa_select_args_init(flashmsa_select_args_t* a) {
+  if (!a) return;
+  *a = flashmsa_select_args_t{};
+  a->qp = a->kp = a->cu_seqlens = a->indices = a->proxy_lse = none();
+}
+
+void flashmsa_fwd_args_init(flashmsa_fwd_args_t* a) {
+  if (!a) return;
+  *a = flashmsa_fwd_args_t{};
+  a->q = a->k = a->v = a->qp = a->kp = a->cu_seqlens = a->indices = a->out = a->lse =
+      a->proxy_lse = a->kl = none();
+  a->mode = FLASHMSA_MODE_SPARSE;
+  a->numerics = FLASHMSA_NUMERICS_TRAIN;
+}
+
+void flashmsa_bwd_args_init(flashmsa_bwd_args_t* a) {
+  if (!a) return;
+  *a = flashmsa_bwd_args_t{};
+  a->q = a->k = a->v = a->qp = a->kp = a->cu_seqlens = a->indices = a->out = a->lse =
+      a->proxy_lse = a->dout = a->dlse = a->dkl = a->dq = a->dk = a->dv = a->dqp = a->dkp =
+          none();
+  a->mode = FLASHMSA_MODE_SPARSE;
+}
+
+flashmsa_status_t flashmsa_select_workspace_size(const flashmsa_select_args_t* a, size_t* bytes) {
+  return guarded([&] {
+    const char* fn = "flashmsa_select_workspace_size";
+    require(a, fn);
+    require_out(bytes, fn, "bytes");
+    const Geometry g = validate_select(*a);
+    size_t n = 0;
+    if (g.device == FLASHMSA_DEVICE_CUDA) {
+      cuda_ready(g, fn);
+      n = cuda::select_workspace(*a, g);
+    }
+    *bytes = n;
+  });
+}
+
+flashmsa_status_t flashmsa_fwd_workspace_size(const flashmsa_fwd_args_t* a, size_t* bytes) {
+  return guarded([&] {
+    const char* fn = "flashmsa_fwd_workspace_size";
+    require(a, fn);
+    require_out(bytes, fn, "bytes");
+    const Geometry g = validate_fwd(*a);
+    size_t n = 0;
+    if (g.device == FLASHMSA_DEVICE_CUDA) {
+      cuda_ready(g, fn);
+      n = cuda::fwd_workspace(*a, g);
+    }
+    *bytes = n;
+  });
+}
+
+flashmsa_status_t flashmsa_bwd_workspace_size(const flashmsa_bwd_args_t* a, size_t* bytes) {
+  return guarded([&] {
+    const char* fn = "flashmsa_bwd_workspace_size";
+    require(a, fn);
+    require_out(bytes, fn, "bytes");
+    const Geometry g = validate_bwd(*a);
+    size_t n = 0;
+    if (g.device == FLASHMSA_DEVICE_CUDA) {
+      cuda_ready(g, fn);
+      n = cuda::bwd_workspace(*a, g);
+    }
+    *bytes = n;
+  });
+}
+
+flashmsa_status_t flashmsa_select(const flashmsa_select_args_t* a, void* ws, size_t bytes) {
+  return guarded([&] {
+    const char* fn = "flashmsa_select";
+    require(a, fn);
+    const Geometry g = validate_select(*a);
+    if (g.device == FLASHMSA_DEVICE_CPU) return cpu::select(*a, g);
+    cuda_ready(g, fn);
+    workspace_ok(cuda::select_workspace(*a, g), ws, bytes, fn);
+    cuda::select(*a, g, ws, bytes);
+  });
+}
+
+flashmsa_status_t flashmsa_fwd(const flashmsa_fwd_args_t* a, void* ws, size_t bytes) {
+  return guarded([&] {
+    const char* fn = "flashmsa_fwd";
+    require(a, fn);
+    const Geometry g = validate_fwd(*a);
+    if (g.device == FLASHMSA_DEVICE_CPU) return cpu::fwd(*a, g);
+    cuda_ready(g, fn);
+    workspace_ok(cuda::fwd_workspace(*a, g), ws, bytes, fn);
+    cuda::fwd(*a, g, ws, bytes);
+  });
+}
+
+flashmsa_status_t flashmsa_bwd(const flashmsa_bwd_args_t* a, void* ws, size_t bytes) {
+  return guarded([&] {
+    const char* fn = "flashmsa_bwd";
+    require(a, fn);
+    const Geometry g = validate_bwd(*a);
+    if (g.device == FLASHMSA_DEVICE_CPU) return cpu::bwd(*a, g);
+    cuda_ready(g, fn);
+    workspace_ok(cuda::bwd_workspace(*a, g), ws, bytes, fn);
+    cuda::bwd(*a, g, ws, bytes);
+  });
+}
+
+const char* flashmsa_last_error(void) { return g_last_error.c_str(); }
+
+const char* flashmsa_status_string(flashmsa_status_t s) {
+  switch (s) {
+    case FLASHMSA_SUCCESS: return "success";
+    case FLASHMSA_ERROR_INVALID_ARGUMENT: return "invalid argument";
+    case FLASHMSA_ERROR_NOT_SUPPORTED: return "not supported";
+    case FLASHMSA_ERROR_DEVICE: return "device error";
+    case FLASHMSA_ERROR_WORKSPACE: return "workspace too small";
+    case FLASHMSA_ERROR_INTERNAL: return "internal error";
+  }
+  return "unknown status";
+}
+
+const char* flashmsa_dtype_name(flashmsa_dtype_t t) {
+  switch (t) {
+    case FLASHMSA_DTYPE_BF16: return "bf16";
+    case FLASHMSA_DTYPE_FP16: return "fp16";
+    case FLASHMSA_DTYPE_FP32: return "fp32";
+    case FLASHMSA_DTYPE_FP64: return "fp64";
+    case FLASHMSA_DTYPE_INT32: return "int32";
+  }
+  return "unknown";
+}
+
+int flashmsa_cuda_available(void) { return cuda::available() ? 1 : 0; }
+
+const char* flashmsa_version(void) { return "0.1.0"; }
+
+}  // extern "C"

@@ -1,0 +1,238 @@
+// CPU backend: gathers the strided views into dense fp64 arrays, checks the data that the
+// spec asks the CPU to check, runs the reference, and only then scatters the outputs.
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "api/backends.hpp"
+#include "common/dtype.hpp"
+#include "reference/reference.hpp"
+
+namespace flashmsa::cpu {
+
+namespace {
+
+std::vector<int64_t> read_cu(const flashmsa_tensor_t& cu_t, const Geometry& g, const char* fn) {
+  std::vector<int64_t> cu(size_t(g.batch) + 1);
+  if (g.batched) {
+    for (int b = 0; b <= g.batch; ++b) cu[size_t(b)] = int64_t(b) * g.seqlen;
+    return cu;
+  }
+  const auto* p = static_cast<const int32_t*>(cu_t.data);
+  for (int b = 0; b <= g.batch; ++b) cu[size_t(b)] = p[int64_t(b) * cu_t.strides[0]];
+  const std::string pre = std::string(fn) + ": cu_seqlens: ";
+  if (cu[0] != 0) invalid(pre + "expected cu_seqlens[0] = 0, got " + std::to_string(cu[0]));
+  for (int b = 0; b < g.batch; ++b) {
+    if (cu[size_t(b) + 1] < cu[size_t(b)])
+      invalid(pre + "expected non-decreasing values, got cu_seqlens[" + std::to_string(b + 1) +
+              "] = " + std::to_string(cu[size_t(b) + 1]) + " < cu_seqlens[" + std::to_string(b) +
+              "] = " + std::to_string(cu[size_t(b)]));
+    const int64_t len = cu[size_t(b) + 1] - cu[size_t(b)];
+    if (len > g.max_seqlen)
+      invalid(std::string(fn) + ": max_seqlen: expected >= every sequence length, got " +
+              std::to_string(g.max_seqlen) + " < length " + std::to_string(len) + " of sequence " +
+              std::to_string(b));
+  }
+  if (cu[size_t(g.batch)] != g.total)
+    invalid(pre + "expected the last value to equal total = " + std::to_string(g.total) +
+            " (tokens in q), got " + std::to_string(cu[size_t(g.batch)]));
+  return cu;
+}
+
+ref::Problem make_problem(const Geometry& g, std::vector<int64_t> cu, flashmsa_mode_t mode) {
+  ref::Problem pb;
+  pb.cu = std::move(cu);
+  pb.total = g.total;
+  pb.Hq = g.Hq;
+  pb.Hkv = g.Hkv;
+  pb.Hp = g.Hp;
+  pb.Hpk = g.Hpk;
+  pb.D = g.D;
+  pb.Dp = g.Dp;
+  pb.topk = g.topk;
+  pb.mode = mode;
+  pb.scale = g.scale;
+  pb.proxy_scale = g.proxy_scale;
+  return pb;
+}
+
+// Per-token tensor -> dense [total][H][X] doubles.
+std::vector<double> gather_tokens(const flashmsa_tensor_t& t, const Geometry& g,
+                                  const ref::Problem& pb) {
+  const int H = int(t.shape[t.ndim - 2]), X = int(t.shape[t.ndim - 1]);
+  std::vector<double> out(size_t(g.total) * H * X);
+  const TokenLayout L = token_layout(t, g);
+  for (int b = 0; b < pb.batch(); ++b)
+    for (int64_t tok = pb.cu[size_t(b)]; tok < pb.cu[size_t(b) + 1]; ++tok)
+      for (int h = 0; h < H; ++h) {
+        const int64_t off = L.offset(b, tok, h);
+        double* dst = out.data() + (tok * H + h) * X;
+        for (int x = 0; x < X; ++x) dst[x] = load_as_double(t.dtype, t.data, off + x);
+      }
+  return out;
+}
+
+void scatter_tokens(const flashmsa_tensor_t& t, const Geometry& g, const ref::Problem& pb,
+                    const std::vector<double>& src) {
+  const int H = int(t.shape[t.ndim - 2]), X = int(t.shape[t.ndim - 1]);
+  const TokenLayout L = token_layout(t, g);
+  for (int b = 0; b < pb.batch(); ++b)
+    for (int64_t tok = pb.cu[size_t(b)]; tok < pb.cu[size_t(b) + 1]; ++tok)
+      for (int h = 0; h < H; ++h) {
+        const int64_t off = L.offset(b, tok, h);
+        const double* s = src.data() + (tok * H + h) * X;
+        for (int x = 0; x < X; ++x) store_from_double(t.dtype, t.data, off + x, s[x]);
+      }
+}
+
+std::vector<double> gather_heads(const flashmsa_tensor_t& t, const Geometry& g) {
+  const int H = int(t.shape[0]);
+  std::vector<double> out(size_t(H) * g.total);
+  const HeadLayout L = head_layout(t);
+  for (int h = 0; h < H; ++h)
+    for (int64_t tok = 0; tok < g.total; ++tok)
+      out[size_t(h) * g.total + tok] = load_as_double(t.dtype, t.data, L.offset(h, tok));
+  return out;
+}
+
+void scatter_heads(const flashmsa_tensor_t& t, const Geometry& g, const std::vector<double>& src) {
+  const int H = int(t.shape[0]);
+  const HeadLayout L = head_layout(t);
+  for (int h = 0; h < H; ++h)
+    for (int64_t tok = 0; tok < g.total; ++tok)
+      store_from_double(t.dtype, t.data, L.offset(h, tok), src[size_t(h) * g.total + tok]);
+}
+
+std::vector<int32_t> gather_indices(const flashmsa_tensor_t& t, const Geometry& g) {
+  std::vector<int32_t> out(size_t(g.Hp) * g.total * g.topk);
+  const auto* p = static_cast<const int32_t*>(t.data);
+  for (int h = 0; h < g.Hp; ++h)
+    for (int64_t tok = 0; tok < g.total; ++tok)
+      for (int s = 0; s < g.topk; ++s)
+        out[(size_t(h) * g.total + tok) * g.topk + s] =
+            p[h * t.strides[0] + tok * t.strides[1] + s];
+  return out;
+}
+
+void scatter_indices(const flashmsa_tensor_t& t, const Geometry& g, const std::vector<int32_t>& src) {
+  auto* p = static_cast<int32_t*>(t.data);
+  for (int h = 0; h < g.Hp; ++h)
+    for (int64_t tok = 0; tok < g.total; ++tok)
+      for (int s = 0; s < g.topk; ++s)
+        p[h * t.strides[0] + tok * t.strides[1] + s] =
+            src[(size_t(h) * g.total + tok) * g.topk + s];
+}
+
+// Data checks of caller-provided indices: a valid block must not repeat in a row (always);
+// with validate, values outside [0, nblocks) other than -1 are reported too.
+void check_indices(const std::vector<int32_t>& idx, const ref::Problem& pb, bool validate,
+                   const char* fn) {
+  std::vector<int> seen;
+  for (int p = 0; p < pb.Hp; ++p)
+    for (int b = 0; b < pb.batch(); ++b) {
+      const int64_t len = pb.cu[size_t(b) + 1] - pb.cu[size_t(b)];
+      const int64_t nblocks = (len + FLASHMSA_BLOCK_SIZE - 1) / FLASHMSA_BLOCK_SIZE;
+      seen.assign(size_t(nblocks), -1);
+      for (int64_t t = pb.cu[size_t(b)]; t < pb.cu[size_t(b) + 1]; ++t) {
+        const int32_t* row = idx.data() + (size_t(p) * pb.total + t) * pb.topk;
+        const int stamp = int(t);
+        for (int s = 0; s < pb.topk; ++s) {
+          const int64_t j = row[s];
+          const std::string where = "(head " + std::to_string(p) + ", token " + std::to_string(t) +
+                                    ", slot " + std::to_string(s) + ")";
+          if (j < 0 || j >= nblocks) {
+            if (validate && j != -1)
+              invalid(std::string(fn) + ": indices: value " + std::to_string(j) + " at " + where +
+                      " is outside [0, " + std::to_string(nblocks) + "), the blocks of sequence " +
+                      std::to_string(b) + " (use -1 for an empty slot)");
+            continue;
+          }
+          if (seen[size_t(j)] == stamp)
+            invalid(std::string(fn) + ": indices: block " + std::to_string(j) + " repeats at " +
+                    where + "; blocks must not repeat in a row");
+          seen[size_t(j)] = stamp;
+        }
+      }
+    }
+}
+
+void store_scalar(const flashmsa_tensor_t& t, double v) { store_from_double(t.dtype, t.data, 0, v); }
+
+}  // namespace
+
+void select(const flashmsa_select_args_t& a, const Geometry& g) {
+  ref::Problem pb = make_problem(g, read_cu(a.cu_seqlens, g, "flashmsa_select"), FLASHMSA_MODE_SPARSE);
+  const auto qp = gather_tokens(a.qp, g, pb), kp = gather_tokens(a.kp, g, pb);
+  std::vector<int32_t> idx(size_t(g.Hp) * g.total * g.topk);
+  std::vector<double> plse(size_t(g.Hp) * g.total);
+  ref::select(pb, qp.data(), kp.data(), idx.data(), plse.data());
+  scatter_indices(a.indices, g, idx);
+  if (present(a.proxy_lse)) scatter_heads(a.proxy_lse, g, plse);
+}
+
+void fwd(const flashmsa_fwd_args_t& a, const Geometry& g) {
+  ref::Problem pb = make_problem(g, read_cu(a.cu_seqlens, g, "flashmsa_fwd"), a.mode);
+  std::vector<int32_t> idx;
+  if (a.mode == FLASHMSA_MODE_GIVEN) {
+    idx = gather_indices(a.indices, g);
+    check_indices(idx, pb, a.validate != 0, "flashmsa_fwd");
+  }
+  const auto q = gather_tokens(a.q, g, pb), k = gather_tokens(a.k, g, pb),
+             v = gather_tokens(a.v, g, pb);
+  std::vector<double> qp, kp;
+  if (g.has_proxy) {
+    qp = gather_tokens(a.qp, g, pb);
+    kp = gather_tokens(a.kp, g, pb);
+  }
+  if (a.mode == FLASHMSA_MODE_SPARSE) {
+    idx.assign(size_t(g.Hp) * g.total * g.topk, -1);
+    ref::select(pb, qp.data(), kp.data(), idx.data(), nullptr);
+  }
+  std::vector<double> out(size_t(g.total) * g.Hq * g.D), lse(size_t(g.Hq) * g.total),
+      plse(size_t(g.Hp) * g.total, -std::numeric_limits<double>::infinity());
+  double kl = 0;
+  ref::FwdOut o{out.data(), lse.data(), g.has_proxy ? plse.data() : nullptr,
+                a.compute_kl ? &kl : nullptr};
+  ref::forward(pb, q.data(), k.data(), v.data(), g.has_proxy ? qp.data() : nullptr,
+               g.has_proxy ? kp.data() : nullptr, idx.empty() ? nullptr : idx.data(), o);
+  // all computation done: write the outputs
+  scatter_tokens(a.out, g, pb, out);
+  scatter_heads(a.lse, g, lse);
+  if (present(a.proxy_lse)) scatter_heads(a.proxy_lse, g, plse);
+  if (present(a.kl)) store_scalar(a.kl, a.compute_kl ? kl : 0.0);
+  if (a.mode == FLASHMSA_MODE_SPARSE && present(a.indices)) scatter_indices(a.indices, g, idx);
+}
+
+void bwd(const flashmsa_bwd_args_t& a, const Geometry& g) {
+  ref::Problem pb = make_problem(g, read_cu(a.cu_seqlens, g, "flashmsa_bwd"), a.mode);
+  std::vector<int32_t> idx;
+  if (a.mode != FLASHMSA_MODE_DENSE) {
+    idx = gather_indices(a.indices, g);
+    check_indices(idx, pb, a.validate != 0, "flashmsa_bwd");
+  }
+  const auto q = gather_tokens(a.q, g, pb), k = gather_tokens(a.k, g, pb),
+             v = gather_tokens(a.v, g, pb), dout = gather_tokens(a.dout, g, pb);
+  std::vector<double> qp, kp, dlse;
+  if (g.has_proxy) {
+    qp = gather_tokens(a.qp, g, pb);
+    kp = gather_tokens(a.kp, g, pb);
+  }
+  if (present(a.dlse)) dlse = gather_heads(a.dlse, g);
+  const double dkl = present(a.dkl) ? load_as_double(a.dkl.dtype, a.dkl.data, 0) : 0.0;
+  if (!std::isfinite(dkl)) invalid("flashmsa_bwd: dkl: expected a finite value, got " + std::to_string(dkl));
+  std::vector<double> dq(q.size()), dk(k.size()), dv(v.size()), dqp(qp.size()), dkp(kp.size());
+  ref::BwdOut o{dq.data(), dk.data(), dv.data(), g.has_proxy ? dqp.data() : nullptr,
+                g.has_proxy ? dkp.data() : nullptr};
+  ref::backward(pb, q.data(), k.data(), v.data(), g.has_proxy ? qp.data() : nullptr,
+                g.has_proxy ? kp.data() : nullptr, idx.empty() ? nullptr : idx.data(), dout.data(),
+                dlse.empty() ? nullptr : dlse.data(), dkl, o);
+  scatter_tokens(a.dq, g, pb, dq);
+  scatter_tokens(a.dk, g, pb, dk);
+  scatter_tokens(a.dv, g, pb, dv);
+  if (g.has_proxy) {
+    scatter_tokens(a.dqp, g, pb, dqp);
+    scatter_tokens(a.dkp, g, pb, dkp);
+  }
+}
+
+}  // namespace flashmsa::cpu

@@ -1,0 +1,83 @@
+// The CPU reference backend: SPEC.md section 1 written as plain threaded C++ on dense fp64
+// arrays. This is the oracle of every test and the backend of the main job without a GPU.
+//
+// Layouts (dense, row-major): per-token tensors [total][H][D]; lse, proxy_lse [H][total];
+// indices [Hp][total][topk]. Sequences are given by cu (B+1 offsets).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "flashmsa/flashmsa.h"
+
+namespace flashmsa::ref {
+
+struct Problem {
+  std::vector<int64_t> cu;  // B+1 offsets, cu[0] = 0, cu[B] = total
+  int64_t total = 0;
+  int Hq = 0, Hkv = 0, Hp = 0, Hpk = 0, D = 0, Dp = 0;
+  int topk = 0;  // width of the indices rows (SPARSE / GIVEN)
+  flashmsa_mode_t mode = FLASHMSA_MODE_SPARSE;
+  double scale = 0, proxy_scale = 0;  // resolved (never 0)
+
+  int batch() const { return int(cu.size()) - 1; }
+  int group_size() const { return Hq / Hp; }          // G: query heads per proxy head
+  int kv_of(int h) const { return h / (Hq / Hkv); }
+  int group_of(int h) const { return h / (Hq / Hp); }
+  int pk_of(int p) const { return p / (Hp / Hpk); }
+  int seq_of(int64_t t) const;                        // sequence holding global token t
+};
+
+// Number of worker threads (FLASHMSA_NUM_THREADS, else the hardware's).
+int num_threads();
+// Runs fn(begin, end, thread_index) over [0, n) split in contiguous chunks, one per thread.
+void parallel_for(int64_t n, const std::function<void(int64_t, int64_t, int)>& fn);
+
+// Selection: indices [Hp][total][topk] (-1 padded), proxy_lse [Hp][total] (may be null).
+void select(const Problem& pb, const double* qp, const double* kp, int32_t* indices,
+            double* proxy_lse);
+
+// The key set U_p(t) of global token t for proxy head p, as global key positions in slot order
+// (SPARSE / GIVEN) or ascending (DENSE). Empty slots and keys after t are left out.
+void key_set(const Problem& pb, const int32_t* indices, int p, int64_t t,
+             std::vector<int64_t>& keys);
+
+struct FwdOut {
+  double* out = nullptr;        // [total][Hq][D]
+  double* lse = nullptr;        // [Hq][total]
+  double* proxy_lse = nullptr;  // [Hp][total], optional (needs qp, kp)
+  double* kl = nullptr;         // scalar, optional (needs qp, kp)
+};
+// Forward over the key sets (indices ignored in DENSE mode). qp, kp may be null.
+void forward(const Problem& pb, const double* q, const double* k, const double* v,
+             const double* qp, const double* kp, const int32_t* indices, const FwdOut& o);
+
+struct BwdOut {
+  double* dq = nullptr;   // [total][Hq][D]
+  double* dk = nullptr;   // [total][Hkv][D]
+  double* dv = nullptr;
+  double* dqp = nullptr;  // [total][Hp][Dp], optional
+  double* dkp = nullptr;  // [total][Hpk][Dp], optional
+};
+// Backward: recomputes the forward in fp64 (exact P, out, lse). dlse may be null; dkl is the
+// upstream gradient g of kl (the proxy gradients are exactly zero when it is 0).
+void backward(const Problem& pb, const double* q, const double* k, const double* v,
+              const double* qp, const double* kp, const int32_t* indices, const double* dout,
+              const double* dlse, double dkl, const BwdOut& o);
+
+// Attention-mass recall of a selection: for each sampled (query head, token), the share of
+// the DENSE causal softmax mass of the main attention that lies in the key set; returns the
+// mean over the sampled rows. rows: global tokens to evaluate (all heads each).
+double mass_recall(const Problem& pb, const double* q, const double* k, const int32_t* indices,
+                   const std::vector<int64_t>& rows);
+
+// Number of (query head, key) pairs in the key sets (for effective FLOP counts) and of causal
+// proxy pairs (selection), over the given tokens.
+struct PairCounts {
+  double main_pairs = 0;   // sum over h, t of |U_grp(h)(t)|
+  double proxy_pairs = 0;  // sum over p, t of (position in sequence + 1)
+};
+PairCounts count_pairs(const Problem& pb, const int32_t* indices);
+
+}  // namespace flashmsa::ref
