@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "api/backends.hpp"
+#include "api/data_checks.hpp"
 #include "common/dtype.hpp"
 #include "reference/reference.hpp"
 
@@ -13,30 +14,8 @@ namespace flashmsa::cpu {
 namespace {
 
 std::vector<int64_t> read_cu(const flashmsa_tensor_t& cu_t, const Geometry& g, const char* fn) {
-  std::vector<int64_t> cu(size_t(g.batch) + 1);
-  if (g.batched) {
-    for (int b = 0; b <= g.batch; ++b) cu[size_t(b)] = int64_t(b) * g.seqlen;
-    return cu;
-  }
-  const auto* p = static_cast<const int32_t*>(cu_t.data);
-  for (int b = 0; b <= g.batch; ++b) cu[size_t(b)] = p[int64_t(b) * cu_t.strides[0]];
-  const std::string pre = std::string(fn) + ": cu_seqlens: ";
-  if (cu[0] != 0) invalid(pre + "expected cu_seqlens[0] = 0, got " + std::to_string(cu[0]));
-  for (int b = 0; b < g.batch; ++b) {
-    if (cu[size_t(b) + 1] < cu[size_t(b)])
-      invalid(pre + "expected non-decreasing values, got cu_seqlens[" + std::to_string(b + 1) +
-              "] = " + std::to_string(cu[size_t(b) + 1]) + " < cu_seqlens[" + std::to_string(b) +
-              "] = " + std::to_string(cu[size_t(b)]));
-    const int64_t len = cu[size_t(b) + 1] - cu[size_t(b)];
-    if (len > g.max_seqlen)
-      invalid(std::string(fn) + ": max_seqlen: expected >= every sequence length, got " +
-              std::to_string(g.max_seqlen) + " < length " + std::to_string(len) + " of sequence " +
-              std::to_string(b));
-  }
-  if (cu[size_t(g.batch)] != g.total)
-    invalid(pre + "expected the last value to equal total = " + std::to_string(g.total) +
-            " (tokens in q), got " + std::to_string(cu[size_t(g.batch)]));
-  return cu;
+  return checked_offsets(g.batched ? nullptr : static_cast<const int32_t*>(cu_t.data),
+                         g.batched ? 0 : cu_t.strides[0], g, fn);
 }
 
 ref::Problem make_problem(const Geometry& g, std::vector<int64_t> cu, flashmsa_mode_t mode) {
@@ -123,37 +102,9 @@ void scatter_indices(const flashmsa_tensor_t& t, const Geometry& g, const std::v
             src[(size_t(h) * g.total + tok) * g.topk + s];
 }
 
-// Data checks of caller-provided indices: a valid block must not repeat in a row (always);
-// with validate, values outside [0, nblocks) other than -1 are reported too.
 void check_indices(const std::vector<int32_t>& idx, const ref::Problem& pb, bool validate,
                    const char* fn) {
-  std::vector<int> seen;
-  for (int p = 0; p < pb.Hp; ++p)
-    for (int b = 0; b < pb.batch(); ++b) {
-      const int64_t len = pb.cu[size_t(b) + 1] - pb.cu[size_t(b)];
-      const int64_t nblocks = (len + FLASHMSA_BLOCK_SIZE - 1) / FLASHMSA_BLOCK_SIZE;
-      seen.assign(size_t(nblocks), -1);
-      for (int64_t t = pb.cu[size_t(b)]; t < pb.cu[size_t(b) + 1]; ++t) {
-        const int32_t* row = idx.data() + (size_t(p) * pb.total + t) * pb.topk;
-        const int stamp = int(t);
-        for (int s = 0; s < pb.topk; ++s) {
-          const int64_t j = row[s];
-          const std::string where = "(head " + std::to_string(p) + ", token " + std::to_string(t) +
-                                    ", slot " + std::to_string(s) + ")";
-          if (j < 0 || j >= nblocks) {
-            if (validate && j != -1)
-              invalid(std::string(fn) + ": indices: value " + std::to_string(j) + " at " + where +
-                      " is outside [0, " + std::to_string(nblocks) + "), the blocks of sequence " +
-                      std::to_string(b) + " (use -1 for an empty slot)");
-            continue;
-          }
-          if (seen[size_t(j)] == stamp)
-            invalid(std::string(fn) + ": indices: block " + std::to_string(j) + " repeats at " +
-                    where + "; blocks must not repeat in a row");
-          seen[size_t(j)] = stamp;
-        }
-      }
-    }
+  check_index_rows(idx, pb.cu, pb.Hp, pb.total, pb.topk, validate, fn);
 }
 
 void store_scalar(const flashmsa_tensor_t& t, double v) { store_from_double(t.dtype, t.data, 0, v); }

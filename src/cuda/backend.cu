@@ -1,13 +1,120 @@
-// CUDA backend entry points (Hopper, sm_90a). The kernels arrive with the CUDA issues; until
-// then every operation reports NOT_SUPPORTED before anything runs, and the build still
-// compiles this translation unit with nvcc so that CI checks the CUDA toolchain path.
+// CUDA backend (Hopper, sm_90a): feature checks, workspace sizes, and dispatch to the kernel
+// instantiations (one per translation unit under select/ and fwd/).
 #include <cuda_runtime.h>
 
+#include <numeric>
 #include <string>
+#include <vector>
 
 #include "api/backends.hpp"
+#include "api/data_checks.hpp"
+#include "cuda/fwd/fwd_kernel.cuh"
+#include "cuda/select/select_kernel.cuh"
 
 namespace flashmsa::cuda {
+
+namespace selection {
+extern template void launch<cutlass::bfloat16_t>(const Params&, cudaStream_t);
+extern template void launch<cutlass::half_t>(const Params&, cudaStream_t);
+}  // namespace selection
+namespace attn_fwd {
+extern template void launch<cutlass::bfloat16_t, false>(const Params&, cudaStream_t);
+extern template void launch<cutlass::bfloat16_t, true>(const Params&, cudaStream_t);
+extern template void launch<cutlass::half_t, false>(const Params&, cudaStream_t);
+extern template void launch<cutlass::half_t, true>(const Params&, cudaStream_t);
+}  // namespace attn_fwd
+
+namespace {
+
+constexpr int kHeadDim = 128;
+constexpr int64_t kMaxSeqlen = int64_t(attn_fwd::kMaxBlocks) * FLASHMSA_BLOCK_SIZE;
+
+[[noreturn]] void unsupported(const char* fn, const std::string& what) {
+  fail(FLASHMSA_ERROR_NOT_SUPPORTED, std::string(fn) + ": CUDA backend: " + what);
+}
+
+// Kernels load 16-byte chunks: base 16-byte aligned, token/head strides multiples of 8.
+void check_aligned(const char* fn, const char* name, const flashmsa_tensor_t& t) {
+  if (!present(t)) return;
+  const bool base_ok = (reinterpret_cast<uintptr_t>(t.data) % 16) == 0;
+  bool strides_ok = true;
+  for (int d = 0; d + 1 < t.ndim; ++d) strides_ok = strides_ok && (t.strides[d] % 8 == 0 || t.shape[d] <= 1);
+  if (!base_ok || !strides_ok)
+    unsupported(fn, std::string(name) +
+                        ": needs a 16-byte aligned base and token/head strides that are multiples "
+                        "of 8 elements");
+}
+
+// Heads per tile: R = gcd(Hq/Hp, Hq/Hkv), reduced to a divisor <= 128; tokens per tile NT.
+void tile_shape(const Geometry& g, int& R, int& NT) {
+  R = std::gcd(g.Hq / g.Hp, g.Hq / g.Hkv);
+  while (R > 128) {
+    int d = 128;
+    while (R % d) --d;
+    R = d;
+  }
+  NT = 128 / R;
+  if (g.topk > 0) NT = std::min(NT, attn_fwd::kMaxUnion / g.topk);
+}
+
+template <class T>
+TokenTensor<T> token_tensor(const flashmsa_tensor_t& t, const Geometry& g) {
+  const TokenLayout l = token_layout(t, g);
+  TokenTensor<T> r;
+  r.ptr = static_cast<T*>(t.data);
+  r.tok = l.tok;
+  r.head = l.head;
+  r.batch_corr = l.batch_corr;
+  return r;
+}
+
+template <class T>
+HeadTensor<T> head_tensor(const flashmsa_tensor_t& t) {
+  HeadTensor<T> r;
+  if (!present(t)) return r;
+  r.ptr = static_cast<T*>(t.data);
+  r.head = t.strides[0];
+  r.tok = t.strides[1];
+  return r;
+}
+
+Seqs seqs_of(const flashmsa_tensor_t& cu, const Geometry& g) {
+  Seqs s;
+  s.cu_seqlens = g.batched ? nullptr : static_cast<const int*>(cu.data);
+  s.seqlen = g.seqlen;
+  s.batch = g.batch;
+  return s;
+}
+
+// Opt-in data validation: copy cu_seqlens (and indices) to the host and check them.
+std::vector<int64_t> validate_offsets(const flashmsa_tensor_t& cu, const Geometry& g, cudaStream_t st,
+                                      const char* fn) {
+  std::vector<int32_t> host;
+  if (!g.batched) {
+    host.resize(size_t(g.batch) + 1);
+    for (int b = 0; b <= g.batch; ++b)
+      FLASHMSA_CUDA_CHECK(cudaMemcpyAsync(&host[size_t(b)], static_cast<const int32_t*>(cu.data) + b * cu.strides[0],
+                                          4, cudaMemcpyDeviceToHost, st));
+    FLASHMSA_CUDA_CHECK(cudaStreamSynchronize(st));
+  }
+  return checked_offsets(host.data(), 1, g, fn);
+}
+
+void validate_indices(const flashmsa_tensor_t& t, const std::vector<int64_t>& cu, const Geometry& g,
+                      cudaStream_t st, const char* fn) {
+  std::vector<int32_t> host(size_t(g.Hp) * g.total * g.topk);
+  for (int h = 0; h < g.Hp; ++h)
+    FLASHMSA_CUDA_CHECK(cudaMemcpy2DAsync(host.data() + size_t(h) * g.total * g.topk, size_t(g.topk) * 4,
+                                          static_cast<const int32_t*>(t.data) + h * t.strides[0],
+                                          size_t(t.strides[1]) * 4, size_t(g.topk) * 4, size_t(g.total),
+                                          cudaMemcpyDeviceToHost, st));
+  FLASHMSA_CUDA_CHECK(cudaStreamSynchronize(st));
+  check_index_rows(host, cu, g.Hp, g.total, g.topk, true, fn);
+}
+
+size_t align_up(size_t n) { return (n + 255) & ~size_t(255); }
+
+}  // namespace
 
 bool available() {
   int n = 0;
@@ -19,24 +126,127 @@ bool available() {
 }
 
 void check_supported(const Geometry& g, const char* fn) {
-  (void)g;
-  fail(FLASHMSA_ERROR_NOT_SUPPORTED,
-       std::string(fn) + ": the CUDA kernels are not implemented in this version; "
-                         "run on the CPU backend (tensors on the host)");
+  if (g.dtype != FLASHMSA_DTYPE_BF16 && g.dtype != FLASHMSA_DTYPE_FP16)
+    unsupported(fn, std::string("inputs must be bf16 or fp16, got ") + flashmsa_dtype_name(g.dtype) +
+                        " (fp32/fp64 run on the CPU backend)");
+  if (g.D != 0 && g.D != kHeadDim && std::string(fn).find("select") == std::string::npos)
+    unsupported(fn, "head dim D = " + std::to_string(g.D) + " is not instantiated (D = 128 is)");
+  if (g.has_proxy && g.Dp != kHeadDim)
+    unsupported(fn, "proxy head dim Dp = " + std::to_string(g.Dp) + " is not instantiated (Dp = 128 is)");
+  if (g.max_seqlen > kMaxSeqlen)
+    unsupported(fn, "max_seqlen " + std::to_string(g.max_seqlen) + " exceeds " + std::to_string(kMaxSeqlen));
 }
 
 size_t select_workspace(const flashmsa_select_args_t&, const Geometry&) { return 0; }
-size_t fwd_workspace(const flashmsa_fwd_args_t&, const Geometry&) { return 0; }
+
+size_t fwd_workspace(const flashmsa_fwd_args_t& a, const Geometry& g) {
+  if (a.mode == FLASHMSA_MODE_SPARSE && !present(a.indices))
+    return align_up(size_t(g.Hp) * size_t(g.total) * size_t(g.topk) * 4);
+  return 0;
+}
+
 size_t bwd_workspace(const flashmsa_bwd_args_t&, const Geometry&) { return 0; }
 
-void select(const flashmsa_select_args_t&, const Geometry& g, void*, size_t) {
-  check_supported(g, "flashmsa_select");
+namespace {
+
+void run_select(const flashmsa_tensor_t& qp, const flashmsa_tensor_t& kp, const flashmsa_tensor_t& cu,
+                const Geometry& g, int32_t* indices, int64_t idx_head, int64_t idx_tok,
+                const flashmsa_tensor_t& proxy_lse, cudaStream_t st) {
+  selection::Params p;
+  p.qp = token_tensor<const void>(qp, g);
+  p.kp = token_tensor<const void>(kp, g);
+  p.seqs = seqs_of(cu, g);
+  p.Hp = g.Hp;
+  p.Hpk = g.Hpk;
+  p.topk = g.topk;
+  p.proxy_scale = float(g.proxy_scale);
+  p.indices.ptr = indices;
+  p.indices.head = idx_head;
+  p.indices.tok = idx_tok;
+  p.proxy_lse = head_tensor<float>(proxy_lse);
+  p.num_m_blocks = int((g.max_seqlen + 127) / 128);
+  if (g.dtype == FLASHMSA_DTYPE_BF16) selection::launch<cutlass::bfloat16_t>(p, st);
+  else selection::launch<cutlass::half_t>(p, st);
 }
-void fwd(const flashmsa_fwd_args_t&, const Geometry& g, void*, size_t) {
-  check_supported(g, "flashmsa_fwd");
+
+}  // namespace
+
+void select(const flashmsa_select_args_t& a, const Geometry& g, void*, size_t) {
+  const char* fn = "flashmsa_select";
+  check_aligned(fn, "qp", a.qp);
+  check_aligned(fn, "kp", a.kp);
+  if (present(a.proxy_lse) && a.proxy_lse.dtype != FLASHMSA_DTYPE_FP32)
+    unsupported(fn, "proxy_lse must be fp32");
+  auto st = static_cast<cudaStream_t>(a.stream);
+  if (g.total == 0) return;
+  run_select(a.qp, a.kp, a.cu_seqlens, g, static_cast<int32_t*>(a.indices.data), a.indices.strides[0],
+             a.indices.strides[1], a.proxy_lse, st);
 }
-void bwd(const flashmsa_bwd_args_t&, const Geometry& g, void*, size_t) {
-  check_supported(g, "flashmsa_bwd");
+
+void fwd(const flashmsa_fwd_args_t& a, const Geometry& g, void* ws, size_t) {
+  const char* fn = "flashmsa_fwd";
+  for (auto [name, t] : {std::pair{"q", &a.q}, {"k", &a.k}, {"v", &a.v}, {"qp", &a.qp}, {"kp", &a.kp},
+                         {"out", &a.out}})
+    check_aligned(fn, name, *t);
+  if (a.compute_kl) unsupported(fn, "compute_kl is not implemented yet on CUDA (it comes with the backward)");
+  if (present(a.proxy_lse) && a.mode != FLASHMSA_MODE_SPARSE)
+    unsupported(fn, "proxy_lse in GIVEN or DENSE mode is not implemented yet on CUDA");
+  if (present(a.lse) && a.lse.dtype != FLASHMSA_DTYPE_FP32) unsupported(fn, "lse must be fp32");
+  if (present(a.proxy_lse) && a.proxy_lse.dtype != FLASHMSA_DTYPE_FP32)
+    unsupported(fn, "proxy_lse must be fp32");
+  auto st = static_cast<cudaStream_t>(a.stream);
+  if (a.validate) {
+    const auto cu = validate_offsets(a.cu_seqlens, g, st, fn);
+    if (a.mode == FLASHMSA_MODE_GIVEN) validate_indices(a.indices, cu, g, st, fn);
+  }
+  if (present(a.kl)) FLASHMSA_CUDA_CHECK(cudaMemsetAsync(a.kl.data, 0, sizeof(float), st));
+  if (g.total == 0) return;
+
+  const int32_t* idx = nullptr;
+  int64_t idx_head = 0, idx_tok = 0;
+  if (a.mode == FLASHMSA_MODE_SPARSE) {
+    int32_t* dst = present(a.indices) ? static_cast<int32_t*>(a.indices.data) : static_cast<int32_t*>(ws);
+    idx_head = present(a.indices) ? a.indices.strides[0] : g.total * g.topk;
+    idx_tok = present(a.indices) ? a.indices.strides[1] : g.topk;
+    run_select(a.qp, a.kp, a.cu_seqlens, g, dst, idx_head, idx_tok, a.proxy_lse, st);
+    idx = dst;
+  } else if (a.mode == FLASHMSA_MODE_GIVEN) {
+    idx = static_cast<const int32_t*>(a.indices.data);
+    idx_head = a.indices.strides[0];
+    idx_tok = a.indices.strides[1];
+  }
+
+  attn_fwd::Params p;
+  p.q = token_tensor<const void>(a.q, g);
+  p.k = token_tensor<const void>(a.k, g);
+  p.v = token_tensor<const void>(a.v, g);
+  p.out = token_tensor<void>(a.out, g);
+  p.lse = head_tensor<float>(a.lse);
+  p.indices.ptr = idx;
+  p.indices.head = idx_head;
+  p.indices.tok = idx_tok;
+  p.seqs = seqs_of(a.cu_seqlens, g);
+  p.Hq = g.Hq;
+  p.Hkv = g.Hkv;
+  p.Hp = g.Hp;
+  p.topk = a.mode == FLASHMSA_MODE_DENSE ? 0 : g.topk;
+  Geometry gt = g;
+  gt.topk = p.topk;
+  tile_shape(gt, p.R, p.NT);
+  p.scale = float(g.scale);
+  p.num_m_tiles = int((g.max_seqlen + p.NT - 1) / p.NT);
+  const bool lazy = a.numerics == FLASHMSA_NUMERICS_INFER;
+  if (g.dtype == FLASHMSA_DTYPE_BF16) {
+    if (lazy) attn_fwd::launch<cutlass::bfloat16_t, true>(p, st);
+    else attn_fwd::launch<cutlass::bfloat16_t, false>(p, st);
+  } else {
+    if (lazy) attn_fwd::launch<cutlass::half_t, true>(p, st);
+    else attn_fwd::launch<cutlass::half_t, false>(p, st);
+  }
+}
+
+void bwd(const flashmsa_bwd_args_t&, const Geometry&, void*, size_t) {
+  fail(FLASHMSA_ERROR_NOT_SUPPORTED, "flashmsa_bwd: CUDA backend: the backward is not implemented yet");
 }
 
 }  // namespace flashmsa::cuda

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Installs what flashmsa needs on a fresh Debian machine (only what is missing) and builds it.
+# Used by scripts/run.sh and scripts/test.sh. Environment: BUILD_DIR (default build).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+need_apt=()
+for pkg in cmake ninja-build g++ libgtest-dev ccache python3 python3-pip; do
+  dpkg -s "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg")
+done
+if [ ${#need_apt[@]} -gt 0 ]; then
+  echo "[setup] apt-get install ${need_apt[*]}"
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}" >/dev/null
+fi
+
+# Python packages for the tests (pinned).
+if ! python3 -c "import numpy, pytest" >/dev/null 2>&1; then
+  echo "[setup] pip install numpy pytest"
+  python3 -m pip install --quiet --disable-pip-version-check -r requirements-test.txt
+fi
+
+# nvcc is optional: with it the CUDA backend (sm_90a) is compiled too.
+if ! command -v nvcc >/dev/null 2>&1 && [ -x /usr/local/cuda/bin/nvcc ]; then
+  export PATH=/usr/local/cuda/bin:$PATH
+fi
+
+# With nvcc, the CUDA backend needs the pinned CuTe/CUTLASS headers.
+if command -v nvcc >/dev/null 2>&1; then bash scripts/fetch_cutlass.sh; fi
+
+BUILD_DIR=${BUILD_DIR:-build}
+cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLASHMSA_WERROR=ON >/dev/null
+echo "[setup] building in $BUILD_DIR ($(nproc) cores)"
+cmake --build "$BUILD_DIR" -j "$(nproc)"

@@ -1,0 +1,44 @@
+// Varlen / batched sequence addressing shared by the kernels.
+#pragma once
+
+#include <cstdint>
+
+namespace flashmsa::cuda {
+
+// A per-token tensor: element (b, t, h, x) at ptr + b * batch_corr + t * tok + h * head + x,
+// t the global token index (see TokenLayout in api/validate.hpp).
+template <class T>
+struct TokenTensor {
+  T* ptr = nullptr;
+  int64_t tok = 0, head = 0, batch_corr = 0;
+  // E: the element type when T is (const) void.
+  template <class E = T>
+  __host__ __device__ E* row(int b, int64_t t, int h) const {
+    return static_cast<E*>(ptr) + (b * batch_corr + t * tok + h * head);
+  }
+};
+
+// A per-head tensor [H, total(, K)].
+template <class T>
+struct HeadTensor {
+  T* ptr = nullptr;
+  int64_t head = 0, tok = 0;
+  __host__ __device__ T* at(int h, int64_t t) const { return ptr + h * head + t * tok; }
+};
+
+struct Seqs {
+  const int* cu_seqlens = nullptr;  // device, [B+1]; null for batched
+  int64_t seqlen = 0;               // batched S
+  int batch = 0;
+  __device__ void get(int b, int64_t& start, int64_t& len) const {
+    if (cu_seqlens) {
+      start = cu_seqlens[b];
+      len = cu_seqlens[b + 1] - start;
+    } else {
+      start = b * seqlen;
+      len = seqlen;
+    }
+  }
+};
+
+}  // namespace flashmsa::cuda

@@ -1,0 +1,86 @@
+// Shared device helpers for the Hopper kernels: warpgroup GEMM wrappers over CuTe's GMMA,
+// accumulator layout views, quad reductions, and error checks.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include <cute/tensor.hpp>
+#include <cutlass/numeric_types.h>
+
+#include "api/validate.hpp"
+
+#define FLASHMSA_CUDA_CHECK(expr)                                                           \
+  do {                                                                                      \
+    cudaError_t err_ = (expr);                                                              \
+    if (err_ != cudaSuccess)                                                                \
+      ::flashmsa::fail(FLASHMSA_ERROR_DEVICE, std::string("CUDA error: ") +                 \
+                                                  cudaGetErrorString(err_) + " at " #expr); \
+  } while (0)
+
+namespace flashmsa::cuda {
+
+// Named barrier ids (bar.sync), one enum so that no two users collide.
+enum class NamedBarrier : int {
+  kSync = 0,      // __syncthreads
+  kWarpGroup0 = 1,
+  kWarpGroup1 = 2,
+};
+
+// One warpgroup GEMM: C (+)= A * B over all K blocks; zero_init clears C first.
+template <bool zero_init, class TiledMma, class TA, class TB, class TC>
+__device__ __forceinline__ void wg_gemm(TiledMma& mma, TA const& a, TB const& b, TC& c) {
+  using namespace cute;
+  constexpr bool is_rs = !is_base_of<GMMA::DescriptorIterator, typename TiledMma::FrgTypeA>::value;
+  if constexpr (is_rs) warpgroup_fence_operand(const_cast<TA&>(a));
+  warpgroup_fence_operand(c);
+  warpgroup_arrive();
+  if constexpr (zero_init) mma.accumulate_ = GMMA::ScaleOut::Zero;
+  CUTLASS_PRAGMA_UNROLL
+  for (int k = 0; k < size<2>(a); ++k) {
+    cute::gemm(mma, a(_, _, k), b(_, _, k), c);
+    mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(c);
+  if constexpr (is_rs) warpgroup_fence_operand(const_cast<TA&>(a));
+}
+
+// View of an SM90 accumulator ((2,2,V),M,N) as (rows, cols) = ((2,M),(2,V,N)).
+template <class L>
+__device__ __forceinline__ auto acc_rowcol(L l) {
+  using namespace cute;
+  return make_layout(make_layout(get<0, 1>(l), get<1>(l)),
+                     make_layout(get<0, 0>(l), get<0, 2>(l), get<2>(l)));
+}
+
+// The accumulator of S = Q K^T reinterpreted as the A operand (registers) of O += P V for
+// 16-bit inputs: ((2,2,V),M,N) -> ((2,2,2),M,(V/2)*N).
+template <class L>
+__device__ __forceinline__ auto acc_to_a_regs(L l) {
+  using namespace cute;
+  auto d = logical_divide(get<0, 2>(l), Tile<_2>{});
+  return make_layout(make_layout(get<0, 0>(l), get<0, 1>(l), get<0, 0>(d)), get<1>(l),
+                     coalesce(make_layout(get<0, 1>(d), get<2>(l))));
+}
+
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffff, x, 1);
+  return x + __shfl_xor_sync(0xffffffff, x, 2);
+}
+
+// Element type of the API dtype.
+template <flashmsa_dtype_t T> struct ElementOf;
+template <> struct ElementOf<FLASHMSA_DTYPE_BF16> { using type = cutlass::bfloat16_t; };
+template <> struct ElementOf<FLASHMSA_DTYPE_FP16> { using type = cutlass::half_t; };
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+}  // namespace flashmsa::cuda

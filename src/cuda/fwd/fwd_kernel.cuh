@@ -1,0 +1,329 @@
+// Sparse (and dense warmup) main forward on Hopper: query-outer over the union of a tile's
+// selected blocks.
+//
+// Tile = NT consecutive tokens x R query heads that share one MSA group and one kv head
+// (R = gcd(Hq/Hp, Hq/Hkv), capped to a divisor <= 128), so its 128 MMA rows read one K/V
+// stream: m3 (R = 16) packs 8 tokens x 16 heads, fmsa (R = 4) 32 tokens x 4 heads. The CTA
+// builds the union of the tokens' selected blocks (ascending) and a per-(union block, token)
+// bit, then streams K_j, V_j through a two-stage cp.async buffer; two consumer warpgroups own
+// 64 rows each: S = Q K^T (wgmma SS), mask (selection bit, causal u <= i), online softmax with
+// the running max exact (Train) or lazily rescaled at threshold 8 in log2 units (Infer),
+// O += P V (wgmma RS). Masked work (rows whose token did not select block j) is paid: the
+// union factor of BENCHMARKS.md is the price of this design (1.47 for m3 clustered).
+#pragma once
+
+#include "cuda/common/seqlen.cuh"
+#include "cuda/common/utils.cuh"
+#include "cuda/ptx/cp_async.cuh"
+
+namespace flashmsa::cuda::attn_fwd {
+
+// Capacity of the per-tile union (entries of (token, slot) pairs) and block bitmap.
+constexpr int kMaxUnion = 2048;
+constexpr int kMaxBlocks = 8192;  // max_seqlen <= 1M tokens
+
+struct Params {
+  TokenTensor<const void> q, k, v;
+  TokenTensor<void> out;
+  HeadTensor<float> lse;              // [Hq, total]
+  HeadTensor<const int32_t> indices;  // [Hp, total, topk]; ptr null in dense mode
+  Seqs seqs;
+  int Hq = 0, Hkv = 0, Hp = 0, topk = 0;
+  int R = 0, NT = 0;                  // heads and tokens per tile
+  float scale = 0;
+  int num_m_tiles = 0;
+};
+
+template <class Element>
+struct Config {
+  static constexpr int kBlockM = 128, kBlockN = 128, kHeadDim = 128;
+  static constexpr int kThreads = 256, kStages = 2;
+  using Atom = cute::GMMA::Layout_K_SW128_Atom<Element>;
+  using SmemLayoutQ =
+      decltype(cute::tile_to_shape(Atom{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}));
+  using SmemLayoutKV = decltype(cute::tile_to_shape(
+      Atom{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>, cute::Int<kStages>>{}));
+  // V^T view (d, keys, stage) of the same memory, for the B operand of O += P V.
+  using SmemLayoutVt = decltype(cute::composition(
+      SmemLayoutKV{},
+      cute::make_ordered_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>, cute::Int<kStages>>{},
+                                cute::Step<cute::_2, cute::_1, cute::_3>{})));
+  using MmaQK = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<Element, Element, float,
+                                 cute::Shape<cute::_64, cute::Int<kBlockN>, cute::Int<kHeadDim>>>(),
+      cute::Layout<cute::Shape<cute::_1, cute::_1, cute::_1>>{}));
+  using MmaPV = decltype(cute::make_tiled_mma(
+      cute::GMMA::rs_op_selector<Element, Element, float,
+                                 cute::Shape<cute::_64, cute::Int<kHeadDim>, cute::Int<kBlockN>>,
+                                 cute::GMMA::Major::K, cute::GMMA::Major::MN>(),
+      cute::Layout<cute::Shape<cute::_1, cute::_1, cute::_1>>{}));
+  struct Smem {
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>, 1024> q;  // reused for O
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>, 1024> k;
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>, 1024> v;
+    uint32_t blockbits[kMaxBlocks / 32];
+    uint32_t wordprefix[kMaxBlocks / 32];
+    int ulist[kMaxUnion];
+    uint32_t tokmask[kMaxUnion][kBlockM / 32];
+    int ulen;
+  };
+  static constexpr size_t kSmemBytes = sizeof(Smem) + 1024;
+};
+
+template <int kThreads, class Element, class SmemTile>
+__device__ __forceinline__ void load_block(SmemTile s, const Element* base, int64_t tok_stride,
+                                           int64_t first_tok, int64_t last_tok, int tid) {
+#pragma unroll
+  for (int c = tid; c < 128 * 16; c += kThreads) {
+    const int r = c / 16, col = (c % 16) * 8;
+    const int64_t t = min(first_tok + r, last_tok);
+    ptx::cp_async_16(&s(r, col), base + t * tok_stride + col);
+  }
+}
+
+template <class Element, bool kLazyRescale>
+__global__ void __launch_bounds__(256, 1) fwd_kernel(const __grid_constant__ Params p) {
+  using namespace cute;
+  using C = Config<Element>;
+  extern __shared__ char smem_raw[];
+  auto& S = *reinterpret_cast<typename C::Smem*>(
+      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+
+  const int m_tile = p.num_m_tiles - 1 - int(blockIdx.x);
+  const int unit = blockIdx.y, b = blockIdx.z;
+  int64_t s0, L;
+  p.seqs.get(b, s0, L);
+  const int64_t i0 = int64_t(m_tile) * p.NT;  // first token of the tile (in the sequence)
+  if (i0 >= L) return;
+  const int ntok = int(min<int64_t>(p.NT, L - i0));
+  const int tid = threadIdx.x, wg = tid / 128, lane = tid % 32;
+  const int h0 = unit * p.R;
+  const int grp = h0 / (p.Hq / p.Hp), kvh = h0 / (p.Hq / p.Hkv);
+  const int64_t last = s0 + L - 1;
+  const int64_t i_last = i0 + ntok - 1;
+  const int nblk_tile = int(i_last / C::kBlockN) + 1;  // blocks 0..l(i_last)
+  const bool dense = p.indices.ptr == nullptr;
+
+  // ---- Q tile: row r = token r / R, head h0 + r % R (rows past the tile clamp) ----
+  Tensor sQ = make_tensor(make_smem_ptr(S.q.data()), typename C::SmemLayoutQ{});
+  {
+    const Element* qp = static_cast<const Element*>(p.q.ptr);
+#pragma unroll
+    for (int c = tid; c < 128 * 16; c += C::kThreads) {
+      const int r = c / 16, col = (c % 16) * 8;
+      const int tok = min(r / p.R, ntok - 1);
+      const int h = h0 + r % p.R;
+      const Element* src = qp + b * p.q.batch_corr + (s0 + i0 + tok) * p.q.tok + h * p.q.head + col;
+      ptx::cp_async_16(&sQ(r, col), src);
+    }
+    ptx::cp_async_commit();
+  }
+
+  // ---- the union of the tile's blocks ----
+  const int nwords = (nblk_tile + 31) / 32;
+  if (dense) {
+    if (tid == 0) S.ulen = nblk_tile;
+    for (int q = tid; q < nblk_tile; q += C::kThreads) S.ulist[q] = q;
+  } else {
+    for (int w = tid; w < nwords; w += C::kThreads) S.blockbits[w] = 0u;
+    __syncthreads();
+    const int nent = ntok * p.topk;
+    for (int e = tid; e < nent; e += C::kThreads) {
+      const int tok = e / p.topk, s = e % p.topk;
+      const int64_t i = i0 + tok;
+      const int j = p.indices.at(grp, s0 + i)[s];
+      if (j >= 0 && int64_t(j) <= i / C::kBlockN) atomicOr(&S.blockbits[j / 32], 1u << (j % 32));
+    }
+    __syncthreads();
+    if (tid < 32) {  // exclusive prefix of popcounts over the words (one warp)
+      int carry = 0;
+      for (int w0 = 0; w0 < nwords; w0 += 32) {
+        const int w = w0 + lane;
+        const int c = w < nwords ? __popc(S.blockbits[w]) : 0;
+        int x = c;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+          const int y = __shfl_up_sync(0xffffffff, x, o);
+          if (lane >= o) x += y;
+        }
+        if (w < nwords) S.wordprefix[w] = carry + x - c;
+        carry += __shfl_sync(0xffffffff, x, 31);
+      }
+      if (lane == 0) S.ulen = carry;
+    }
+    __syncthreads();
+    for (int w = tid; w < nwords; w += C::kThreads) {
+      uint32_t bits = S.blockbits[w];
+      int pos = S.wordprefix[w];
+      while (bits) {
+        const int bit = __ffs(bits) - 1;
+        bits &= bits - 1;
+        S.ulist[pos++] = w * 32 + bit;
+      }
+    }
+    for (int x = tid; x < S.ulen * (C::kBlockM / 32); x += C::kThreads)
+      S.tokmask[x / (C::kBlockM / 32)][x % (C::kBlockM / 32)] = 0u;
+    __syncthreads();
+    for (int e = tid; e < nent; e += C::kThreads) {
+      const int tok = e / p.topk, s = e % p.topk;
+      const int64_t i = i0 + tok;
+      const int j = p.indices.at(grp, s0 + i)[s];
+      if (j >= 0 && int64_t(j) <= i / C::kBlockN) {
+        const int pos = S.wordprefix[j / 32] + __popc(S.blockbits[j / 32] & ((1u << (j % 32)) - 1u));
+        atomicOr(&S.tokmask[pos][tok / 32], 1u << (tok % 32));
+      }
+    }
+  }
+  __syncthreads();
+  const int ulen = S.ulen;
+
+  // ---- main loop ----
+  Tensor sK = make_tensor(make_smem_ptr(S.k.data()), typename C::SmemLayoutKV{});
+  Tensor sV = make_tensor(make_smem_ptr(S.v.data()), typename C::SmemLayoutKV{});
+  Tensor sVt = make_tensor(make_smem_ptr(S.v.data()), typename C::SmemLayoutVt{});
+  const Element* kbase = p.k.template row<const Element>(b, 0, kvh);
+  const Element* vbase = p.v.template row<const Element>(b, 0, kvh);
+  if (ulen > 0) {
+    const int64_t first = s0 + int64_t(S.ulist[0]) * C::kBlockN;
+    load_block<C::kThreads>(sK(_, _, 0), kbase, p.k.tok, first, last, tid);
+    load_block<C::kThreads>(sV(_, _, 0), vbase, p.v.tok, first, last, tid);
+  }
+  ptx::cp_async_commit();
+
+  typename C::MmaQK mma_qk;
+  typename C::MmaPV mma_pv;
+  auto thr_qk = mma_qk.get_thread_slice(tid % 128);
+  auto thr_pv = mma_pv.get_thread_slice(tid % 128);
+  Tensor sQw = local_tile(sQ, Shape<_64, Int<C::kHeadDim>>{}, make_coord(wg, _0{}));
+  Tensor tSrQ = thr_qk.partition_fragment_A(sQw);
+  Tensor tSrK = thr_qk.partition_fragment_B(sK);
+  Tensor tOrVt = thr_pv.partition_fragment_B(sVt);
+  Tensor accS = partition_fragment_C(mma_qk, Shape<_64, Int<C::kBlockN>>{});
+  Tensor accO = partition_fragment_C(mma_pv, Shape<_64, Int<C::kHeadDim>>{});
+  clear(accO);
+  Tensor sRC = make_tensor(accS.data(), acc_rowcol(accS.layout()));
+  Tensor oRC = make_tensor(accO.data(), acc_rowcol(accO.layout()));
+  Tensor cS = thr_qk.partition_C(make_identity_tensor(Shape<_64, Int<C::kBlockN>>{}));
+  Tensor cRC = make_tensor(cS.data(), acc_rowcol(cS.layout()));
+
+  const float sl2 = p.scale * kLog2e;
+  int row_tok[2];
+  int64_t row_pos[2];
+  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = wg * 64 + get<0>(cRC(r, 0));
+    row_tok[r] = row / p.R;
+    row_pos[r] = i0 + row_tok[r];
+  }
+
+  for (int qi = 0; qi < ulen; ++qi) {
+    const int stage = qi & 1;
+    const int j = S.ulist[qi];
+    __syncthreads();  // block qi-1 fully consumed: its buffer can be refilled
+    if (qi + 1 < ulen) {
+      const int64_t first = s0 + int64_t(S.ulist[qi + 1]) * C::kBlockN;
+      load_block<C::kThreads>(sK(_, _, stage ^ 1), kbase, p.k.tok, first, last, tid);
+      load_block<C::kThreads>(sV(_, _, stage ^ 1), vbase, p.v.tok, first, last, tid);
+    }
+    ptx::cp_async_commit();
+    ptx::cp_async_wait<1>();
+    ptx::fence_proxy_async_smem();
+    __syncthreads();
+
+    wg_gemm<true>(mma_qk, tSrQ, tSrK(_, _, _, stage), accS);
+
+    const int64_t key0 = int64_t(j) * C::kBlockN;
+    const bool need_causal = key0 + C::kBlockN - 1 > i0;
+    float scale_old[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const bool sel = dense || row_tok[r] >= ntok
+                           ? row_tok[r] < ntok
+                           : ((S.tokmask[qi][row_tok[r] / 32] >> (row_tok[r] % 32)) & 1u) != 0u;
+      float mx = -INFINITY;
+#pragma unroll
+      for (int c = 0; c < size<1>(sRC); ++c) {
+        const bool ok = sel && (!need_causal || key0 + get<1>(cRC(r, c)) <= row_pos[r]);
+        if (!ok) sRC(r, c) = -INFINITY;
+        mx = fmaxf(mx, sRC(r, c));
+      }
+      mx = quad_max(mx);
+      float m_new = fmaxf(row_max[r], mx);
+      if constexpr (kLazyRescale) {
+        // keep the stale max unless the new one exceeds it by more than 8 (log2 units)
+        if (row_max[r] != -INFINITY && (m_new - row_max[r]) * sl2 <= 8.f) m_new = row_max[r];
+      }
+      scale_old[r] = (m_new == -INFINITY) ? 1.f : ptx::exp2f_approx((row_max[r] - m_new) * sl2);
+      row_max[r] = m_new;
+      const float ms = (m_new == -INFINITY) ? 0.f : m_new * sl2;
+      float sum = 0.f;
+#pragma unroll
+      for (int c = 0; c < size<1>(sRC); ++c) {
+        const float e = ptx::exp2f_approx(sRC(r, c) * sl2 - ms);
+        sRC(r, c) = e;
+        sum += e;
+      }
+      row_sum[r] = row_sum[r] * scale_old[r] + sum;  // partial per thread; reduced at the end
+#pragma unroll
+      for (int c = 0; c < size<1>(oRC); ++c) oRC(r, c) *= scale_old[r];
+    }
+    // P (bf16/fp16) as the A operand of O += P V
+    Tensor rP = make_tensor_like<Element>(accS);
+#pragma unroll
+    for (int x = 0; x < size(accS); ++x) rP(x) = Element(accS(x));
+    Tensor tOrP = make_tensor(rP.data(), acc_to_a_regs(rP.layout()));
+    wg_gemm<false>(mma_pv, tOrP, tOrVt(_, _, _, stage), accO);
+  }
+  ptx::cp_async_wait<0>();
+
+  // ---- epilogue: normalise, stage O through smem (this warpgroup's Q rows), store ----
+  float row_lse[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float sum = quad_sum(row_sum[r]);
+    const bool empty = !(sum > 0.f);
+    const float inv = empty ? 0.f : 1.f / sum;
+    row_lse[r] = empty ? -INFINITY : (row_max[r] * sl2 + __log2f(sum)) * kLn2;
+#pragma unroll
+    for (int c = 0; c < size<1>(oRC); ++c) oRC(r, c) *= inv;
+  }
+  ptx::named_barrier_sync(int(NamedBarrier::kWarpGroup0) + wg, 128);  // Q slice no longer read
+  Tensor cO = thr_pv.partition_C(make_identity_tensor(Shape<_64, Int<C::kHeadDim>>{}));
+#pragma unroll
+  for (int x = 0; x < size(accO); ++x) {
+    const int row = wg * 64 + get<0>(cO(x));
+    sQ(row, get<1>(cO(x))) = Element(accO(x));
+  }
+  ptx::named_barrier_sync(int(NamedBarrier::kWarpGroup0) + wg, 128);
+  Element* optr = static_cast<Element*>(p.out.ptr);
+  for (int c = tid % 128; c < 64 * 16; c += 128) {
+    const int row = wg * 64 + c / 16, col = (c % 16) * 8;
+    const int tok = row / p.R;
+    if (tok >= ntok) continue;
+    const int h = h0 + row % p.R;
+    Element* dst = optr + b * p.out.batch_corr + (s0 + i0 + tok) * p.out.tok + h * p.out.head + col;
+    *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(&sQ(row, col));
+  }
+  if ((lane & 3) == 0) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = wg * 64 + get<0>(cRC(r, 0));
+      if (row_tok[r] < ntok) *p.lse.at(h0 + row % p.R, s0 + row_pos[r]) = row_lse[r];
+    }
+  }
+}
+
+template <class Element, bool kLazyRescale>
+void launch(const Params& p, cudaStream_t stream) {
+  using C = Config<Element>;
+  auto kernel = fwd_kernel<Element, kLazyRescale>;
+  FLASHMSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           int(C::kSmemBytes)));
+  dim3 grid(p.num_m_tiles, p.Hq / p.R, p.seqs.batch);
+  if (grid.x == 0 || grid.z == 0) return;
+  kernel<<<grid, C::kThreads, C::kSmemBytes, stream>>>(p);
+  FLASHMSA_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace flashmsa::cuda::attn_fwd

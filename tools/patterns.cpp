@@ -1,0 +1,121 @@
+#include "patterns.hpp"
+
+#include <algorithm>
+#include <cmath>
+
+namespace flashmsa::cli {
+
+namespace {
+uint64_t splitmix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+}  // namespace
+
+Rng::Rng(uint64_t seed, uint64_t stream)
+    : gen_(splitmix64(splitmix64(seed) ^ (stream * 0xd1b54a32d192ed03ULL))) {}
+
+double Rng::uniform() {
+  // (k + 0.5) / 2^53 with k in [0, 2^53): never 0, never 1.
+  const uint64_t k = gen_() >> 11;
+  return (double(k) + 0.5) * 0x1.0p-53;
+}
+
+double Rng::normal() {
+  if (has_spare_) {
+    has_spare_ = false;
+    return spare_;
+  }
+  const double u1 = uniform(), u2 = uniform();
+  const double r = std::sqrt(-2.0 * std::log(u1));
+  const double a = 2.0 * M_PI * u2;
+  spare_ = r * std::sin(a);
+  has_spare_ = true;
+  return r * std::cos(a);
+}
+
+uint64_t Rng::below(uint64_t n) {
+  if (n <= 1) return 0;
+  const uint64_t limit = UINT64_MAX - UINT64_MAX % n;  // multiples of n below limit
+  uint64_t x;
+  do x = gen_();
+  while (x >= limit);
+  return x % n;
+}
+
+const char* pattern_name(Pattern p) { return p == Pattern::Random ? "random" : "clustered"; }
+
+bool parse_pattern(const std::string& s, Pattern* out) {
+  if (s == "random") *out = Pattern::Random;
+  else if (s == "clustered") *out = Pattern::Clustered;
+  else return false;
+  return true;
+}
+
+std::vector<double> normal_values(Rng& rng, size_t n) {
+  std::vector<double> v(n);
+  for (double& x : v) x = rng.normal();
+  return v;
+}
+
+std::vector<int64_t> sample_distinct(Rng& rng, int64_t n, int64_t k) {
+  k = std::min(k, n);
+  std::vector<int64_t> pool(size_t(std::max<int64_t>(n, 0)));
+  for (int64_t i = 0; i < n; ++i) pool[size_t(i)] = i;
+  for (int64_t i = 0; i < k; ++i) {
+    const int64_t j = i + int64_t(rng.below(uint64_t(n - i)));
+    std::swap(pool[size_t(i)], pool[size_t(j)]);
+  }
+  pool.resize(size_t(k));
+  std::sort(pool.begin(), pool.end());
+  return pool;
+}
+
+ProxyInputs draw_proxy(Pattern pattern, const std::vector<int64_t>& cu, int Hp, int Hpk, int Dp,
+                       uint64_t seed) {
+  const int64_t total = cu.empty() ? 0 : cu.back();
+  ProxyInputs r;
+  Rng rng(seed, kStreamProxy);
+  if (pattern == Pattern::Random) {
+    r.qp = normal_values(rng, size_t(total) * Hp * Dp);
+    r.kp = normal_values(rng, size_t(total) * Hpk * Dp);
+    return r;
+  }
+  r.qp.assign(size_t(total) * Hp * Dp, 0.0);
+  r.kp.assign(size_t(total) * Hpk * Dp, 0.0);
+  const std::vector<double> topics = normal_values(rng, size_t(kTopics) * Dp);
+  auto topic = [&](int64_t c) { return topics.data() + c * Dp; };
+  std::vector<int64_t> picks;
+  for (size_t b = 0; b + 1 < cu.size(); ++b) {
+    const int64_t s0 = cu[b], len = cu[b + 1] - cu[b];
+    // keys: one topic per 512-token span, drawn independently for each proxy key head
+    for (int c = 0; c < Hpk; ++c)
+      for (int64_t span = 0; span * kKeySpan < len; ++span) {
+        const double* tv = topic(int64_t(rng.below(kTopics)));
+        const int64_t hi = std::min(len, (span + 1) * kKeySpan);
+        for (int64_t u = span * kKeySpan; u < hi; ++u) {
+          double* row = r.kp.data() + ((s0 + u) * Hpk + c) * Dp;
+          for (int d = 0; d < Dp; ++d) row[d] = tv[d] + kTopicNoise * rng.normal();
+        }
+      }
+    // queries: 3 distinct topics per 128-token span, for each proxy head
+    for (int p = 0; p < Hp; ++p)
+      for (int64_t span = 0; span * kQuerySpan < len; ++span) {
+        picks = sample_distinct(rng, kTopics, kTopicsPerQuery);
+        const int64_t hi = std::min(len, (span + 1) * kQuerySpan);
+        for (int64_t i = span * kQuerySpan; i < hi; ++i) {
+          double* row = r.qp.data() + ((s0 + i) * Hp + p) * Dp;
+          for (int d = 0; d < Dp; ++d) {
+            double s = 0;
+            for (int64_t c : picks) s += topic(c)[d];
+            row[d] = s + kTopicNoise * rng.normal();
+          }
+        }
+      }
+  }
+  return r;
+}
+
+}  // namespace flashmsa::cli

@@ -1,0 +1,69 @@
+// Seeded input generation for the main job (flashmsa run): a portable normal generator
+// (std::mt19937_64 + Box-Muller, so the numbers do not depend on the standard library's
+// distributions) and the selection patterns of BENCHMARKS.md ("random", "clustered").
+#pragma once
+
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace flashmsa::cli {
+
+// One deterministic random stream. Streams with different ids are independent draws from the
+// same user seed, so adding a tensor never changes the values of the others.
+class Rng {
+ public:
+  Rng(uint64_t seed, uint64_t stream);
+  double uniform();             // in (0, 1), 53 random bits
+  double normal();              // N(0, 1) by Box-Muller
+  uint64_t below(uint64_t n);   // uniform integer in [0, n), n >= 1 (rejection, unbiased)
+
+ private:
+  std::mt19937_64 gen_;
+  bool has_spare_ = false;
+  double spare_ = 0;
+};
+
+// Stream ids of the generated tensors.
+enum Stream : uint64_t {
+  kStreamQ = 1,
+  kStreamK = 2,
+  kStreamV = 3,
+  kStreamProxy = 4,
+  kStreamDout = 5,
+  kStreamDlse = 6,
+  kStreamSample = 7,
+};
+
+enum class Pattern { Random, Clustered };
+const char* pattern_name(Pattern p);
+bool parse_pattern(const std::string& s, Pattern* out);
+
+// n values N(0, 1).
+std::vector<double> normal_values(Rng& rng, size_t n);
+
+// Proxy inputs for sequences given by cu (B+1 offsets), in the dense layouts
+// qp [total][Hp][Dp] and kp [total][Hpk][Dp] (unrounded doubles).
+//  random:    qp, kp ~ N(0, 1).
+//  clustered: 64 topic vectors t_c ~ N(0, I) (shared by all sequences); for every sequence and
+//             proxy key head, every 512-token span of keys (positions inside the sequence) has
+//             one topic drawn uniformly, kp[u] = t_topic + 0.5 * N(0, I); for every proxy head,
+//             every 128-token span of queries picks 3 distinct topics uniformly,
+//             qp[i] = sum of them + 0.5 * N(0, I).
+struct ProxyInputs {
+  std::vector<double> qp, kp;
+};
+ProxyInputs draw_proxy(Pattern pattern, const std::vector<int64_t>& cu, int Hp, int Hpk, int Dp,
+                       uint64_t seed);
+
+constexpr int kTopics = 64;
+constexpr int kKeySpan = 512;
+constexpr int kQuerySpan = 128;
+constexpr int kTopicsPerQuery = 3;
+constexpr double kTopicNoise = 0.5;
+
+// k distinct values of [0, n) drawn by a partial Fisher-Yates shuffle, sorted ascending.
+std::vector<int64_t> sample_distinct(Rng& rng, int64_t n, int64_t k);
+
+}  // namespace flashmsa::cli
