@@ -1,0 +1,192 @@
+// Times flashmsa's CUDA kernels on BENCHMARKS.md's configurations and patterns (CUDA events,
+// median of >= 10 timed runs after warm-up) and prints one JSON object per measurement.
+//   flashmsa_bench --config m3 --seqlens 8192,32768 --patterns clustered,random [--iters 10]
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "common/dtype.hpp"
+#include "flashmsa/flashmsa.hpp"
+#include "patterns.hpp"
+#include "reference/reference.hpp"
+
+using namespace flashmsa;
+
+namespace {
+
+#define CK(x)                                                                        \
+  do {                                                                               \
+    cudaError_t e_ = (x);                                                            \
+    if (e_ != cudaSuccess) {                                                         \
+      std::fprintf(stderr, "CUDA error %s at %s\n", cudaGetErrorString(e_), #x);      \
+      std::exit(1);                                                                  \
+    }                                                                                \
+  } while (0)
+
+struct Config {
+  std::string name;
+  int Hq, Hkv, Hp, Hpk, topk;
+};
+
+std::vector<std::string> split(const std::string& s) {
+  std::vector<std::string> out;
+  size_t a = 0;
+  while (a <= s.size()) {
+    size_t b = s.find(',', a);
+    if (b == std::string::npos) b = s.size();
+    if (b > a) out.push_back(s.substr(a, b - a));
+    a = b + 1;
+  }
+  return out;
+}
+
+void* upload_bf16(const std::vector<double>& h) {
+  std::vector<uint16_t> raw(h.size());
+  for (size_t i = 0; i < h.size(); ++i) raw[i] = double_to_bf16(h[i]);
+  void* d;
+  CK(cudaMalloc(&d, raw.size() * 2));
+  CK(cudaMemcpy(d, raw.data(), raw.size() * 2, cudaMemcpyHostToDevice));
+  return d;
+}
+
+flashmsa_tensor_t dv(void* p, flashmsa_dtype_t dt, std::initializer_list<int64_t> shape) {
+  return view(p, dt, shape, FLASHMSA_DEVICE_CUDA, 0);
+}
+
+template <class F>
+double median_ms(F&& f, int iters) {
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  for (int i = 0; i < 3; ++i) f();
+  CK(cudaDeviceSynchronize());
+  std::vector<float> t;
+  for (int i = 0; i < iters; ++i) {
+    CK(cudaEventRecord(a));
+    f();
+    CK(cudaEventRecord(b));
+    CK(cudaEventSynchronize(b));
+    float ms;
+    CK(cudaEventElapsedTime(&ms, a, b));
+    t.push_back(ms);
+  }
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string config = "m3", seqlens = "32768", patterns = "clustered,random";
+  int iters = 10;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    std::string k = argv[i], v = argv[i + 1];
+    if (k == "--config") config = v;
+    else if (k == "--seqlens") seqlens = v;
+    else if (k == "--patterns") patterns = v;
+    else if (k == "--iters") iters = std::atoi(v.c_str());
+    else { std::fprintf(stderr, "unknown flag %s\n", k.c_str()); return 2; }
+  }
+  Config c = config == "fmsa" ? Config{"fmsa", 16, 2, 4, 1, 16} : Config{"m3", 64, 4, 4, 1, 16};
+  const int D = 128;
+  cudaDeviceProp prop;
+  CK(cudaGetDeviceProperties(&prop, 0));
+  for (const auto& sl : split(seqlens))
+    for (const auto& pat_s : split(patterns)) {
+      const int64_t T = std::atoll(sl.c_str());
+      cli::Pattern pat;
+      cli::parse_pattern(pat_s, &pat);
+      std::vector<int64_t> cu{0, T};
+      auto proxy = cli::draw_proxy(pat, cu, c.Hp, c.Hpk, D, 1234);
+      cli::Rng rq(1, cli::kStreamQ), rk(1, cli::kStreamK), rv(1, cli::kStreamV);
+      void* q = upload_bf16(cli::normal_values(rq, size_t(T) * c.Hq * D));
+      void* k = upload_bf16(cli::normal_values(rk, size_t(T) * c.Hkv * D));
+      void* v = upload_bf16(cli::normal_values(rv, size_t(T) * c.Hkv * D));
+      void* qp = upload_bf16(proxy.qp);
+      void* kp = upload_bf16(proxy.kp);
+      int32_t cu32[2] = {0, int32_t(T)};
+      void *dcu, *idx, *plse, *out, *lse;
+      CK(cudaMalloc(&dcu, 8));
+      CK(cudaMemcpy(dcu, cu32, 8, cudaMemcpyHostToDevice));
+      CK(cudaMalloc(&idx, size_t(c.Hp) * T * c.topk * 4));
+      CK(cudaMalloc(&plse, size_t(c.Hp) * T * 4));
+      CK(cudaMalloc(&out, size_t(T) * c.Hq * D * 2));
+      CK(cudaMalloc(&lse, size_t(c.Hq) * T * 4));
+
+      SelectArgs s;
+      s.qp = dv(qp, FLASHMSA_DTYPE_BF16, {T, c.Hp, D});
+      s.kp = dv(kp, FLASHMSA_DTYPE_BF16, {T, c.Hpk, D});
+      s.cu_seqlens = dv(dcu, FLASHMSA_DTYPE_INT32, {2});
+      s.max_seqlen = T;
+      s.topk = c.topk;
+      s.indices = dv(idx, FLASHMSA_DTYPE_INT32, {c.Hp, T, c.topk});
+      s.proxy_lse = dv(plse, FLASHMSA_DTYPE_FP32, {c.Hp, T});
+      const double t_sel = median_ms([&] { flashmsa::select(s); }, iters);
+
+      FwdArgs f;
+      f.q = dv(q, FLASHMSA_DTYPE_BF16, {T, c.Hq, D});
+      f.k = dv(k, FLASHMSA_DTYPE_BF16, {T, c.Hkv, D});
+      f.v = dv(v, FLASHMSA_DTYPE_BF16, {T, c.Hkv, D});
+      f.cu_seqlens = s.cu_seqlens;
+      f.max_seqlen = T;
+      f.mode = FLASHMSA_MODE_GIVEN;
+      f.indices = s.indices;
+      f.out = dv(out, FLASHMSA_DTYPE_BF16, {T, c.Hq, D});
+      f.lse = dv(lse, FLASHMSA_DTYPE_FP32, {c.Hq, T});
+      const double t_fwd = median_ms([&] { flashmsa::fwd(f); }, iters);
+      f.numerics = FLASHMSA_NUMERICS_INFER;
+      const double t_fwd_inf = median_ms([&] { flashmsa::fwd(f); }, iters);
+      f.numerics = FLASHMSA_NUMERICS_TRAIN;
+      FwdArgs fd = f;
+      fd.mode = FLASHMSA_MODE_DENSE;
+      fd.indices = flashmsa::none();
+      fd.qp = s.qp;
+      fd.kp = s.kp;
+      const double t_dense = median_ms([&] { flashmsa::fwd(fd); }, std::max(3, iters / 3));
+
+      // effective work from the selection actually made
+      std::vector<int32_t> hidx(size_t(c.Hp) * T * c.topk);
+      CK(cudaMemcpy(hidx.data(), idx, hidx.size() * 4, cudaMemcpyDeviceToHost));
+      ref::Problem pb;
+      pb.cu = cu;
+      pb.total = T;
+      pb.Hq = c.Hq; pb.Hkv = c.Hkv; pb.Hp = c.Hp; pb.Hpk = c.Hpk; pb.D = D; pb.Dp = D;
+      pb.topk = c.topk;
+      pb.mode = FLASHMSA_MODE_GIVEN;
+      const auto pc = ref::count_pairs(pb, hidx.data());
+      const double dense_pairs = double(c.Hq) * double(T) * double(T + 1) / 2;
+      // union factor: distinct blocks per 128-query tile / topk, mean over tiles and heads
+      double uf = 0;
+      int ntiles = 0;
+      for (int p = 0; p < c.Hp; ++p)
+        for (int64_t t0 = 0; t0 < T; t0 += 128) {
+          std::vector<char> seen(size_t((T + 127) / 128), 0);
+          int distinct = 0;
+          for (int64_t t = t0; t < std::min(T, t0 + 128); ++t)
+            for (int s2 = 0; s2 < c.topk; ++s2) {
+              const int j = hidx[(size_t(p) * T + t) * c.topk + s2];
+              if (j >= 0 && !seen[size_t(j)]) seen[size_t(j)] = 1, ++distinct;
+            }
+          uf += double(distinct) / c.topk;
+          ++ntiles;
+        }
+      uf /= ntiles;
+      auto tf = [](double flop, double ms) { return flop / (ms * 1e-3) / 1e12; };
+      std::printf(
+          "{\"gpu\": \"%s\", \"config\": \"%s\", \"seqlen\": %lld, \"pattern\": \"%s\", \"topk\": %d, "
+          "\"union_factor_128\": %.3f, \"select_ms\": %.4f, \"select_tflops\": %.1f, "
+          "\"fwd_train_ms\": %.4f, \"fwd_train_tflops\": %.1f, \"fwd_infer_ms\": %.4f, \"fwd_infer_tflops\": %.1f, "
+          "\"dense_fwd_ms\": %.4f, \"dense_fwd_tflops\": %.1f}\n",
+          prop.name, c.name.c_str(), (long long)T, pat_s.c_str(), c.topk, uf, t_sel,
+          tf(2.0 * D * pc.proxy_pairs, t_sel), t_fwd, tf(4.0 * D * pc.main_pairs, t_fwd), t_fwd_inf,
+          tf(4.0 * D * pc.main_pairs, t_fwd_inf), t_dense, tf(4.0 * D * dense_pairs, t_dense));
+      std::fflush(stdout);
+      for (void* p : {q, k, v, qp, kp, dcu, idx, plse, out, lse}) cudaFree(p);
+    }
+  return 0;
+}

@@ -1,0 +1,286 @@
+// Harness of the GPU suite: device buffers reused across tests (dirty, never zeroed), seeded
+// inputs rounded to the kernel dtype, NaN poisoning, the fp64 CPU reference through the public
+// API, and the "straightforward same-dtype reference" of SPEC section 3's accuracy bar.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common/dtype.hpp"
+#include "flashmsa/flashmsa.hpp"
+#include "reference/reference.hpp"
+
+namespace gputest {
+
+#define CUDA_OK(x) ASSERT_EQ((x), cudaSuccess) << cudaGetErrorString(x)
+
+// Device memory that outlives tests: a buffer handed out again keeps the previous test's data.
+class Pool {
+ public:
+  static Pool& get() {
+    static Pool p;
+    return p;
+  }
+  void* take(size_t bytes) {
+    bytes = std::max<size_t>(256, (bytes + 255) & ~size_t(255));
+    for (auto& b : bufs_)
+      if (!b.used && b.bytes >= bytes) {
+        b.used = true;
+        return b.ptr;
+      }
+    Buf b{nullptr, bytes, true};
+    if (cudaMalloc(&b.ptr, bytes) != cudaSuccess) return nullptr;
+    bufs_.push_back(b);
+    return b.ptr;
+  }
+  void release_all() {
+    for (auto& b : bufs_) b.used = false;
+  }
+
+ private:
+  struct Buf {
+    void* ptr;
+    size_t bytes;
+    bool used;
+  };
+  std::vector<Buf> bufs_;
+};
+
+// Releases the pool's buffers (for reuse, not freed) at the end of each test.
+struct PoolScope {
+  ~PoolScope() { Pool::get().release_all(); }
+};
+
+struct Problem {
+  int Hq = 16, Hkv = 2, Hp = 4, Hpk = 1, D = 128, Dp = 128, topk = 16;
+  std::vector<int64_t> lengths{1000};
+  int batch = 0;  // > 0: batched [B, S, ...] with S = lengths[0]
+  flashmsa_dtype_t dtype = FLASHMSA_DTYPE_BF16;
+  int64_t total() const {
+    if (batch > 0) return int64_t(batch) * lengths.at(0);
+    int64_t t = 0;
+    for (auto l : lengths) t += l;
+    return t;
+  }
+  std::vector<int64_t> offsets() const {
+    std::vector<int64_t> cu{0};
+    if (batch > 0)
+      for (int b = 0; b < batch; ++b) cu.push_back(cu.back() + lengths[0]);
+    else
+      for (auto l : lengths) cu.push_back(cu.back() + l);
+    return cu;
+  }
+  int64_t max_len() const {
+    int64_t m = 0;
+    for (auto l : lengths) m = std::max(m, l);
+    return m;
+  }
+};
+
+// A host tensor in fp64 holding dtype-representable values, plus its device copy.
+struct Tensor {
+  std::vector<int64_t> shape;
+  std::vector<double> host;
+  void* dev = nullptr;
+  flashmsa_dtype_t dtype = FLASHMSA_DTYPE_BF16;
+  size_t numel() const { return host.size(); }
+  size_t bytes() const { return numel() * flashmsa::dtype_size(dtype); }
+};
+
+inline std::vector<int64_t> token_shape(const Problem& pb, int H, int X) {
+  if (pb.batch > 0) return {pb.batch, pb.lengths[0], H, X};
+  return {pb.total(), H, X};
+}
+
+inline flashmsa_tensor_t dev_view(const Tensor& t) {
+  flashmsa_tensor_t v{};
+  v.data = t.dev;
+  v.dtype = t.dtype;
+  v.ndim = int(t.shape.size());
+  int64_t s = 1;
+  for (int d = v.ndim - 1; d >= 0; --d) {
+    v.shape[d] = t.shape[size_t(d)];
+    v.strides[d] = s;
+    s *= t.shape[size_t(d)];
+  }
+  v.device_type = FLASHMSA_DEVICE_CUDA;
+  return v;
+}
+
+// Host fp64 view (contiguous) of a host vector with a given shape.
+inline flashmsa_tensor_t host_view(std::vector<double>& h, const std::vector<int64_t>& shape) {
+  flashmsa_tensor_t v{};
+  v.data = h.data();
+  v.dtype = FLASHMSA_DTYPE_FP64;
+  v.ndim = int(shape.size());
+  int64_t s = 1;
+  for (int d = v.ndim - 1; d >= 0; --d) {
+    v.shape[d] = shape[size_t(d)];
+    v.strides[d] = s;
+    s *= shape[size_t(d)];
+  }
+  return v;
+}
+
+// Upload host values in the tensor's dtype.
+inline void upload(Tensor& t) {
+  t.dev = Pool::get().take(t.bytes());
+  std::vector<uint8_t> raw(t.bytes());
+  for (size_t i = 0; i < t.numel(); ++i) flashmsa::store_from_double(t.dtype, raw.data(), int64_t(i), t.host[i]);
+  cudaMemcpy(t.dev, raw.data(), raw.size(), cudaMemcpyHostToDevice);
+}
+
+inline void download(Tensor& t) {
+  std::vector<uint8_t> raw(t.bytes());
+  cudaMemcpy(raw.data(), t.dev, raw.size(), cudaMemcpyDeviceToHost);
+  for (size_t i = 0; i < t.numel(); ++i) t.host[i] = flashmsa::load_as_double(t.dtype, raw.data(), int64_t(i));
+}
+
+// An output: device buffer poisoned with all-ones bytes (NaN for floats, -1 for int32 would be
+// a legal value, so int outputs get 0x7f7f7f7f).
+inline Tensor output(std::vector<int64_t> shape, flashmsa_dtype_t dtype) {
+  Tensor t;
+  t.shape = std::move(shape);
+  t.dtype = dtype;
+  size_t n = 1;
+  for (auto s : t.shape) n *= size_t(s);
+  t.host.assign(n, 0.0);
+  t.dev = Pool::get().take(t.bytes());
+  cudaMemset(t.dev, dtype == FLASHMSA_DTYPE_INT32 ? 0x7f : 0xff, t.bytes());
+  return t;
+}
+
+inline Tensor random_input(std::vector<int64_t> shape, flashmsa_dtype_t dtype, std::mt19937_64& rng,
+                           double stddev = 1.0) {
+  Tensor t;
+  t.shape = std::move(shape);
+  t.dtype = dtype;
+  size_t n = 1;
+  for (auto s : t.shape) n *= size_t(s);
+  std::normal_distribution<double> nd(0.0, stddev);
+  t.host.resize(n);
+  for (auto& x : t.host) x = flashmsa::round_to(dtype, nd(rng));
+  upload(t);
+  return t;
+}
+
+inline bool all_finite(const std::vector<double>& v) {
+  for (double x : v)
+    if (std::isnan(x)) return false;
+  return true;
+}
+
+inline double rel_l2(const std::vector<double>& got, const std::vector<double>& want) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    if (std::isinf(want[i]) || std::isinf(got[i])) {
+      if (got[i] != want[i]) return INFINITY;
+      continue;
+    }
+    num += (got[i] - want[i]) * (got[i] - want[i]);
+    den += want[i] * want[i];
+  }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+// The fp64 reference forward over given indices (or dense), through the public API on the CPU.
+struct RefFwd {
+  std::vector<double> out, lse, proxy_lse;
+};
+inline RefFwd reference_fwd(const Problem& pb, Tensor& q, Tensor& k, Tensor& v, Tensor* qp, Tensor* kp,
+                            const std::vector<int32_t>* indices, int topk, flashmsa_mode_t mode) {
+  RefFwd r;
+  const int64_t T = pb.total();
+  std::vector<int32_t> cu32;
+  for (auto c : pb.offsets()) cu32.push_back(int32_t(c));
+  r.out.assign(size_t(T) * pb.Hq * pb.D, NAN);
+  r.lse.assign(size_t(pb.Hq) * T, NAN);
+  flashmsa::FwdArgs a;
+  std::vector<int64_t> q3{T, pb.Hq, pb.D}, k3{T, pb.Hkv, pb.D};
+  a.q = host_view(q.host, q3);
+  a.k = host_view(k.host, k3);
+  a.v = host_view(v.host, k3);
+  std::vector<int64_t> qp3{T, pb.Hp, pb.Dp}, kp3{T, pb.Hpk, pb.Dp};
+  if (qp) {
+    a.qp = host_view(qp->host, qp3);
+    a.kp = host_view(kp->host, kp3);
+    r.proxy_lse.assign(size_t(pb.Hp) * T, NAN);
+    a.proxy_lse = host_view(r.proxy_lse, {pb.Hp, T});
+  }
+  a.cu_seqlens = flashmsa::view(cu32.data(), FLASHMSA_DTYPE_INT32, {int64_t(cu32.size())});
+  a.max_seqlen = pb.max_len();
+  a.mode = mode;
+  std::vector<int32_t> idx_copy;
+  if (mode == FLASHMSA_MODE_GIVEN) {
+    idx_copy = *indices;
+    a.indices = flashmsa::view(idx_copy.data(), FLASHMSA_DTYPE_INT32, {pb.Hp, T, topk});
+  }
+  a.out = host_view(r.out, q3);
+  a.lse = host_view(r.lse, {pb.Hq, T});
+  flashmsa::fwd(a);
+  return r;
+}
+
+// Straightforward same-dtype attention (FlashAttention's test rule): q scaled and rounded,
+// scores rounded to the dtype, softmax in fp32 rounded to the dtype, P V accumulated in fp32
+// and rounded. lse from the rounded scores in fp32.
+inline RefFwd straightforward_fwd(const Problem& pb, const Tensor& q, const Tensor& k, const Tensor& v,
+                                  const std::vector<int32_t>* indices, int topk, flashmsa_mode_t mode) {
+  using flashmsa::round_to;
+  const auto dt = pb.dtype;
+  flashmsa::ref::Problem rp;
+  rp.cu = pb.offsets();
+  rp.total = pb.total();
+  rp.Hq = pb.Hq; rp.Hkv = pb.Hkv; rp.Hp = pb.Hp; rp.Hpk = pb.Hpk; rp.D = pb.D; rp.Dp = pb.Dp;
+  rp.topk = topk;
+  rp.mode = mode == FLASHMSA_MODE_DENSE ? FLASHMSA_MODE_DENSE : FLASHMSA_MODE_GIVEN;
+  const double scale = 1.0 / std::sqrt(double(pb.D));
+  RefFwd r;
+  r.out.assign(size_t(rp.total) * pb.Hq * pb.D, 0.0);
+  r.lse.assign(size_t(pb.Hq) * rp.total, 0.0);
+  const int64_t n = int64_t(pb.Hq) * rp.total;
+  const int T = flashmsa::ref::num_threads();
+  flashmsa::ref::parallel_for(n, [&](int64_t first, int64_t, int) {
+    std::vector<int64_t> keys;
+    std::vector<float> s, qs(size_t(pb.D));
+    std::vector<double> o(size_t(pb.D));
+    for (int64_t item = first; item < n; item += std::min<int64_t>(T, n)) {
+      const int h = int(item / rp.total);
+      const int64_t t = item % rp.total;
+      flashmsa::ref::key_set(rp, indices ? indices->data() : nullptr, rp.group_of(h), t, keys);
+      const int c = rp.kv_of(h);
+      for (int d = 0; d < pb.D; ++d) qs[size_t(d)] = float(round_to(dt, q.host[(size_t(t) * pb.Hq + h) * pb.D + d] * scale));
+      s.resize(keys.size());
+      float m = -INFINITY;
+      for (size_t j = 0; j < keys.size(); ++j) {
+        float acc = 0.f;
+        const double* kr = &k.host[(size_t(keys[j]) * pb.Hkv + c) * pb.D];
+        for (int d = 0; d < pb.D; ++d) acc += qs[size_t(d)] * float(kr[d]);
+        s[j] = float(round_to(dt, acc));
+        m = std::max(m, s[j]);
+      }
+      float sum = 0.f;
+      for (size_t j = 0; j < keys.size(); ++j) sum += std::exp(s[j] - m);
+      r.lse[size_t(h) * rp.total + t] = keys.empty() ? -INFINITY : double(m + std::log(sum));
+      std::fill(o.begin(), o.end(), 0.0);
+      std::vector<float> of(size_t(pb.D), 0.f);
+      for (size_t j = 0; j < keys.size(); ++j) {
+        const float pj = float(round_to(dt, std::exp(s[j] - m) / sum));
+        const double* vr = &v.host[(size_t(keys[j]) * pb.Hkv + c) * pb.D];
+        for (int d = 0; d < pb.D; ++d) of[size_t(d)] += pj * float(vr[d]);
+      }
+      for (int d = 0; d < pb.D; ++d) r.out[(size_t(t) * pb.Hq + h) * pb.D + d] = round_to(dt, of[size_t(d)]);
+    }
+  });
+  return r;
+}
+
+}  // namespace gputest

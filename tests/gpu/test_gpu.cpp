@@ -1,0 +1,358 @@
+// The GPU suite: every CUDA operation against the fp64 CPU reference on fresh random inputs,
+// with outputs poisoned (NaN) before each run and device buffers reused across tests.
+// One binary, one process; CTest label `gpu`. Tests named Small* are the sanitizer's subset.
+#include <algorithm>
+#include <climits>
+#include <numeric>
+
+#include "gpu_harness.hpp"
+
+namespace gputest {
+namespace {
+
+uint64_t fresh_seed() {
+  static std::random_device rd;
+  return (uint64_t(rd()) << 32) ^ rd();
+}
+
+struct Inputs {
+  Tensor q, k, v, qp, kp, cu;
+  std::vector<int32_t> cu32;
+};
+
+Inputs make_inputs(const Problem& pb, std::mt19937_64& rng) {
+  Inputs in;
+  in.q = random_input(token_shape(pb, pb.Hq, pb.D), pb.dtype, rng);
+  in.k = random_input(token_shape(pb, pb.Hkv, pb.D), pb.dtype, rng);
+  in.v = random_input(token_shape(pb, pb.Hkv, pb.D), pb.dtype, rng);
+  in.qp = random_input(token_shape(pb, pb.Hp, pb.Dp), pb.dtype, rng);
+  in.kp = random_input(token_shape(pb, pb.Hpk, pb.Dp), pb.dtype, rng);
+  for (auto c : pb.offsets()) in.cu32.push_back(int32_t(c));
+  in.cu.shape = {int64_t(in.cu32.size())};
+  in.cu.dtype = FLASHMSA_DTYPE_INT32;
+  in.cu.host.assign(in.cu32.begin(), in.cu32.end());
+  upload(in.cu);
+  return in;
+}
+
+// Per-block fp64 proxy score S_p(i, j) (max over the block of the scaled proxy logits).
+double block_score(const Problem& pb, const Inputs& in, int p, int64_t t, int64_t s0, int64_t j) {
+  const int c = p / (pb.Hp / pb.Hpk);
+  double m = -INFINITY;
+  const double* qr = &in.qp.host[(size_t(t) * pb.Hp + p) * pb.Dp];
+  for (int64_t u = s0 + j * 128; u < std::min(s0 + (j + 1) * 128, t + 1); ++u) {
+    const double* kr = &in.kp.host[(size_t(u) * pb.Hpk + c) * pb.Dp];
+    double acc = 0;
+    for (int d = 0; d < pb.Dp; ++d) acc += qr[d] * kr[d];
+    m = std::max(m, acc / std::sqrt(double(pb.Dp)));
+  }
+  return m;
+}
+
+// SPEC section 4: the kernel's rows equal the reference's up to exact-tie swaps: same count,
+// local block last, -1 after; slot by slot, the fp64 scores of the two blocks agree to 1e-3
+// relative; no repeated block.
+void expect_selection_matches(const Problem& pb, const Inputs& in, const std::vector<int32_t>& got,
+                              const std::vector<int32_t>& want, int topk) {
+  const auto cu = pb.offsets();
+  const int64_t T = pb.total();
+  int64_t bad = 0, swaps = 0;
+  std::string first_bad;
+  for (int p = 0; p < pb.Hp; ++p)
+    for (size_t b = 0; b + 1 < cu.size(); ++b)
+      for (int64_t t = cu[b]; t < cu[b + 1]; ++t) {
+        const int32_t* g = &got[(size_t(p) * T + t) * topk];
+        const int32_t* w = &want[(size_t(p) * T + t) * topk];
+        const int64_t l = (t - cu[b]) / 128;
+        const int n = int(std::min<int64_t>(topk, l + 1));
+        bool ok = g[n - 1] == l;
+        for (int s = n; s < topk; ++s) ok = ok && g[s] == -1;
+        std::vector<int32_t> seen(g, g + n);
+        std::sort(seen.begin(), seen.end());
+        ok = ok && std::adjacent_find(seen.begin(), seen.end()) == seen.end();
+        for (int s = 0; ok && s < n - 1; ++s) {
+          if (g[s] == w[s]) continue;
+          if (g[s] < 0 || g[s] >= l) { ok = false; break; }
+          const double a = block_score(pb, in, p, t, cu[b], g[s]), c = block_score(pb, in, p, t, cu[b], w[s]);
+          if (std::fabs(a - c) > 1e-3 * std::max(std::fabs(a), std::fabs(c))) ok = false;
+          ++swaps;
+        }
+        if (!ok && bad++ == 0) first_bad = "head " + std::to_string(p) + " token " + std::to_string(t);
+      }
+  EXPECT_EQ(bad, 0) << "selection rows differ beyond ties; first: " << first_bad;
+  if (swaps) std::printf("    (%lld slots differ within the tie tolerance)\n", (long long)swaps);
+}
+
+struct FwdRun {
+  Tensor out, lse, indices, proxy_lse;
+};
+
+// Runs flashmsa_fwd on the device (SPARSE computes indices; GIVEN takes them).
+FwdRun run_fwd(const Problem& pb, Inputs& in, flashmsa_mode_t mode, flashmsa_numerics_t num,
+               const std::vector<int32_t>* given, int topk, bool with_proxy_lse) {
+  FwdRun r;
+  const int64_t T = pb.total();
+  r.out = output(token_shape(pb, pb.Hq, pb.D), pb.dtype);
+  r.lse = output({pb.Hq, T}, FLASHMSA_DTYPE_FP32);
+  flashmsa::FwdArgs a;
+  a.q = dev_view(in.q);
+  a.k = dev_view(in.k);
+  a.v = dev_view(in.v);
+  if (mode != FLASHMSA_MODE_GIVEN || with_proxy_lse) {
+    a.qp = dev_view(in.qp);
+    a.kp = dev_view(in.kp);
+  }
+  if (pb.batch == 0) a.cu_seqlens = dev_view(in.cu);
+  a.max_seqlen = pb.batch ? 0 : pb.max_len();
+  a.mode = mode;
+  a.numerics = num;
+  a.topk = topk;
+  if (mode == FLASHMSA_MODE_SPARSE) {
+    r.indices = output({pb.Hp, T, topk}, FLASHMSA_DTYPE_INT32);
+    a.indices = dev_view(r.indices);
+    if (with_proxy_lse) {
+      r.proxy_lse = output({pb.Hp, T}, FLASHMSA_DTYPE_FP32);
+      a.proxy_lse = dev_view(r.proxy_lse);
+    }
+  } else if (mode == FLASHMSA_MODE_GIVEN) {
+    r.indices.shape = {pb.Hp, T, topk};
+    r.indices.dtype = FLASHMSA_DTYPE_INT32;
+    r.indices.host.assign(given->begin(), given->end());
+    upload(r.indices);
+    a.indices = dev_view(r.indices);
+  }
+  a.out = dev_view(r.out);
+  a.lse = dev_view(r.lse);
+  size_t ws_bytes = flashmsa::workspace_size(a);
+  void* ws = ws_bytes ? Pool::get().take(ws_bytes) : nullptr;
+  flashmsa::fwd(a, ws, ws_bytes);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  download(r.out);
+  download(r.lse);
+  if (mode == FLASHMSA_MODE_SPARSE) {
+    download(r.indices);
+    if (with_proxy_lse) download(r.proxy_lse);
+  }
+  return r;
+}
+
+std::vector<int32_t> as_int(const Tensor& t) { return std::vector<int32_t>(t.host.begin(), t.host.end()); }
+
+// The accuracy bar: rel-L2(kernel vs fp64) <= 2 * rel-L2(straightforward vs fp64) + 1e-5.
+void expect_bar(const char* name, const std::vector<double>& got, const std::vector<double>& ref64,
+                const std::vector<double>& plain) {
+  ASSERT_TRUE(all_finite(got)) << name << ": unwritten (NaN) elements";
+  const double e = rel_l2(got, ref64), base = rel_l2(plain, ref64);
+  std::printf("    %-10s rel-L2 %.3e   (straightforward %.3e)\n", name, e, base);
+  EXPECT_LE(e, 2 * base + 1e-5) << name;
+}
+
+void check_forward(const Problem& pb, Inputs& in, const FwdRun& r, flashmsa_mode_t mode, int topk) {
+  const std::vector<int32_t> idx = mode == FLASHMSA_MODE_DENSE ? std::vector<int32_t>{} : as_int(r.indices);
+  const auto ref_mode = mode == FLASHMSA_MODE_DENSE ? FLASHMSA_MODE_DENSE : FLASHMSA_MODE_GIVEN;
+  RefFwd ref = reference_fwd(pb, in.q, in.k, in.v, nullptr, nullptr, idx.empty() ? nullptr : &idx, topk, ref_mode);
+  RefFwd plain = straightforward_fwd(pb, in.q, in.k, in.v, idx.empty() ? nullptr : &idx, topk, ref_mode);
+  expect_bar("out", r.out.host, ref.out, plain.out);
+  expect_bar("lse", r.lse.host, ref.lse, plain.lse);
+}
+
+// ---- tests ----------------------------------------------------------------------------------
+
+struct SparseCase {
+  const char* name;
+  Problem pb;
+  flashmsa_numerics_t num;
+};
+
+void run_sparse_case(const SparseCase& c) {
+  PoolScope scope;
+  std::mt19937_64 rng(fresh_seed());
+  Problem pb = c.pb;
+  Inputs in = make_inputs(pb, rng);
+  FwdRun r = run_fwd(pb, in, FLASHMSA_MODE_SPARSE, c.num, nullptr, pb.topk, /*proxy_lse=*/true);
+  ASSERT_TRUE(all_finite(r.proxy_lse.host)) << "proxy_lse unwritten";
+  // selection vs the fp64 reference
+  std::vector<double> qp = in.qp.host, kp = in.kp.host;
+  std::vector<int32_t> cu32 = in.cu32;
+  const int64_t T = pb.total();
+  std::vector<int32_t> want(size_t(pb.Hp) * T * pb.topk, -9);
+  flashmsa::SelectArgs s;
+  s.qp = host_view(qp, {T, pb.Hp, pb.Dp});
+  s.kp = host_view(kp, {T, pb.Hpk, pb.Dp});
+  s.cu_seqlens = flashmsa::view(cu32.data(), FLASHMSA_DTYPE_INT32, {int64_t(cu32.size())});
+  s.max_seqlen = pb.max_len();
+  s.topk = pb.topk;
+  s.indices = flashmsa::view(want.data(), FLASHMSA_DTYPE_INT32, {pb.Hp, T, pb.topk});
+  flashmsa::select(s);
+  const auto got = as_int(r.indices);
+  expect_selection_matches(pb, in, got, want, pb.topk);
+  // proxy lse over the kernel's own sets
+  RefFwd pref = reference_fwd(pb, in.q, in.k, in.v, &in.qp, &in.kp, &got, pb.topk, FLASHMSA_MODE_GIVEN);
+  const double e = rel_l2(r.proxy_lse.host, pref.proxy_lse);
+  std::printf("    %-10s rel-L2 %.3e\n", "proxy_lse", e);
+  EXPECT_LT(e, 1e-4);
+  check_forward(pb, in, r, FLASHMSA_MODE_SPARSE, pb.topk);
+}
+
+Problem make(int Hq, int Hkv, int Hp, int Hpk, int topk, std::vector<int64_t> lengths, int batch = 0,
+             flashmsa_dtype_t dt = FLASHMSA_DTYPE_BF16) {
+  Problem p;
+  p.Hq = Hq; p.Hkv = Hkv; p.Hp = Hp; p.Hpk = Hpk; p.topk = topk;
+  p.lengths = std::move(lengths);
+  p.batch = batch;
+  p.dtype = dt;
+  return p;
+}
+
+TEST(Sparse, M3) { run_sparse_case({"m3", make(64, 4, 4, 1, 16, {2300}), FLASHMSA_NUMERICS_TRAIN}); }
+TEST(Sparse, FmsaVarlen) {
+  run_sparse_case({"fmsa", make(16, 2, 4, 1, 16, {0, 1, 127, 129, 1000, 4097}), FLASHMSA_NUMERICS_TRAIN});
+}
+TEST(Sparse, FmsaInferFp16) {
+  run_sparse_case({"fmsa", make(16, 2, 4, 1, 16, {1500}, 0, FLASHMSA_DTYPE_FP16), FLASHMSA_NUMERICS_INFER});
+}
+TEST(Sparse, M3InferBatched) { run_sparse_case({"m3", make(64, 4, 4, 1, 16, {1100}, 2), FLASHMSA_NUMERICS_INFER}); }
+TEST(Sparse, HpBelowHkv) { run_sparse_case({"hp<hkv", make(8, 4, 2, 1, 4, {700, 333}), FLASHMSA_NUMERICS_TRAIN}); }
+TEST(Sparse, G1Hpk2Topk32) { run_sparse_case({"g1", make(4, 2, 4, 2, 32, {4500}), FLASHMSA_NUMERICS_TRAIN}); }
+TEST(Sparse, Topk64Gcd3) { run_sparse_case({"gcd3", make(12, 2, 4, 2, 64, {9000}), FLASHMSA_NUMERICS_TRAIN}); }
+TEST(Sparse, SmallTopk1) { run_sparse_case({"topk1", make(8, 2, 2, 1, 1, {300, 5}), FLASHMSA_NUMERICS_TRAIN}); }
+TEST(Sparse, SmallTopk2) { run_sparse_case({"small", make(8, 2, 2, 1, 2, {0, 1, 127, 129, 400}), FLASHMSA_NUMERICS_TRAIN}); }
+
+TEST(Dense, FmsaVarlen) {
+  PoolScope scope;
+  std::mt19937_64 rng(fresh_seed());
+  Problem pb = make(16, 2, 4, 1, 1, {129, 1000, 0, 1777});
+  Inputs in = make_inputs(pb, rng);
+  FwdRun r = run_fwd(pb, in, FLASHMSA_MODE_DENSE, FLASHMSA_NUMERICS_TRAIN, nullptr, 0, false);
+  check_forward(pb, in, r, FLASHMSA_MODE_DENSE, 0);
+}
+
+TEST(Dense, SmallM3) {
+  PoolScope scope;
+  std::mt19937_64 rng(fresh_seed());
+  Problem pb = make(64, 4, 4, 1, 1, {300, 1});
+  Inputs in = make_inputs(pb, rng);
+  FwdRun r = run_fwd(pb, in, FLASHMSA_MODE_DENSE, FLASHMSA_NUMERICS_TRAIN, nullptr, 0, false);
+  check_forward(pb, in, r, FLASHMSA_MODE_DENSE, 0);
+}
+
+// Given indices with empty slots of every kind, blocks after the query's own, and rows with no
+// valid slot at all (out = 0, lse = -inf).
+void run_given(const Problem& pb0, bool small) {
+  PoolScope scope;
+  std::mt19937_64 rng(fresh_seed());
+  Problem pb = pb0;
+  Inputs in = make_inputs(pb, rng);
+  const auto cu = pb.offsets();
+  const int64_t T = pb.total();
+  const int K = pb.topk;
+  const int32_t junk[] = {INT_MIN, -123456, -1, INT_MAX};
+  std::vector<int32_t> idx(size_t(pb.Hp) * T * K, -1);
+  for (int p = 0; p < pb.Hp; ++p)
+    for (size_t b = 0; b + 1 < cu.size(); ++b) {
+      const int64_t nb = (cu[b + 1] - cu[b] + 127) / 128;
+      for (int64_t t = cu[b]; t < cu[b + 1]; ++t) {
+        int32_t* row = &idx[(size_t(p) * T + t) * K];
+        if (rng() % 17 == 0) {  // a row with nothing valid
+          for (int s = 0; s < K; ++s) row[s] = junk[rng() % 4];
+          continue;
+        }
+        std::vector<int32_t> blocks(static_cast<size_t>(nb));
+        std::iota(blocks.begin(), blocks.end(), 0);
+        std::shuffle(blocks.begin(), blocks.end(), rng);
+        for (int s = 0; s < K; ++s) {
+          const uint64_t dice = rng() % 8;
+          if (dice == 0) row[s] = junk[rng() % 4];
+          else if (dice == 1) row[s] = int32_t(nb + int64_t(rng() % 3));  // out of range
+          else if (size_t(s) < blocks.size()) row[s] = blocks[size_t(s)];  // may lie after the query
+          else row[s] = -1;
+        }
+      }
+    }
+  FwdRun r = run_fwd(pb, in, FLASHMSA_MODE_GIVEN, FLASHMSA_NUMERICS_TRAIN, &idx, K, false);
+  r.indices.host.assign(idx.begin(), idx.end());
+  check_forward(pb, in, r, FLASHMSA_MODE_GIVEN, K);
+  // empty rows: exactly 0 and -inf
+  RefFwd ref = reference_fwd(pb, in.q, in.k, in.v, nullptr, nullptr, &idx, K, FLASHMSA_MODE_GIVEN);
+  int64_t empty_rows = 0;
+  for (size_t x = 0; x < ref.lse.size(); ++x)
+    if (std::isinf(ref.lse[x])) {
+      ++empty_rows;
+      EXPECT_TRUE(std::isinf(r.lse.host[x]) && r.lse.host[x] < 0) << "lse of an empty row at " << x;
+    }
+  std::printf("    %lld empty (head, token) rows\n", (long long)empty_rows);
+  (void)small;
+}
+
+TEST(Given, FmsaVarlen) { run_given(make(16, 2, 4, 1, 16, {129, 2000, 1}), false); }
+TEST(Given, SmallOdd) { run_given(make(8, 4, 2, 1, 3, {0, 300, 127}), true); }
+
+// A forward captured in a CUDA graph and replayed equals the eager run bitwise (no host sync
+// inside, workspace from the caller).
+TEST(Graph, SparseForwardCaptureReplay) {
+  PoolScope scope;
+  std::mt19937_64 rng(fresh_seed());
+  Problem pb = make(64, 4, 4, 1, 16, {3000});
+  Inputs in = make_inputs(pb, rng);
+  FwdRun eager = run_fwd(pb, in, FLASHMSA_MODE_SPARSE, FLASHMSA_NUMERICS_TRAIN, nullptr, pb.topk, false);
+  const int64_t T = pb.total();
+  Tensor out = output(token_shape(pb, pb.Hq, pb.D), pb.dtype), lse = output({pb.Hq, T}, FLASHMSA_DTYPE_FP32);
+  flashmsa::FwdArgs a;
+  a.q = dev_view(in.q); a.k = dev_view(in.k); a.v = dev_view(in.v);
+  a.qp = dev_view(in.qp); a.kp = dev_view(in.kp);
+  a.cu_seqlens = dev_view(in.cu);
+  a.max_seqlen = pb.max_len();
+  a.topk = pb.topk;
+  a.out = dev_view(out);
+  a.lse = dev_view(lse);  // indices absent: they live in the workspace
+  const size_t ws_bytes = flashmsa::workspace_size(a);
+  ASSERT_GT(ws_bytes, 0u);
+  void* ws = Pool::get().take(ws_bytes);
+  cudaStream_t st;
+  CUDA_OK(cudaStreamCreate(&st));
+  a.stream = st;
+  flashmsa::fwd(a, ws, ws_bytes);  // first call outside capture (function attributes)
+  CUDA_OK(cudaStreamSynchronize(st));
+  cudaMemset(out.dev, 0xff, out.bytes());
+  cudaMemset(lse.dev, 0xff, lse.bytes());
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CUDA_OK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+  flashmsa::fwd(a, ws, ws_bytes);
+  CUDA_OK(cudaStreamEndCapture(st, &graph));
+  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  CUDA_OK(cudaGraphLaunch(exec, st));
+  CUDA_OK(cudaStreamSynchronize(st));
+  download(out);
+  download(lse);
+  EXPECT_EQ(out.host, eager.out.host);
+  EXPECT_EQ(lse.host, eager.lse.host);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(st);
+}
+
+// The CUDA backend refuses what it does not instantiate, before running anything.
+TEST(Errors, UnsupportedHeadDim) {
+  PoolScope scope;
+  std::mt19937_64 rng(fresh_seed());
+  Problem pb = make(4, 2, 2, 1, 2, {200});
+  pb.D = 64;
+  Inputs in = make_inputs(pb, rng);
+  Tensor out = output(token_shape(pb, pb.Hq, pb.D), pb.dtype), lse = output({pb.Hq, pb.total()}, FLASHMSA_DTYPE_FP32);
+  flashmsa::FwdArgs a;
+  a.q = dev_view(in.q); a.k = dev_view(in.k); a.v = dev_view(in.v);
+  a.qp = dev_view(in.qp); a.kp = dev_view(in.kp);
+  a.cu_seqlens = dev_view(in.cu);
+  a.max_seqlen = pb.max_len();
+  a.topk = 2;
+  a.out = dev_view(out);
+  a.lse = dev_view(lse);
+  EXPECT_EQ(flashmsa_fwd(&a, nullptr, 0), FLASHMSA_ERROR_NOT_SUPPORTED);
+  EXPECT_NE(std::string(flashmsa_last_error()).find("D = 64"), std::string::npos) << flashmsa_last_error();
+  download(out);
+  for (double x : out.host) ASSERT_TRUE(std::isnan(x)) << "output written by a refused call";
+}
+
+}  // namespace
+}  // namespace gputest
