@@ -14,14 +14,14 @@
 namespace flashmsa::cuda {
 
 namespace selection {
-extern template void launch<cutlass::bfloat16_t>(const Params&, cudaStream_t);
-extern template void launch<cutlass::half_t>(const Params&, cudaStream_t);
+extern template void launch<cutlass::bfloat16_t>(const Params<cutlass::bfloat16_t>&, cudaStream_t);
+extern template void launch<cutlass::half_t>(const Params<cutlass::half_t>&, cudaStream_t);
 }  // namespace selection
 namespace attn_fwd {
-extern template void launch<cutlass::bfloat16_t, false>(const Params&, cudaStream_t);
-extern template void launch<cutlass::bfloat16_t, true>(const Params&, cudaStream_t);
-extern template void launch<cutlass::half_t, false>(const Params&, cudaStream_t);
-extern template void launch<cutlass::half_t, true>(const Params&, cudaStream_t);
+extern template void launch<cutlass::bfloat16_t, false>(const Params<cutlass::bfloat16_t>&, cudaStream_t);
+extern template void launch<cutlass::bfloat16_t, true>(const Params<cutlass::bfloat16_t>&, cudaStream_t);
+extern template void launch<cutlass::half_t, false>(const Params<cutlass::half_t>&, cudaStream_t);
+extern template void launch<cutlass::half_t, true>(const Params<cutlass::half_t>&, cudaStream_t);
 }  // namespace attn_fwd
 
 namespace {
@@ -149,12 +149,18 @@ size_t bwd_workspace(const flashmsa_bwd_args_t&, const Geometry&) { return 0; }
 
 namespace {
 
-void run_select(const flashmsa_tensor_t& qp, const flashmsa_tensor_t& kp, const flashmsa_tensor_t& cu,
-                const Geometry& g, int32_t* indices, int64_t idx_head, int64_t idx_tok,
-                const flashmsa_tensor_t& proxy_lse, cudaStream_t st) {
-  selection::Params p;
+template <class Element>
+void run_select_t(const flashmsa_tensor_t& qp, const flashmsa_tensor_t& kp, const flashmsa_tensor_t& cu,
+                  const Geometry& g, int32_t* indices, int64_t idx_head, int64_t idx_tok,
+                  const flashmsa_tensor_t& proxy_lse, cudaStream_t st) {
+  using P = selection::Params<Element>;
+  P p;
   p.qp = token_tensor<const void>(qp, g);
   p.kp = token_tensor<const void>(kp, g);
+  const auto t = make_block_load<Element, typename P::StageLayout>(p.kp, g.Hpk, g.batched, g.seqlen, g.batch, g.total);
+  p.tma_kp = t.copy;
+  p.tma_shape_kp = t.shape;
+  p.batched = g.batched;
   p.seqs = seqs_of(cu, g);
   p.Hp = g.Hp;
   p.Hpk = g.Hpk;
@@ -165,8 +171,50 @@ void run_select(const flashmsa_tensor_t& qp, const flashmsa_tensor_t& kp, const 
   p.indices.tok = idx_tok;
   p.proxy_lse = head_tensor<float>(proxy_lse);
   p.num_m_blocks = int((g.max_seqlen + 127) / 128);
-  if (g.dtype == FLASHMSA_DTYPE_BF16) selection::launch<cutlass::bfloat16_t>(p, st);
-  else selection::launch<cutlass::half_t>(p, st);
+  selection::launch<Element>(p, st);
+}
+
+void run_select(const flashmsa_tensor_t& qp, const flashmsa_tensor_t& kp, const flashmsa_tensor_t& cu,
+                const Geometry& g, int32_t* indices, int64_t idx_head, int64_t idx_tok,
+                const flashmsa_tensor_t& proxy_lse, cudaStream_t st) {
+  if (g.dtype == FLASHMSA_DTYPE_BF16)
+    run_select_t<cutlass::bfloat16_t>(qp, kp, cu, g, indices, idx_head, idx_tok, proxy_lse, st);
+  else
+    run_select_t<cutlass::half_t>(qp, kp, cu, g, indices, idx_head, idx_tok, proxy_lse, st);
+}
+
+template <class Element>
+void run_fwd(const flashmsa_fwd_args_t& a, const Geometry& g, const int32_t* idx, int64_t idx_head,
+             int64_t idx_tok, cudaStream_t st) {
+  using P = attn_fwd::Params<Element>;
+  using Stage = typename P::StageLayout;
+  P p;
+  p.q = token_tensor<const void>(a.q, g);
+  p.k = token_tensor<const void>(a.k, g);
+  p.v = token_tensor<const void>(a.v, g);
+  const auto tk = make_block_load<Element, Stage>(p.k, g.Hkv, g.batched, g.seqlen, g.batch, g.total);
+  const auto tv = make_block_load<Element, Stage>(p.v, g.Hkv, g.batched, g.seqlen, g.batch, g.total);
+  p.tma_k = tk.copy;
+  p.tma_v = tv.copy;
+  p.tma_shape_k = tk.shape;
+  p.batched = g.batched;
+  p.out = token_tensor<void>(a.out, g);
+  p.lse = head_tensor<float>(a.lse);
+  p.indices.ptr = idx;
+  p.indices.head = idx_head;
+  p.indices.tok = idx_tok;
+  p.seqs = seqs_of(a.cu_seqlens, g);
+  p.Hq = g.Hq;
+  p.Hkv = g.Hkv;
+  p.Hp = g.Hp;
+  p.topk = a.mode == FLASHMSA_MODE_DENSE ? 0 : g.topk;
+  Geometry gt = g;
+  gt.topk = p.topk;
+  tile_shape(gt, p.R, p.NT);
+  p.scale = float(g.scale);
+  p.num_m_tiles = int((g.max_seqlen + p.NT - 1) / p.NT);
+  if (a.numerics == FLASHMSA_NUMERICS_INFER) attn_fwd::launch<Element, true>(p, st);
+  else attn_fwd::launch<Element, false>(p, st);
 }
 
 }  // namespace
@@ -216,33 +264,8 @@ void fwd(const flashmsa_fwd_args_t& a, const Geometry& g, void* ws, size_t) {
     idx_tok = a.indices.strides[1];
   }
 
-  attn_fwd::Params p;
-  p.q = token_tensor<const void>(a.q, g);
-  p.k = token_tensor<const void>(a.k, g);
-  p.v = token_tensor<const void>(a.v, g);
-  p.out = token_tensor<void>(a.out, g);
-  p.lse = head_tensor<float>(a.lse);
-  p.indices.ptr = idx;
-  p.indices.head = idx_head;
-  p.indices.tok = idx_tok;
-  p.seqs = seqs_of(a.cu_seqlens, g);
-  p.Hq = g.Hq;
-  p.Hkv = g.Hkv;
-  p.Hp = g.Hp;
-  p.topk = a.mode == FLASHMSA_MODE_DENSE ? 0 : g.topk;
-  Geometry gt = g;
-  gt.topk = p.topk;
-  tile_shape(gt, p.R, p.NT);
-  p.scale = float(g.scale);
-  p.num_m_tiles = int((g.max_seqlen + p.NT - 1) / p.NT);
-  const bool lazy = a.numerics == FLASHMSA_NUMERICS_INFER;
-  if (g.dtype == FLASHMSA_DTYPE_BF16) {
-    if (lazy) attn_fwd::launch<cutlass::bfloat16_t, true>(p, st);
-    else attn_fwd::launch<cutlass::bfloat16_t, false>(p, st);
-  } else {
-    if (lazy) attn_fwd::launch<cutlass::half_t, true>(p, st);
-    else attn_fwd::launch<cutlass::half_t, false>(p, st);
-  }
+  if (g.dtype == FLASHMSA_DTYPE_BF16) run_fwd<cutlass::bfloat16_t>(a, g, idx, idx_head, idx_tok, st);
+  else run_fwd<cutlass::half_t>(a, g, idx, idx_head, idx_tok, st);
 }
 
 void bwd(const flashmsa_bwd_args_t&, const Geometry&, void*, size_t) {

@@ -5,14 +5,19 @@
 // (R = gcd(Hq/Hp, Hq/Hkv), capped to a divisor <= 128), so its 128 MMA rows read one K/V
 // stream: m3 (R = 16) packs 8 tokens x 16 heads, fmsa (R = 4) 32 tokens x 4 heads. The CTA
 // builds the union of the tokens' selected blocks (ascending) and a per-(union block, token)
-// bit, then streams K_j, V_j through a two-stage cp.async buffer; two consumer warpgroups own
-// 64 rows each: S = Q K^T (wgmma SS), mask (selection bit, causal u <= i), online softmax with
+// bit. Warp-specialised: warpgroup 0 is the producer (one thread issues TMA loads of K_j, V_j
+// into a two-stage mbarrier pipeline, registers given back), warpgroups 1 and 2 are consumers
+// that own 64 rows each (Q loaded once with cp.async): S = Q K^T (wgmma SS), mask (selection bit, causal u <= i), online softmax with
 // the running max exact (Train) or lazily rescaled at threshold 8 in log2 units (Infer),
 // O += P V (wgmma RS). Masked work (rows whose token did not select block j) is paid: the
 // union factor of BENCHMARKS.md is the price of this design (1.47 for m3 clustered).
 #pragma once
 
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/pipeline/sm90_pipeline.hpp>
+
 #include "cuda/common/seqlen.cuh"
+#include "cuda/common/tma.cuh"
 #include "cuda/common/utils.cuh"
 #include "cuda/ptx/cp_async.cuh"
 
@@ -22,7 +27,15 @@ namespace flashmsa::cuda::attn_fwd {
 constexpr int kMaxUnion = 2048;
 constexpr int kMaxBlocks = 8192;  // max_seqlen <= 1M tokens
 
+template <class Element>
+struct Config;
+
+template <class Element>
 struct Params {
+  using StageLayout = decltype(cute::take<0, 2>(typename Config<Element>::SmemLayoutKV{}));
+  TmaBlockLoad<Element, StageLayout> tma_k, tma_v;
+  TmaShape tma_shape_k;
+  bool batched = false;
   TokenTensor<const void> q, k, v;
   TokenTensor<void> out;
   HeadTensor<float> lse;              // [Hq, total]
@@ -37,7 +50,9 @@ struct Params {
 template <class Element>
 struct Config {
   static constexpr int kBlockM = 128, kBlockN = 128, kHeadDim = 128;
-  static constexpr int kThreads = 256, kStages = 2;
+  static constexpr int kThreads = 384, kStages = 2;  // producer warpgroup + 2 consumer warpgroups
+  static constexpr int kConsumers = 256;
+  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
   using Atom = cute::GMMA::Layout_K_SW128_Atom<Element>;
   using SmemLayoutQ =
       decltype(cute::tile_to_shape(Atom{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}));
@@ -65,24 +80,14 @@ struct Config {
     uint32_t wordprefix[kMaxBlocks / 32];
     int ulist[kMaxUnion];
     uint32_t tokmask[kMaxUnion][kBlockM / 32];
+    typename Pipeline::SharedStorage pipe;
     int ulen;
   };
   static constexpr size_t kSmemBytes = sizeof(Smem) + 1024;
 };
 
-template <int kThreads, class Element, class SmemTile>
-__device__ __forceinline__ void load_block(SmemTile s, const Element* base, int64_t tok_stride,
-                                           int64_t first_tok, int64_t last_tok, int tid) {
-#pragma unroll
-  for (int c = tid; c < 128 * 16; c += kThreads) {
-    const int r = c / 16, col = (c % 16) * 8;
-    const int64_t t = min(first_tok + r, last_tok);
-    ptx::cp_async_16(&s(r, col), base + t * tok_stride + col);
-  }
-}
-
 template <class Element, bool kLazyRescale>
-__global__ void __launch_bounds__(256, 1) fwd_kernel(const __grid_constant__ Params p) {
+__global__ void __launch_bounds__(384, 1) fwd_kernel(const __grid_constant__ Params<Element> p) {
   using namespace cute;
   using C = Config<Element>;
   extern __shared__ char smem_raw[];
@@ -96,28 +101,12 @@ __global__ void __launch_bounds__(256, 1) fwd_kernel(const __grid_constant__ Par
   const int64_t i0 = int64_t(m_tile) * p.NT;  // first token of the tile (in the sequence)
   if (i0 >= L) return;
   const int ntok = int(min<int64_t>(p.NT, L - i0));
-  const int tid = threadIdx.x, wg = tid / 128, lane = tid % 32;
+  const int tid = threadIdx.x, lane = tid % 32;
   const int h0 = unit * p.R;
   const int grp = h0 / (p.Hq / p.Hp), kvh = h0 / (p.Hq / p.Hkv);
-  const int64_t last = s0 + L - 1;
   const int64_t i_last = i0 + ntok - 1;
   const int nblk_tile = int(i_last / C::kBlockN) + 1;  // blocks 0..l(i_last)
   const bool dense = p.indices.ptr == nullptr;
-
-  // ---- Q tile: row r = token r / R, head h0 + r % R (rows past the tile clamp) ----
-  Tensor sQ = make_tensor(make_smem_ptr(S.q.data()), typename C::SmemLayoutQ{});
-  {
-    const Element* qp = static_cast<const Element*>(p.q.ptr);
-#pragma unroll
-    for (int c = tid; c < 128 * 16; c += C::kThreads) {
-      const int r = c / 16, col = (c % 16) * 8;
-      const int tok = min(r / p.R, ntok - 1);
-      const int h = h0 + r % p.R;
-      const Element* src = qp + b * p.q.batch_corr + (s0 + i0 + tok) * p.q.tok + h * p.q.head + col;
-      ptx::cp_async_16(&sQ(r, col), src);
-    }
-    ptx::cp_async_commit();
-  }
 
   // ---- the union of the tile's blocks ----
   const int nwords = (nblk_tile + 31) / 32;
@@ -177,18 +166,71 @@ __global__ void __launch_bounds__(256, 1) fwd_kernel(const __grid_constant__ Par
   __syncthreads();
   const int ulen = S.ulen;
 
-  // ---- main loop ----
+  // ---- pipeline: warpgroup 0 produces, warpgroups 1 and 2 consume ----
+  using Pipeline = typename C::Pipeline;
+  typename Pipeline::Params pp;
+  const int role_wg = tid / 128;
+  pp.role = role_wg == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
+  pp.is_leader = tid == 0;
+  pp.num_consumers = C::kConsumers;
+  pp.transaction_bytes = 2 * C::kBlockN * C::kHeadDim * sizeof(Element);
+  Pipeline pipeline(S.pipe, pp, Shape<_1, _1, _1>{});
+  __syncthreads();  // barrier initialisation visible to every thread
+
   Tensor sK = make_tensor(make_smem_ptr(S.k.data()), typename C::SmemLayoutKV{});
   Tensor sV = make_tensor(make_smem_ptr(S.v.data()), typename C::SmemLayoutKV{});
   Tensor sVt = make_tensor(make_smem_ptr(S.v.data()), typename C::SmemLayoutVt{});
-  const Element* kbase = p.k.template row<const Element>(b, 0, kvh);
-  const Element* vbase = p.v.template row<const Element>(b, 0, kvh);
-  if (ulen > 0) {
-    const int64_t first = s0 + int64_t(S.ulist[0]) * C::kBlockN;
-    load_block<C::kThreads>(sK(_, _, 0), kbase, p.k.tok, first, last, tid);
-    load_block<C::kThreads>(sV(_, _, 0), vbase, p.v.tok, first, last, tid);
+
+  if (role_wg == 0) {  // ---- producer ----
+    cutlass::arch::warpgroup_reg_dealloc<40>();
+    if (tid == 0) {
+      const int bidx = p.batched ? b : 0;
+      const int64_t off = p.batched ? 0 : s0;
+      Tensor mK = p.tma_k.get_tma_tensor(p.tma_shape_k)(_, _, kvh, bidx);
+      Tensor mV = p.tma_v.get_tma_tensor(p.tma_shape_k)(_, _, kvh, bidx);
+      Tensor gK = local_tile(domain_offset(make_coord(off, _0{}), mK), Shape<_128, _128>{}, make_coord(_, _0{}));
+      Tensor gV = local_tile(domain_offset(make_coord(off, _0{}), mV), Shape<_128, _128>{}, make_coord(_, _0{}));
+      auto tk = p.tma_k.get_slice(_0{});
+      auto tv = p.tma_v.get_slice(_0{});
+      Tensor tKg = group_modes<0, 3>(tk.partition_S(gK));  // (TMA, block)
+      Tensor tKs = group_modes<0, 3>(tk.partition_D(sK));  // (TMA, stage)
+      Tensor tVg = group_modes<0, 3>(tv.partition_S(gV));
+      Tensor tVs = group_modes<0, 3>(tv.partition_D(sV));
+      auto state = cutlass::make_producer_start_state<Pipeline>();
+      for (int qi = 0; qi < ulen; ++qi) {
+        const int j = S.ulist[qi];
+        pipeline.producer_acquire(state);
+        auto* bar = pipeline.producer_get_barrier(state);
+        copy(p.tma_k.with(*bar), tKg(_, j), tKs(_, state.index()));
+        copy(p.tma_v.with(*bar), tVg(_, j), tVs(_, state.index()));
+        ++state;
+      }
+    }
+    return;
   }
-  ptx::cp_async_commit();
+
+  // ---- consumers ----
+  cutlass::arch::warpgroup_reg_alloc<232>();
+  const int wg = role_wg - 1;
+  const int ctid = tid - 128;  // 0..255 over both consumer warpgroups
+  Tensor sQ = make_tensor(make_smem_ptr(S.q.data()), typename C::SmemLayoutQ{});
+  {
+    // this warpgroup's 64 Q rows: row r = token r / R, head h0 + r % R (rows past the tile clamp)
+    const Element* qp = static_cast<const Element*>(p.q.ptr);
+#pragma unroll
+    for (int c = tid % 128; c < 64 * 16; c += 128) {
+      const int r = wg * 64 + c / 16, col = (c % 16) * 8;
+      const int tok = min(r / p.R, ntok - 1);
+      const int h = h0 + r % p.R;
+      const Element* src = qp + b * p.q.batch_corr + (s0 + i0 + tok) * p.q.tok + h * p.q.head + col;
+      ptx::cp_async_16(&sQ(r, col), src);
+    }
+    ptx::cp_async_commit();
+    ptx::cp_async_wait<0>();
+    ptx::fence_proxy_async_smem();
+    ptx::named_barrier_sync(int(NamedBarrier::kWarpGroup0) + wg, 128);
+  }
+  (void)ctid;
 
   typename C::MmaQK mma_qk;
   typename C::MmaPV mma_pv;
@@ -217,30 +259,19 @@ __global__ void __launch_bounds__(256, 1) fwd_kernel(const __grid_constant__ Par
     row_pos[r] = i0 + row_tok[r];
   }
 
+  typename Pipeline::PipelineState state;  // consumer start: index 0, phase 0
   for (int qi = 0; qi < ulen; ++qi) {
-    const int stage = qi & 1;
     const int j = S.ulist[qi];
-    __syncthreads();  // block qi-1 fully consumed: its buffer can be refilled
-    if (qi + 1 < ulen) {
-      const int64_t first = s0 + int64_t(S.ulist[qi + 1]) * C::kBlockN;
-      load_block<C::kThreads>(sK(_, _, stage ^ 1), kbase, p.k.tok, first, last, tid);
-      load_block<C::kThreads>(sV(_, _, stage ^ 1), vbase, p.v.tok, first, last, tid);
-    }
-    ptx::cp_async_commit();
-    ptx::cp_async_wait<1>();
-    ptx::fence_proxy_async_smem();
-    __syncthreads();
-
+    pipeline.consumer_wait(state);
+    const int stage = state.index();
     wg_gemm<true>(mma_qk, tSrQ, tSrK(_, _, _, stage), accS);
 
     const int64_t key0 = int64_t(j) * C::kBlockN;
     const bool need_causal = key0 + C::kBlockN - 1 > i0;
-    float scale_old[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const bool sel = dense || row_tok[r] >= ntok
-                           ? row_tok[r] < ntok
-                           : ((S.tokmask[qi][row_tok[r] / 32] >> (row_tok[r] % 32)) & 1u) != 0u;
+      bool sel = row_tok[r] < ntok;  // rows past the tile see nothing
+      if (sel && !dense) sel = ((S.tokmask[qi][row_tok[r] / 32] >> (row_tok[r] % 32)) & 1u) != 0u;
       float mx = -INFINITY;
 #pragma unroll
       for (int c = 0; c < size<1>(sRC); ++c) {
@@ -254,7 +285,7 @@ __global__ void __launch_bounds__(256, 1) fwd_kernel(const __grid_constant__ Par
         // keep the stale max unless the new one exceeds it by more than 8 (log2 units)
         if (row_max[r] != -INFINITY && (m_new - row_max[r]) * sl2 <= 8.f) m_new = row_max[r];
       }
-      scale_old[r] = (m_new == -INFINITY) ? 1.f : ptx::exp2f_approx((row_max[r] - m_new) * sl2);
+      const float scale_old = (m_new == -INFINITY) ? 1.f : ptx::exp2f_approx((row_max[r] - m_new) * sl2);
       row_max[r] = m_new;
       const float ms = (m_new == -INFINITY) ? 0.f : m_new * sl2;
       float sum = 0.f;
@@ -264,9 +295,9 @@ __global__ void __launch_bounds__(256, 1) fwd_kernel(const __grid_constant__ Par
         sRC(r, c) = e;
         sum += e;
       }
-      row_sum[r] = row_sum[r] * scale_old[r] + sum;  // partial per thread; reduced at the end
+      row_sum[r] = row_sum[r] * scale_old + sum;  // partial per thread; reduced at the end
 #pragma unroll
-      for (int c = 0; c < size<1>(oRC); ++c) oRC(r, c) *= scale_old[r];
+      for (int c = 0; c < size<1>(oRC); ++c) oRC(r, c) *= scale_old;
     }
     // P (bf16/fp16) as the A operand of O += P V
     Tensor rP = make_tensor_like<Element>(accS);
@@ -274,8 +305,9 @@ __global__ void __launch_bounds__(256, 1) fwd_kernel(const __grid_constant__ Par
     for (int x = 0; x < size(accS); ++x) rP(x) = Element(accS(x));
     Tensor tOrP = make_tensor(rP.data(), acc_to_a_regs(rP.layout()));
     wg_gemm<false>(mma_pv, tOrP, tOrVt(_, _, _, stage), accO);
+    pipeline.consumer_release(state);
+    ++state;
   }
-  ptx::cp_async_wait<0>();
 
   // ---- epilogue: normalise, stage O through smem (this warpgroup's Q rows), store ----
   float row_lse[2];
@@ -298,7 +330,7 @@ __global__ void __launch_bounds__(256, 1) fwd_kernel(const __grid_constant__ Par
   ptx::named_barrier_sync(int(NamedBarrier::kWarpGroup0) + wg, 128);
   Element* optr = static_cast<Element*>(p.out.ptr);
   for (int c = tid % 128; c < 64 * 16; c += 128) {
-    const int row = wg * 64 + c / 16, col = (c % 16) * 8;
+    const int row = wg * 64 + c / 16, col = (c % 16) * 8;  // this warpgroup's rows
     const int tok = row / p.R;
     if (tok >= ntok) continue;
     const int h = h0 + row % p.R;
@@ -315,7 +347,7 @@ __global__ void __launch_bounds__(256, 1) fwd_kernel(const __grid_constant__ Par
 }
 
 template <class Element, bool kLazyRescale>
-void launch(const Params& p, cudaStream_t stream) {
+void launch(const Params<Element>& p, cudaStream_t stream) {
   using C = Config<Element>;
   auto kernel = fwd_kernel<Element, kLazyRescale>;
   FLASHMSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,

@@ -2,9 +2,9 @@
 // the local block, a streaming top-k per (token, proxy head) with the spec's tie rule and slot
 // order, and the selected-set proxy lse. Nothing quadratic touches device memory.
 //
-// One CTA = one query block (128 tokens of one sequence) of one proxy head; two consumer
-// warpgroups own 64 rows each; all 8 warps stream the key blocks 0..l through a two-stage
-// cp.async buffer. Per row and key block the CTA keeps (block max, block lse); the top-k list
+// One CTA = one query block (128 tokens of one sequence) of one proxy head. Warp-specialised:
+// warpgroup 0 streams the key blocks 0..l with TMA into a three-stage mbarrier pipeline (one
+// thread issues, the rest give their registers back); warpgroups 1 and 2 own 64 rows each. Per row and key block the CTA keeps (block max, block lse); the top-k list
 // (non-local blocks by descending score, ties to the lower index) lives in shared memory with
 // one owner thread per row, so its size is the runtime topk (<= 64). The local block is scored
 // last (masked u <= i) and only contributes its lse.
@@ -14,13 +14,25 @@
 // block lse is as costly as the GEMM, so this kernel is MUFU-bound near 50% of bf16 peak.
 #pragma once
 
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/pipeline/sm90_pipeline.hpp>
+
 #include "cuda/common/seqlen.cuh"
+#include "cuda/common/tma.cuh"
 #include "cuda/common/utils.cuh"
 #include "cuda/ptx/cp_async.cuh"
 
 namespace flashmsa::cuda::selection {
 
+template <class Element>
+struct Config;
+
+template <class Element>
 struct Params {
+  using StageLayout = decltype(cute::take<0, 2>(typename Config<Element>::SmemLayoutK{}));
+  TmaBlockLoad<Element, StageLayout> tma_kp;
+  TmaShape tma_shape_kp;
+  bool batched = false;
   TokenTensor<const void> qp, kp;
   Seqs seqs;
   int Hp = 0, Hpk = 0, topk = 0;
@@ -33,7 +45,9 @@ struct Params {
 template <class Element>
 struct Config {
   static constexpr int kBlockM = 128, kBlockN = 128, kHeadDim = 128;
-  static constexpr int kThreads = 256, kStages = 2;
+  static constexpr int kThreads = 384, kStages = 3;  // producer warpgroup + 2 consumer warpgroups
+  static constexpr int kConsumers = 256;
+  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
   using Atom = cute::GMMA::Layout_K_SW128_Atom<Element>;
   using SmemLayoutQ =
       decltype(cute::tile_to_shape(Atom{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}));
@@ -49,23 +63,11 @@ struct Config {
     // top-k lists, [slot][row] so that the 8 row owners of a warp hit different banks
     float score[FLASHMSA_MAX_TOPK][kBlockM];
     float lse2[FLASHMSA_MAX_TOPK][kBlockM];
-    int idx[FLASHMSA_MAX_TOPK][kBlockM];
+    int16_t idx[FLASHMSA_MAX_TOPK][kBlockM];
+    typename Pipeline::SharedStorage pipe;
   };
   static constexpr size_t kSmemBytes = sizeof(Smem) + 1024;  // + alignment slack
 };
-
-// Copy a 128 x 128 tile of rows first_tok.. (clamped to last_tok) into swizzled smem.
-template <int kThreads, class Element, class SmemTile>
-__device__ __forceinline__ void load_rows(SmemTile s, const Element* base, int64_t tok_stride,
-                                          int64_t first_tok, int64_t last_tok, int tid) {
-  constexpr int kChunks = 128 * 128 / 8;
-#pragma unroll
-  for (int c = tid; c < kChunks; c += kThreads) {
-    const int r = c / 16, col = (c % 16) * 8;
-    const int64_t t = min(first_tok + r, last_tok);
-    ptx::cp_async_16(&s(r, col), base + t * tok_stride + col);
-  }
-}
 
 // Sorted insert of (score, j, lse2) into a row's list of at most cap entries.
 template <class Smem>
@@ -81,12 +83,12 @@ __device__ __forceinline__ void list_insert(Smem& S, int row, int& count, int ca
   }
   S.score[pos][row] = score;
   S.lse2[pos][row] = lse2;
-  S.idx[pos][row] = j;
+  S.idx[pos][row] = int16_t(j);
   if (count < cap) ++count;
 }
 
 template <class Element>
-__global__ void __launch_bounds__(256, 1) select_kernel(const __grid_constant__ Params p) {
+__global__ void __launch_bounds__(384, 1) select_kernel(const __grid_constant__ Params<Element> p) {
   using namespace cute;
   using C = Config<Element>;
   extern __shared__ char smem_raw[];
@@ -98,17 +100,58 @@ __global__ void __launch_bounds__(256, 1) select_kernel(const __grid_constant__ 
   int64_t s0, L;
   p.seqs.get(b, s0, L);
   if (int64_t(m_block) * C::kBlockM >= L) return;
-  const int tid = threadIdx.x, wg = tid / 128, lane = tid % 32;
+  const int tid = threadIdx.x, lane = tid % 32;
   const int pk = ph / (p.Hp / p.Hpk);
-  const Element* qbase = p.qp.template row<const Element>(b, 0, ph);
-  const Element* kbase = p.kp.template row<const Element>(b, 0, pk);
   const int64_t last = s0 + L - 1;
+
+  using Pipeline = typename C::Pipeline;
+  typename Pipeline::Params pp;
+  const int role_wg = tid / 128;
+  pp.role = role_wg == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
+  pp.is_leader = tid == 0;
+  pp.num_consumers = C::kConsumers;
+  pp.transaction_bytes = C::kBlockN * C::kHeadDim * sizeof(Element);
+  Pipeline pipeline(S.pipe, pp, Shape<_1, _1, _1>{});
+  __syncthreads();  // barrier initialisation visible to every thread
 
   Tensor sQ = make_tensor(make_smem_ptr(S.q.data()), typename C::SmemLayoutQ{});
   Tensor sK = make_tensor(make_smem_ptr(S.k.data()), typename C::SmemLayoutK{});
-  load_rows<C::kThreads>(sQ, qbase, p.qp.tok, s0 + int64_t(m_block) * C::kBlockM, last, tid);
-  load_rows<C::kThreads>(sK(_, _, 0), kbase, p.kp.tok, s0, last, tid);
-  ptx::cp_async_commit();
+
+  if (role_wg == 0) {  // ---- producer: key blocks 0..m_block ----
+    cutlass::arch::warpgroup_reg_dealloc<40>();
+    if (tid == 0) {
+      Tensor mK = p.tma_kp.get_tma_tensor(p.tma_shape_kp)(_, _, pk, p.batched ? b : 0);
+      Tensor gK = local_tile(domain_offset(make_coord(p.batched ? int64_t(0) : s0, _0{}), mK),
+                             Shape<_128, _128>{}, make_coord(_, _0{}));
+      auto tk = p.tma_kp.get_slice(_0{});
+      Tensor tKg = group_modes<0, 3>(tk.partition_S(gK));
+      Tensor tKs = group_modes<0, 3>(tk.partition_D(sK));
+      auto state = cutlass::make_producer_start_state<Pipeline>();
+      for (int j = 0; j <= m_block; ++j) {
+        pipeline.producer_acquire(state);
+        copy(p.tma_kp.with(*pipeline.producer_get_barrier(state)), tKg(_, j), tKs(_, state.index()));
+        ++state;
+      }
+    }
+    return;
+  }
+
+  cutlass::arch::warpgroup_reg_alloc<232>();
+  const int wg = role_wg - 1;
+  {
+    // this warpgroup's 64 query rows (clamped to the sequence)
+    const Element* qbase = p.qp.template row<const Element>(b, 0, ph);
+#pragma unroll
+    for (int c = tid % 128; c < 64 * 16; c += 128) {
+      const int r = wg * 64 + c / 16, col = (c % 16) * 8;
+      const int64_t t = min(s0 + int64_t(m_block) * C::kBlockM + r, last);
+      ptx::cp_async_16(&sQ(r, col), qbase + t * p.qp.tok + col);
+    }
+    ptx::cp_async_commit();
+    ptx::cp_async_wait<0>();
+    ptx::fence_proxy_async_smem();
+    ptx::named_barrier_sync(int(NamedBarrier::kWarpGroup0) + wg, 128);
+  }
 
   typename C::Mma mma;
   auto thr = mma.get_thread_slice(tid % 128);
@@ -126,17 +169,12 @@ __global__ void __launch_bounds__(256, 1) select_kernel(const __grid_constant__ 
   int count[2] = {0, 0};
   float local_lse2[2] = {0.f, 0.f};
 
+  typename Pipeline::PipelineState state;
   for (int j = 0; j <= m_block; ++j) {
-    const int stage = j & 1;
-    __syncthreads();  // every warp is done with block j-1: its buffer can be refilled
-    if (j < m_block)
-      load_rows<C::kThreads>(sK(_, _, stage ^ 1), kbase, p.kp.tok, s0 + int64_t(j + 1) * C::kBlockN,
-                             last, tid);
-    ptx::cp_async_commit();
-    ptx::cp_async_wait<1>();
-    ptx::fence_proxy_async_smem();
-    __syncthreads();
-    wg_gemm<true>(mma, tSrQ, tSrK(_, _, _, stage), acc);
+    pipeline.consumer_wait(state);
+    wg_gemm<true>(mma, tSrQ, tSrK(_, _, _, state.index()), acc);
+    pipeline.consumer_release(state);
+    ++state;
 
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -189,7 +227,7 @@ __global__ void __launch_bounds__(256, 1) select_kernel(const __grid_constant__ 
 }
 
 template <class Element>
-void launch(const Params& p, cudaStream_t stream) {
+void launch(const Params<Element>& p, cudaStream_t stream) {
   using C = Config<Element>;
   auto kernel = select_kernel<Element>;
   FLASHMSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,

@@ -1,0 +1,46 @@
+// TMA loads of 128-token blocks of a per-token tensor ([total, H, 128] varlen or
+// [B, S, H, 128] batched) into one stage of a swizzled shared-memory layout.
+//
+// The tensor is described to the copy engine as (tokens, d, heads, batch): varlen uses one
+// batch of `total` tokens and shifts the origin to the sequence start (domain_offset), batched
+// uses (S, d, H, B). Tokens past the tensor's end are zero-filled by the engine; tokens of the
+// next sequence are masked by the consumer (u <= i).
+#pragma once
+
+#include <cute/tensor.hpp>
+
+#include "cuda/common/seqlen.cuh"
+
+namespace flashmsa::cuda {
+
+using TmaShape = cute::Shape<int32_t, int32_t, int32_t, int32_t>;     // (tokens, d, heads, batch)
+using TmaStride = cute::Stride<int64_t, cute::_1, int64_t, int64_t>;
+
+template <class Element, class SmemLayoutStage>
+using TmaBlockLoad = decltype(cute::make_tma_copy(
+    cute::SM90_TMA_LOAD{},
+    cute::make_tensor(cute::make_gmem_ptr(static_cast<Element const*>(nullptr)), TmaShape{}, TmaStride{}),
+    SmemLayoutStage{}, cute::Shape<cute::_128, cute::_128>{}, cute::_1{}));
+
+// Host: the copy and the shape of its coordinate tensor for a per-token tensor of `heads`
+// heads. batched: (S, d, H, B) with the batch stride; varlen: (total, d, H, 1).
+template <class Element, class SmemLayoutStage>
+struct TmaBlock {
+  TmaBlockLoad<Element, SmemLayoutStage> copy;
+  TmaShape shape;
+};
+
+template <class Element, class SmemLayoutStage>
+TmaBlock<Element, SmemLayoutStage> make_block_load(const TokenTensor<const void>& t, int heads, bool batched,
+                                                   int64_t seqlen, int batch, int64_t total) {
+  using namespace cute;
+  const int64_t tokens = batched ? seqlen : total;
+  // batched: element (b, s) sits at b * (batch_corr + S * tok) + s * tok
+  const int64_t bstride = batched ? t.batch_corr + seqlen * t.tok : total * t.tok;  // unused when B = 1
+  TmaShape shape = make_shape(int32_t(tokens), int32_t(128), int32_t(heads), int32_t(batched ? batch : 1));
+  TmaStride stride = make_stride(t.tok, _1{}, t.head, bstride);
+  Tensor m = make_tensor(make_gmem_ptr(static_cast<Element const*>(t.ptr)), shape, stride);
+  return {make_tma_copy(SM90_TMA_LOAD{}, m, SmemLayoutStage{}, Shape<_128, _128>{}, _1{}), shape};
+}
+
+}  // namespace flashmsa::cuda
