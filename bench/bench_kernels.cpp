@@ -1,6 +1,7 @@
 // Times flashmsa's CUDA kernels on BENCHMARKS.md's configurations and patterns (CUDA events,
 // median of >= 10 timed runs after warm-up) and prints one JSON object per measurement.
 //   flashmsa_bench --config m3 --seqlens 8192,32768 --patterns clustered,random [--iters 10]
+//                  [--save-indices DIR]   (the selections, for bench/run_bench.py's peers)
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -82,7 +83,7 @@ double median_ms(F&& f, int iters) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string config = "m3", seqlens = "32768", patterns = "clustered,random";
+  std::string config = "m3", seqlens = "32768", patterns = "clustered,random", save_dir;
   int iters = 10;
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string k = argv[i], v = argv[i + 1];
@@ -90,6 +91,7 @@ int main(int argc, char** argv) {
     else if (k == "--seqlens") seqlens = v;
     else if (k == "--patterns") patterns = v;
     else if (k == "--iters") iters = std::atoi(v.c_str());
+    else if (k == "--save-indices") save_dir = v;
     else { std::fprintf(stderr, "unknown flag %s\n", k.c_str()); return 2; }
   }
   Config c = config == "fmsa" ? Config{"fmsa", 16, 2, 4, 1, 16} : Config{"m3", 64, 4, 4, 1, 16};
@@ -176,6 +178,13 @@ int main(int argc, char** argv) {
           ++ntiles;
         }
       uf /= ntiles;
+      if (!save_dir.empty()) {  // raw int32 [Hp, T, topk] for the peers (FlexAttention masks)
+        const std::string path = save_dir + "/indices-" + c.name + "-" + sl + "-" + pat_s + ".bin";
+        if (FILE* fp = std::fopen(path.c_str(), "wb")) {
+          std::fwrite(hidx.data(), 4, hidx.size(), fp);
+          std::fclose(fp);
+        }
+      }
       auto tf = [](double flop, double ms) { return flop / (ms * 1e-3) / 1e12; };
       std::printf(
           "{\"gpu\": \"%s\", \"config\": \"%s\", \"seqlen\": %lld, \"pattern\": \"%s\", \"topk\": %d, "

@@ -1,0 +1,207 @@
+#!/usr/bin/env python3
+"""BENCHMARKS.md's protocol in one run on the GPU machine: flashmsa's kernels (flashmsa_bench)
+and the peers measured in the same process run — cuDNN SDPA and FA2 SDPA dense causal
+(enable_gqa), FlexAttention serving the same per-token selection (union block mask + per-token
+mask_mod), and a chunked torch top-k indexer for the selection stage.
+
+Writes <out>/<date>-<gpu>.json and .md. Usage (from the repo root, binaries in .gpu/):
+    python3 bench/run_bench.py --out $OUT [--seqlens 16384,32768] [--configs m3,fmsa]
+"""
+import argparse
+import datetime
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+CONFIGS = {"m3": dict(Hq=64, Hkv=4, Hp=4, Hpk=1, topk=16), "fmsa": dict(Hq=16, Hkv=2, Hp=4, Hpk=1, topk=16)}
+D = 128
+BK = 128
+
+
+def log(*a):
+    print(*a, file=sys.stderr, flush=True)
+
+
+def median_ms(fn, iters=10, warmup=3):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def sdpa_times(cfg, T, backend):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    be = {"cudnn": SDPBackend.CUDNN_ATTENTION, "fa2": SDPBackend.FLASH_ATTENTION}[backend]
+    q = torch.randn(1, cfg["Hq"], T, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(1, cfg["Hkv"], T, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(1, cfg["Hkv"], T, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    do = torch.randn(1, cfg["Hq"], T, D, device="cuda", dtype=torch.bfloat16)
+    with sdpa_kernel([be]):
+        fwd = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        t_fwd = median_ms(fwd)
+        def step():
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            o.backward(do)
+        torch.cuda.reset_peak_memory_stats()
+        t_step = median_ms(step, iters=5)
+        peak = torch.cuda.max_memory_allocated()
+    flops = 4 * D * cfg["Hq"] * T * (T + 1) / 2
+    return dict(fwd_ms=t_fwd, fwd_tflops=flops / t_fwd / 1e9, step_ms=t_step,
+                step_tflops=3.5 * flops / t_step / 1e9, peak_gb=peak / 1e9)
+
+
+def flex_times(cfg, T, indices, main_pairs):
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+    Hq, Hp = cfg["Hq"], cfg["Hp"]
+    G = Hq // Hp
+    nb = (T + BK - 1) // BK
+    idx = torch.from_numpy(indices).cuda().long()  # [Hp, T, topk]
+    sel = torch.zeros(Hp, T, nb + 1, dtype=torch.bool, device="cuda")
+    sel.scatter_(2, torch.where(idx >= 0, idx, nb), True)
+    sel = sel[:, :, :nb].contiguous()  # [Hp, T, nb]: token selects block
+    tile = sel.view(Hp, nb, BK, nb).any(dim=2)  # [Hp, q-tile, kv-block]: the union
+    num = tile.sum(-1).to(torch.int32)
+    order = torch.argsort(tile.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+    num = num.repeat_interleave(G, dim=0)[None]
+    order = order.repeat_interleave(G, dim=0)[None]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return sel[h // G, q_idx, kv_idx // BK] & (kv_idx <= q_idx)
+
+    bm = BlockMask.from_kv_blocks(num, order, BLOCK_SIZE=BK, mask_mod=mask_mod, seq_lengths=(T, T))
+    flex = torch.compile(flex_attention, dynamic=False)
+    q = torch.randn(1, Hq, T, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(1, cfg["Hkv"], T, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(1, cfg["Hkv"], T, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    do = torch.randn_like(q)
+    t_fwd = median_ms(lambda: flex(q, k, v, block_mask=bm, enable_gqa=True))
+    def step():
+        flex(q, k, v, block_mask=bm, enable_gqa=True).backward(do)
+    t_step = median_ms(step, iters=5)
+    flops = 4 * D * main_pairs
+    return dict(fwd_ms=t_fwd, fwd_tflops=flops / t_fwd / 1e9, step_ms=t_step, step_tflops=3.5 * flops / t_step / 1e9)
+
+
+def torch_topk_indexer_ms(cfg, T, chunk=2048):
+    Hp, topk = cfg["Hp"], cfg["topk"]
+    qp = torch.randn(T, Hp, D, device="cuda", dtype=torch.bfloat16)
+    kp = torch.randn(T, cfg["Hpk"], D, device="cuda", dtype=torch.bfloat16)
+    nb = (T + BK - 1) // BK
+
+    def run():
+        out = []
+        kpt = kp[:, 0].t()
+        for s in range(0, T, chunk):
+            z = (qp[s:s + chunk].transpose(0, 1) @ kpt).float()  # [Hp, c, T]
+            pos = torch.arange(s, min(T, s + chunk), device="cuda")
+            z.masked_fill_(torch.arange(T, device="cuda")[None, None, :] > pos[None, :, None], float("-inf"))
+            blk = z.view(Hp, z.shape[1], nb, BK).amax(-1)
+            local = (pos // BK)[None, :, None]
+            blk.scatter_(2, local.expand(Hp, -1, 1), float("inf"))
+            out.append(blk.topk(topk, dim=-1).indices)
+        return out
+
+    return median_ms(run, iters=5)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
+    ap.add_argument("--seqlens", default="16384,32768")
+    ap.add_argument("--configs", default="m3,fmsa")
+    ap.add_argument("--patterns", default="clustered,random")
+    ap.add_argument("--flex", default="16384,32768", help="seqlens where FlexAttention runs")
+    ap.add_argument("--bin", default=".gpu/flashmsa_bench")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    gpu = torch.cuda.get_device_name(0)
+    date = datetime.date.today().isoformat()
+    rows = []
+    for name in args.configs.split(","):
+        cfg = CONFIGS[name]
+        log(f"[bench] flashmsa kernels, {name}")
+        res = subprocess.run([args.bin, "--config", name, "--seqlens", args.seqlens, "--patterns", args.patterns,
+                              "--save-indices", args.out], check=True, capture_output=True, text=True).stdout
+        ours = [json.loads(l) for l in res.splitlines() if l.startswith("{")]
+        for T in [int(x) for x in args.seqlens.split(",")]:
+            peers = {}
+            for be in ("cudnn", "fa2"):
+                log(f"[bench] {be} dense causal {name} {T}")
+                try:
+                    peers[be] = sdpa_times(cfg, T, be)
+                except Exception as e:  # a backend missing for this shape is reported, not fatal
+                    peers[be] = dict(error=str(e)[:200])
+                torch.cuda.empty_cache()
+            log(f"[bench] torch chunked top-k indexer {name} {T}")
+            peers["torch_topk_indexer_ms"] = torch_topk_indexer_ms(cfg, T)
+            for o in ours:
+                if o["seqlen"] != T:
+                    continue
+                row = dict(o)
+                row["peers"] = dict(peers)
+                if str(T) in args.flex.split(","):
+                    idx = np.fromfile(os.path.join(args.out, f"indices-{name}-{T}-{o['pattern']}.bin"),
+                                      dtype=np.int32).reshape(cfg["Hp"], T, cfg["topk"])
+                    main_pairs = o["fwd_train_tflops"] * 1e12 * o["fwd_train_ms"] * 1e-3 / (4 * D)
+                    log(f"[bench] flex {name} {T} {o['pattern']}")
+                    try:
+                        row["peers"]["flex"] = flex_times(cfg, T, idx, main_pairs)
+                    except Exception as e:
+                        row["peers"]["flex"] = dict(error=str(e)[:300])
+                    torch.cuda.empty_cache()
+                rows.append(row)
+        for f in os.listdir(args.out):
+            if f.startswith("indices-"):
+                os.remove(os.path.join(args.out, f))
+    stem = os.path.join(args.out, f"{date}-{gpu.replace(' ', '-').lower()}")
+    meta = dict(date=date, gpu=gpu, torch=torch.__version__, command=" ".join(sys.argv), rows=rows)
+    with open(stem + ".json", "w") as f:
+        json.dump(meta, f, indent=1)
+    with open(stem + ".md", "w") as f:
+        f.write(markdown(meta))
+    print(markdown(meta))
+
+
+def fmt(x, nd=1):
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{nd}f}"
+
+
+def markdown(meta):
+    out = [f"GPU {meta['gpu']}, torch {meta['torch']}, {meta['date']}. Command: `{meta['command']}`.", "",
+           "Effective TFLOP/s count only the work the spec requires (ARCHITECTURE.md). Times in ms (median).", "",
+           "| config | T | pattern | union/128 | select ms (TF/s) | torch top-k ms | fwd train ms (TF/s) | fwd infer ms | "
+           "flex fwd ms (TF/s) | cuDNN dense fwd ms (TF/s) | FA2 dense fwd ms | our dense fwd ms (TF/s) |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in meta["rows"]:
+        p = r["peers"]
+        fl = p.get("flex", {})
+        cu = p.get("cudnn", {})
+        fa = p.get("fa2", {})
+        out.append(
+            f"| {r['config']} | {r['seqlen']} | {r['pattern']} | {r['union_factor_128']:.2f} | "
+            f"{fmt(r['select_ms'], 2)} ({fmt(r['select_tflops'], 0)}) | {fmt(p.get('torch_topk_indexer_ms'), 1)} | "
+            f"{fmt(r['fwd_train_ms'], 2)} ({fmt(r['fwd_train_tflops'], 0)}) | {fmt(r['fwd_infer_ms'], 2)} | "
+            f"{fmt(fl.get('fwd_ms'), 2)} ({fmt(fl.get('fwd_tflops'), 0)}) | "
+            f"{fmt(cu.get('fwd_ms'), 2)} ({fmt(cu.get('fwd_tflops'), 0)}) | {fmt(fa.get('fwd_ms'), 2)} | "
+            f"{fmt(r['dense_fwd_ms'], 2)} ({fmt(r['dense_fwd_tflops'], 0)}) |")
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":
+    import numpy as np  # noqa: E402  (numpy only where the run happens)
+    main()
