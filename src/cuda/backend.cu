@@ -8,6 +8,8 @@
 
 #include "api/backends.hpp"
 #include "api/data_checks.hpp"
+#include "cuda/bwd/bwd_kernel.cuh"
+#include "cuda/bwd/bwd_misc.cuh"
 #include "cuda/fwd/fwd_kernel.cuh"
 #include "cuda/select/select_kernel.cuh"
 
@@ -23,6 +25,10 @@ extern template void launch<cutlass::bfloat16_t, true>(const Params<cutlass::bfl
 extern template void launch<cutlass::half_t, false>(const Params<cutlass::half_t>&, cudaStream_t);
 extern template void launch<cutlass::half_t, true>(const Params<cutlass::half_t>&, cudaStream_t);
 }  // namespace attn_fwd
+namespace attn_bwd {
+extern template void launch_main<cutlass::bfloat16_t>(const MainParams<cutlass::bfloat16_t>&, int, cudaStream_t);
+extern template void launch_main<cutlass::half_t>(const MainParams<cutlass::half_t>&, int, cudaStream_t);
+}  // namespace attn_bwd
 
 namespace {
 
@@ -145,7 +151,67 @@ size_t fwd_workspace(const flashmsa_fwd_args_t& a, const Geometry& g) {
   return 0;
 }
 
-size_t bwd_workspace(const flashmsa_bwd_args_t&, const Geometry&) { return 0; }
+namespace {
+
+// Heads per unit of the main backward: R = gcd(Hq/Hp, Hq/Hkv) reduced to a divisor <= 64.
+int bwd_unit_heads(const Geometry& g) {
+  int R = std::gcd(g.Hq / g.Hp, g.Hq / g.Hkv);
+  while (R > 64) {
+    int d = 64;
+    while (R % d) --d;
+    R = d;
+  }
+  return R;
+}
+
+int global_blocks_bound(const Geometry& g) { return int(g.total / 128 + g.batch + 1); }
+
+attn_bwd::InversionArgs inversion_args(const flashmsa_bwd_args_t& a, const Geometry& g) {
+  attn_bwd::InversionArgs ia;
+  ia.indices.ptr = static_cast<const int32_t*>(a.indices.data);
+  ia.indices.head = a.indices.strides[0];
+  ia.indices.tok = a.indices.strides[1];
+  ia.seqs = seqs_of(a.cu_seqlens, g);
+  ia.Hp = g.Hp;
+  ia.topk = g.topk;
+  ia.total = g.total;
+  ia.nblk = global_blocks_bound(g);
+  return ia;
+}
+
+// Workspace of the backward, in order: lse2, dsum (padded), dq/dk/dv/dqp/dkp accumulators,
+// then the inversion (or the block offsets in dense mode).
+struct BwdLayout {
+  size_t lse2 = 0, dsum = 0, dq = 0, dk = 0, dv = 0, dqp = 0, dkp = 0, inv = 0, total = 0;
+  int64_t padded = 0;
+};
+
+BwdLayout bwd_layout(const flashmsa_bwd_args_t& a, const Geometry& g) {
+  BwdLayout l;
+  l.padded = padded_total(g.total, g.batch, attn_bwd::kPadTile);
+  size_t off = 0;
+  auto take = [&](size_t bytes) { const size_t o = off; off += align_up(bytes); return o; };
+  l.lse2 = take(size_t(g.Hq) * l.padded * 4);
+  l.dsum = take(size_t(g.Hq) * l.padded * 4);
+  l.dq = take(size_t(g.total) * g.Hq * kHeadDim * 4);
+  l.dk = take(size_t(g.total) * g.Hkv * kHeadDim * 4);
+  l.dv = take(size_t(g.total) * g.Hkv * kHeadDim * 4);
+  if (g.has_proxy) {
+    l.dqp = take(size_t(g.total) * g.Hp * kHeadDim * 4);
+    l.dkp = take(size_t(g.total) * g.Hpk * kHeadDim * 4);
+  }
+  l.inv = take(a.mode == FLASHMSA_MODE_DENSE ? attn_bwd::blk_off_workspace(g.batch)
+                                             : attn_bwd::inversion_workspace(inversion_args(a, g)));
+  l.total = off;
+  return l;
+}
+
+}  // namespace
+
+size_t bwd_workspace(const flashmsa_bwd_args_t& a, const Geometry& g) {
+  if (g.total == 0) return 0;
+  return bwd_layout(a, g).total;
+}
 
 namespace {
 
@@ -268,8 +334,106 @@ void fwd(const flashmsa_fwd_args_t& a, const Geometry& g, void* ws, size_t) {
   else run_fwd<cutlass::half_t>(a, g, idx, idx_head, idx_tok, st);
 }
 
-void bwd(const flashmsa_bwd_args_t&, const Geometry&, void*, size_t) {
-  fail(FLASHMSA_ERROR_NOT_SUPPORTED, "flashmsa_bwd: CUDA backend: the backward is not implemented yet");
+namespace {
+
+template <class Element>
+void run_bwd(const flashmsa_bwd_args_t& a, const Geometry& g, char* ws, const BwdLayout& l, cudaStream_t st) {
+  const Seqs seqs = seqs_of(a.cu_seqlens, g);
+  float* dq_acc = reinterpret_cast<float*>(ws + l.dq);
+  float* dk_acc = reinterpret_cast<float*>(ws + l.dk);
+  float* dv_acc = reinterpret_cast<float*>(ws + l.dv);
+  // the accumulators start at zero (this launch initialises them; nothing else does)
+  FLASHMSA_CUDA_CHECK(cudaMemsetAsync(ws + l.dq, 0, l.inv - l.dq, st));
+
+  attn_bwd::PreprocessArgs pa;
+  pa.out = token_tensor<const void>(a.out, g);
+  pa.dout = token_tensor<const void>(a.dout, g);
+  pa.lse = head_tensor<const float>(a.lse);
+  pa.dlse = head_tensor<const float>(a.dlse);
+  pa.seqs = seqs;
+  pa.Hq = g.Hq;
+  pa.max_seqlen = g.max_seqlen;
+  pa.lse2 = reinterpret_cast<float*>(ws + l.lse2);
+  pa.dsum = reinterpret_cast<float*>(ws + l.dsum);
+  pa.padded_stride = l.padded;
+  attn_bwd::launch_preprocess<Element>(pa, st);
+
+  using P = attn_bwd::MainParams<Element>;
+  P mp;
+  attn_bwd::Common& c = mp.c;
+  c.q = token_tensor<const void>(a.q, g);
+  c.k = token_tensor<const void>(a.k, g);
+  c.v = token_tensor<const void>(a.v, g);
+  c.dout = token_tensor<const void>(a.dout, g);
+  c.lse2.ptr = pa.lse2;
+  c.lse2.head = l.padded;
+  c.lse2.tok = 1;
+  c.dsum.ptr = pa.dsum;
+  c.dsum.head = l.padded;
+  c.dsum.tok = 1;
+  c.seqs = seqs;
+  c.dense = a.mode == FLASHMSA_MODE_DENSE;
+  if (c.dense) {
+    c.inv.blk_off = attn_bwd::build_blk_off(seqs, ws + l.inv, st);
+    c.inv.nblk = global_blocks_bound(g);
+  } else {
+    c.inv = attn_bwd::build_inversion(inversion_args(a, g), ws + l.inv, st);
+  }
+  c.Hq = g.Hq;
+  c.Hkv = g.Hkv;
+  c.Hp = g.Hp;
+  c.Hpk = g.Hpk;
+  c.R = bwd_unit_heads(g);
+  c.scale = float(g.scale);
+  c.proxy_scale = float(g.proxy_scale);
+  c.dq_acc = dq_acc;
+  c.dk_acc = dk_acc;
+  c.dv_acc = dv_acc;
+  c.total = g.total;
+  const auto tk = make_block_load<Element, typename P::StageLayout>(c.k, g.Hkv, g.batched, g.seqlen, g.batch, g.total);
+  const auto tv = make_block_load<Element, typename P::StageLayout>(c.v, g.Hkv, g.batched, g.seqlen, g.batch, g.total);
+  mp.tma_k = tk.copy;
+  mp.tma_v = tv.copy;
+  mp.tma_shape = tk.shape;
+  mp.batched = g.batched;
+  attn_bwd::launch_main<Element>(mp, g.Hq / c.R, st);
+
+  attn_bwd::launch_convert<Element>(dq_acc, token_tensor<void>(a.dq, g), seqs, g.max_seqlen, g.Hq, float(g.scale), st);
+  attn_bwd::launch_convert<Element>(dk_acc, token_tensor<void>(a.dk, g), seqs, g.max_seqlen, g.Hkv, float(g.scale), st);
+  attn_bwd::launch_convert<Element>(dv_acc, token_tensor<void>(a.dv, g), seqs, g.max_seqlen, g.Hkv, 1.f, st);
+  if (g.has_proxy) {  // no kl gradient: the proxy gradients are exactly zero
+    attn_bwd::launch_convert<Element>(reinterpret_cast<float*>(ws + l.dqp), token_tensor<void>(a.dqp, g), seqs,
+                                 g.max_seqlen, g.Hp, 1.f, st);
+    attn_bwd::launch_convert<Element>(reinterpret_cast<float*>(ws + l.dkp), token_tensor<void>(a.dkp, g), seqs,
+                                 g.max_seqlen, g.Hpk, 1.f, st);
+  }
+}
+
+}  // namespace
+
+void bwd(const flashmsa_bwd_args_t& a, const Geometry& g, void* ws, size_t) {
+  const char* fn = "flashmsa_bwd";
+  for (auto [name, t] : {std::pair{"q", &a.q}, {"k", &a.k}, {"v", &a.v}, {"qp", &a.qp}, {"kp", &a.kp},
+                         {"out", &a.out}, {"dout", &a.dout}, {"dq", &a.dq}, {"dk", &a.dk}, {"dv", &a.dv},
+                         {"dqp", &a.dqp}, {"dkp", &a.dkp}})
+    check_aligned(fn, name, *t);
+  if (a.lse.dtype != FLASHMSA_DTYPE_FP32) unsupported(fn, "lse must be fp32");
+  if (present(a.dlse) && a.dlse.dtype != FLASHMSA_DTYPE_FP32) unsupported(fn, "dlse must be fp32");
+  if (present(a.dkl))
+    unsupported(fn, "the proxy (kl) gradient is not implemented yet on CUDA; pass no dkl (the proxy "
+                    "gradients are then zero) or use the CPU backend");
+  if (g.Hp < g.Hkv)
+    unsupported(fn, "Hp < Hkv (an MSA group spanning several kv heads) is not implemented yet on CUDA");
+  if (a.deterministic) unsupported(fn, "deterministic mode is not implemented yet on CUDA");
+  auto st = static_cast<cudaStream_t>(a.stream);
+  if (a.validate) {
+    const auto cu = validate_offsets(a.cu_seqlens, g, st, fn);
+    if (a.mode != FLASHMSA_MODE_DENSE) validate_indices(a.indices, cu, g, st, fn);
+  }
+  if (g.total == 0) return;
+  const BwdLayout l = bwd_layout(a, g);
+  if (g.dtype == FLASHMSA_DTYPE_BF16) run_bwd<cutlass::bfloat16_t>(a, g, static_cast<char*>(ws), l, st);
+  else run_bwd<cutlass::half_t>(a, g, static_cast<char*>(ws), l, st);
 }
 
 }  // namespace flashmsa::cuda

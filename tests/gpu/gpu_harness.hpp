@@ -283,4 +283,127 @@ inline RefFwd straightforward_fwd(const Problem& pb, const Tensor& q, const Tens
   return r;
 }
 
+// The fp64 reference backward (through the public API on the CPU) over given indices or dense.
+struct RefBwd {
+  std::vector<double> dq, dk, dv, dqp, dkp;
+};
+inline RefBwd reference_bwd(const Problem& pb, Tensor& q, Tensor& k, Tensor& v, Tensor* qp, Tensor* kp,
+                            const std::vector<int32_t>* indices, int topk, flashmsa_mode_t mode,
+                            std::vector<double>& dout, std::vector<double>* dlse, double dkl) {
+  const int64_t T = pb.total();
+  std::vector<int32_t> cu32;
+  for (auto c : pb.offsets()) cu32.push_back(int32_t(c));
+  std::vector<int64_t> q3{T, pb.Hq, pb.D}, k3{T, pb.Hkv, pb.D}, qp3{T, pb.Hp, pb.Dp}, kp3{T, pb.Hpk, pb.Dp};
+  RefFwd f = reference_fwd(pb, q, k, v, qp, kp, indices, topk, mode);
+  RefBwd r;
+  r.dq.assign(q.host.size(), NAN);
+  r.dk.assign(k.host.size(), NAN);
+  r.dv.assign(v.host.size(), NAN);
+  flashmsa::BwdArgs a;
+  a.q = host_view(q.host, q3);
+  a.k = host_view(k.host, k3);
+  a.v = host_view(v.host, k3);
+  std::vector<double> dklv{dkl};
+  if (qp) {
+    a.qp = host_view(qp->host, qp3);
+    a.kp = host_view(kp->host, kp3);
+    r.dqp.assign(qp->host.size(), NAN);
+    r.dkp.assign(kp->host.size(), NAN);
+    a.dqp = host_view(r.dqp, qp3);
+    a.dkp = host_view(r.dkp, kp3);
+    a.dkl = host_view(dklv, {});
+  }
+  a.cu_seqlens = flashmsa::view(cu32.data(), FLASHMSA_DTYPE_INT32, {int64_t(cu32.size())});
+  a.max_seqlen = pb.max_len();
+  a.mode = mode;
+  std::vector<int32_t> idx_copy;
+  if (mode == FLASHMSA_MODE_GIVEN) {
+    idx_copy = *indices;
+    a.indices = flashmsa::view(idx_copy.data(), FLASHMSA_DTYPE_INT32, {pb.Hp, T, topk});
+  }
+  a.out = host_view(f.out, q3);
+  a.lse = host_view(f.lse, {pb.Hq, T});
+  a.dout = host_view(dout, q3);
+  if (dlse) a.dlse = host_view(*dlse, {pb.Hq, T});
+  a.dq = host_view(r.dq, q3);
+  a.dk = host_view(r.dk, k3);
+  a.dv = host_view(r.dv, k3);
+  flashmsa::bwd(a);
+  return r;
+}
+
+// Straightforward same-dtype backward: the forward of straightforward_fwd, then dP = dO V in fp32
+// rounded, D = <dO, O> with the rounded O, dS = P (dP - D + dlse) rounded, dq, dk, dv accumulated
+// in fp32 and rounded once.
+inline RefBwd straightforward_bwd(const Problem& pb, const Tensor& q, const Tensor& k, const Tensor& v,
+                                  const std::vector<double>& dout, const std::vector<double>* dlse,
+                                  const std::vector<int32_t>* indices, int topk, flashmsa_mode_t mode) {
+  using flashmsa::round_to;
+  const auto dt = pb.dtype;
+  flashmsa::ref::Problem rp;
+  rp.cu = pb.offsets();
+  rp.total = pb.total();
+  rp.Hq = pb.Hq; rp.Hkv = pb.Hkv; rp.Hp = pb.Hp; rp.Hpk = pb.Hpk; rp.D = pb.D; rp.Dp = pb.Dp;
+  rp.topk = topk;
+  rp.mode = mode == FLASHMSA_MODE_DENSE ? FLASHMSA_MODE_DENSE : FLASHMSA_MODE_GIVEN;
+  const double scale = 1.0 / std::sqrt(double(pb.D));
+  const RefFwd f = straightforward_fwd(pb, q, k, v, indices, topk, mode);
+  const int64_t n = int64_t(pb.Hq) * rp.total;
+  const int T = int(std::min<int64_t>(flashmsa::ref::num_threads(), std::max<int64_t>(n, 1)));
+  const size_t kv_elems = k.host.size();
+  std::vector<std::vector<float>> dkb(static_cast<size_t>(T)), dvb(static_cast<size_t>(T));
+  RefBwd r;
+  r.dq.assign(q.host.size(), 0.0);
+  flashmsa::ref::parallel_for(n, [&](int64_t first, int64_t, int tid) {
+    auto& dk = dkb[size_t(tid)];
+    auto& dv = dvb[size_t(tid)];
+    dk.assign(kv_elems, 0.f);
+    dv.assign(kv_elems, 0.f);
+    std::vector<int64_t> keys;
+    std::vector<float> s, pr;
+    for (int64_t item = first; item < n; item += T) {
+      const int h = int(item / rp.total);
+      const int64_t t = item % rp.total;
+      flashmsa::ref::key_set(rp, indices ? indices->data() : nullptr, rp.group_of(h), t, keys);
+      if (keys.empty()) continue;
+      const int c = rp.kv_of(h);
+      const size_t qo = (size_t(t) * pb.Hq + h) * pb.D;
+      const double lse = f.lse[size_t(h) * rp.total + t];
+      float Dh = 0.f;
+      for (int d = 0; d < pb.D; ++d) Dh += float(dout[qo + d]) * float(f.out[qo + d]);
+      if (dlse) Dh -= float((*dlse)[size_t(h) * rp.total + t]);
+      std::vector<float> dq(size_t(pb.D), 0.f);
+      for (size_t j = 0; j < keys.size(); ++j) {
+        const size_t ko = (size_t(keys[j]) * pb.Hkv + c) * pb.D;
+        float sc = 0.f, dp = 0.f;
+        for (int d = 0; d < pb.D; ++d) {
+          sc += float(round_to(dt, q.host[qo + d] * scale)) * float(k.host[ko + d]);
+          dp += float(dout[qo + d]) * float(v.host[ko + d]);
+        }
+        const float p = float(round_to(dt, std::exp(double(float(round_to(dt, sc))) - lse)));
+        const float ds = float(round_to(dt, p * (float(round_to(dt, dp)) - Dh)));
+        for (int d = 0; d < pb.D; ++d) {
+          dq[size_t(d)] += ds * float(k.host[ko + d]);
+          dk[ko + d] += ds * float(q.host[qo + d]);
+          dv[ko + d] += p * float(dout[qo + d]);
+        }
+      }
+      for (int d = 0; d < pb.D; ++d) r.dq[qo + d] = round_to(dt, dq[size_t(d)] * scale);
+    }
+  });
+  r.dk.assign(kv_elems, 0.0);
+  r.dv.assign(kv_elems, 0.0);
+  for (size_t e = 0; e < kv_elems; ++e) {
+    float a = 0.f, b2 = 0.f;
+    for (int tt = 0; tt < T; ++tt) {
+      if (dkb[size_t(tt)].empty()) continue;
+      a += dkb[size_t(tt)][e];
+      b2 += dvb[size_t(tt)][e];
+    }
+    r.dk[e] = round_to(dt, a * scale);
+    r.dv[e] = round_to(dt, b2);
+  }
+  return r;
+}
+
 }  // namespace gputest

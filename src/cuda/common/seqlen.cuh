@@ -41,4 +41,15 @@ struct Seqs {
   }
 };
 
+// THE padded offset of varlen-padded per-token buffers (lse in log2, dpsum): sequence b starts
+// at a multiple of `tile`, so a kernel may read a whole tile past a sequence's end. The tile has
+// no default on purpose: the kernel that writes and the kernel that reads pass the same
+// constant (kPadTile of the backward), and buffers are sized by padded_total() with it.
+__host__ __device__ inline int64_t padded_offset(int64_t seq_start, int b, int tile) {
+  return (seq_start + int64_t(b) * tile) / tile * tile;
+}
+__host__ __device__ inline int64_t padded_total(int64_t total, int batch, int tile) {
+  return total + int64_t(batch) * tile;  // >= padded_offset(cu[B-1], B-1) + len(B-1) rounded up
+}
+
 }  // namespace flashmsa::cuda

@@ -26,6 +26,7 @@ enum class NamedBarrier : int {
   kSync = 0,      // __syncthreads
   kWarpGroup0 = 1,
   kWarpGroup1 = 2,
+  kConsumers = 3,  // both consumer warpgroups (256 threads)
 };
 
 // One warpgroup GEMM: C (+)= A * B over all K blocks; zero_init clears C first.

@@ -1,0 +1,222 @@
+#include "cuda/bwd/bwd_misc.cuh"
+
+#include <cub/device/device_radix_sort.cuh>
+#include <cub/device/device_scan.cuh>
+#include <cutlass/numeric_types.h>
+
+#include "cuda/common/utils.cuh"
+
+namespace flashmsa::cuda::attn_bwd {
+
+namespace {
+
+template <class T>
+__device__ __forceinline__ float to_f(T x) { return float(x); }
+
+// one warp per (token, head): dsum = <dout, out> - dlse, lse2 = lse * log2(e)
+template <class Element>
+__global__ void preprocess_kernel(const PreprocessArgs a) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t i = int64_t(blockIdx.x) * (blockDim.x / 32) + warp;
+  const int h = blockIdx.y, b = blockIdx.z;
+  int64_t s0, L;
+  a.seqs.get(b, s0, L);
+  if (i >= L) return;
+  const int64_t t = s0 + i;
+  const Element* o = a.out.template row<const Element>(b, t, h);
+  const Element* g = a.dout.template row<const Element>(b, t, h);
+  float acc = 0.f;
+#pragma unroll
+  for (int d = lane * 4; d < 128; d += 128) {
+    for (int e = 0; e < 4; ++e) acc += to_f(o[d + e]) * to_f(g[d + e]);
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffff, acc, off);
+  if (lane == 0) {
+    const int64_t pi = padded_offset(s0, b, kPadTile) + i;
+    const float dl = a.dlse.ptr ? *a.dlse.at(h, t) : 0.f;
+    a.dsum[h * a.padded_stride + pi] = acc - dl;
+    a.lse2[h * a.padded_stride + pi] = *a.lse.at(h, t) * kLog2e;
+  }
+}
+
+__global__ void block_counts_kernel(const Seqs seqs, int32_t* counts) {
+  const int b = blockIdx.x * blockDim.x + threadIdx.x;
+  if (b >= seqs.batch) return;
+  int64_t s0, L;
+  seqs.get(b, s0, L);
+  counts[b] = int32_t((L + 127) / 128);
+}
+
+__device__ __forceinline__ int seq_of_token(const Seqs& seqs, int64_t t) {
+  if (!seqs.cu_seqlens) return int(t / seqs.seqlen);
+  int lo = 0, hi = seqs.batch;  // cu[lo] <= t < cu[hi]
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (seqs.cu_seqlens[mid] <= t) lo = mid;
+    else hi = mid;
+  }
+  return lo;
+}
+
+// keys[(p * total + t) * topk + s] = p * nblk + blk_off[b] + j for a slot that contributes keys
+// (0 <= j <= l(t)), else the sentinel Hp * nblk; values = t.
+__global__ void inversion_keys_kernel(const InversionArgs a, const int32_t* blk_off, uint32_t* keys,
+                                      int32_t* vals) {
+  const int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t n = int64_t(a.Hp) * a.total * a.topk;
+  if (e >= n) return;
+  const int s = int(e % a.topk);
+  const int64_t t = (e / a.topk) % a.total;
+  const int p = int(e / (int64_t(a.topk) * a.total));
+  const int b = seq_of_token(a.seqs, t);
+  int64_t s0, L;
+  a.seqs.get(b, s0, L);
+  const int64_t j = a.indices.at(p, t)[s];
+  const bool ok = j >= 0 && j <= (t - s0) / 128;
+  keys[e] = ok ? uint32_t(int64_t(p) * a.nblk + blk_off[b] + j) : uint32_t(int64_t(a.Hp) * a.nblk);
+  vals[e] = int32_t(t);
+}
+
+// offsets[k] = first position of key >= k in the sorted keys, k in [0, Hp * nblk]
+__global__ void inversion_offsets_kernel(const uint32_t* keys, int64_t n, int64_t nkeys, int32_t* offsets) {
+  const int64_t k = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (k > nkeys) return;
+  int64_t lo = 0, hi = n;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi) / 2;
+    if (int64_t(keys[mid]) < k) lo = mid + 1;
+    else hi = mid;
+  }
+  offsets[k] = int32_t(lo);
+}
+
+template <class Element>
+__global__ void convert_kernel(const float* acc, TokenTensor<void> out, Seqs seqs, int heads, float scale) {
+  const int64_t i = int64_t(blockIdx.x) * (blockDim.x / 16) + threadIdx.x / 16;
+  const int h = blockIdx.y, b = blockIdx.z;
+  int64_t s0, L;
+  seqs.get(b, s0, L);
+  if (i >= L) return;
+  const int64_t t = s0 + i;
+  const int d = (threadIdx.x % 16) * 8;
+  const float* src = acc + (t * heads + h) * 128 + d;
+  Element* dst = out.template row<Element>(b, t, h) + d;
+  const float4 x0 = *reinterpret_cast<const float4*>(src), x1 = *reinterpret_cast<const float4*>(src + 4);
+  alignas(16) Element v[8] = {Element(x0.x * scale), Element(x0.y * scale), Element(x0.z * scale), Element(x0.w * scale),
+                              Element(x1.x * scale), Element(x1.y * scale), Element(x1.z * scale), Element(x1.w * scale)};
+  *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(v);
+}
+
+size_t align_up(size_t n) { return (n + 255) & ~size_t(255); }
+
+struct InvLayout {
+  size_t keys_in, keys_out, vals_in, vals_out, offsets, blk_off, counts, scan_tmp, sort_tmp, total;
+};
+
+InvLayout inv_layout(const InversionArgs& a) {
+  const int64_t n = int64_t(a.Hp) * a.total * a.topk;
+  InvLayout l{};
+  size_t scan_bytes = 0, sort_bytes = 0;
+  cub::DeviceScan::ExclusiveSum(nullptr, scan_bytes, static_cast<int32_t*>(nullptr), static_cast<int32_t*>(nullptr),
+                                a.seqs.batch + 1);
+  const int end_bit = 1 + int(std::log2(double(int64_t(a.Hp) * a.nblk + 1)) + 1);
+  cub::DeviceRadixSort::SortPairs(nullptr, sort_bytes, static_cast<uint32_t*>(nullptr), static_cast<uint32_t*>(nullptr),
+                                  static_cast<int32_t*>(nullptr), static_cast<int32_t*>(nullptr), n, 0, end_bit);
+  size_t off = 0;
+  auto take = [&](size_t bytes) { const size_t o = off; off += align_up(bytes); return o; };
+  l.keys_in = take(size_t(n) * 4);
+  l.keys_out = take(size_t(n) * 4);
+  l.vals_in = take(size_t(n) * 4);
+  l.vals_out = take(size_t(n) * 4);
+  l.offsets = take((size_t(a.Hp) * a.nblk + 1) * 4);
+  l.blk_off = take(size_t(a.seqs.batch + 1) * 4);
+  l.counts = take(size_t(a.seqs.batch + 1) * 4);
+  l.scan_tmp = take(scan_bytes);
+  l.sort_tmp = take(sort_bytes);
+  l.total = off;
+  return l;
+}
+
+}  // namespace
+
+template <class Element>
+void launch_preprocess(const PreprocessArgs& a, cudaStream_t st) {
+  if (a.seqs.batch == 0 || a.max_seqlen == 0) return;
+  dim3 grid(unsigned((a.max_seqlen + 7) / 8), a.Hq, a.seqs.batch);
+  preprocess_kernel<Element><<<grid, 256, 0, st>>>(a);
+  FLASHMSA_CUDA_CHECK(cudaGetLastError());
+}
+
+size_t blk_off_workspace(int batch) {
+  size_t scan_bytes = 0;
+  cub::DeviceScan::ExclusiveSum(nullptr, scan_bytes, static_cast<int32_t*>(nullptr), static_cast<int32_t*>(nullptr),
+                                batch + 1);
+  return align_up(size_t(batch + 1) * 4) * 2 + align_up(scan_bytes);
+}
+
+const int32_t* build_blk_off(const Seqs& seqs, void* ws, cudaStream_t st) {
+  char* base = static_cast<char*>(ws);
+  int32_t* counts = reinterpret_cast<int32_t*>(base);
+  int32_t* blk_off = reinterpret_cast<int32_t*>(base + align_up(size_t(seqs.batch + 1) * 4));
+  void* tmp = base + 2 * align_up(size_t(seqs.batch + 1) * 4);
+  size_t scan_bytes = 0;
+  cub::DeviceScan::ExclusiveSum(nullptr, scan_bytes, counts, blk_off, seqs.batch + 1);
+  FLASHMSA_CUDA_CHECK(cudaMemsetAsync(counts, 0, size_t(seqs.batch + 1) * 4, st));
+  if (seqs.batch > 0) block_counts_kernel<<<(seqs.batch + 255) / 256, 256, 0, st>>>(seqs, counts);
+  FLASHMSA_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(tmp, scan_bytes, counts, blk_off, seqs.batch + 1, st));
+  return blk_off;
+}
+
+size_t inversion_workspace(const InversionArgs& a) { return inv_layout(a).total; }
+
+Inversion build_inversion(const InversionArgs& a, void* ws, cudaStream_t st) {
+  const InvLayout l = inv_layout(a);
+  char* base = static_cast<char*>(ws);
+  auto* keys_in = reinterpret_cast<uint32_t*>(base + l.keys_in);
+  auto* keys_out = reinterpret_cast<uint32_t*>(base + l.keys_out);
+  auto* vals_in = reinterpret_cast<int32_t*>(base + l.vals_in);
+  auto* vals_out = reinterpret_cast<int32_t*>(base + l.vals_out);
+  auto* offsets = reinterpret_cast<int32_t*>(base + l.offsets);
+  auto* blk_off = reinterpret_cast<int32_t*>(base + l.blk_off);
+  auto* counts = reinterpret_cast<int32_t*>(base + l.counts);
+  // blk_off: exclusive scan of the per-sequence block counts
+  size_t scan_bytes = l.sort_tmp - l.scan_tmp;
+  FLASHMSA_CUDA_CHECK(cudaMemsetAsync(counts, 0, size_t(a.seqs.batch + 1) * 4, st));
+  if (a.seqs.batch > 0) block_counts_kernel<<<(a.seqs.batch + 255) / 256, 256, 0, st>>>(a.seqs, counts);
+  FLASHMSA_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(base + l.scan_tmp, scan_bytes, counts, blk_off, a.seqs.batch + 1, st));
+  const int64_t n = int64_t(a.Hp) * a.total * a.topk;
+  if (n > 0) {
+    inversion_keys_kernel<<<unsigned((n + 255) / 256), 256, 0, st>>>(a, blk_off, keys_in, vals_in);
+    FLASHMSA_CUDA_CHECK(cudaGetLastError());
+    size_t sort_bytes = l.total - l.sort_tmp;
+    const int end_bit = 1 + int(std::log2(double(int64_t(a.Hp) * a.nblk + 1)) + 1);
+    FLASHMSA_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(base + l.sort_tmp, sort_bytes, keys_in, keys_out, vals_in,
+                                                        vals_out, n, 0, end_bit, st));
+  }
+  const int64_t nkeys = int64_t(a.Hp) * a.nblk;
+  inversion_offsets_kernel<<<unsigned((nkeys + 1 + 255) / 256), 256, 0, st>>>(keys_out, n, nkeys, offsets);
+  FLASHMSA_CUDA_CHECK(cudaGetLastError());
+  Inversion inv;
+  inv.tokens = vals_out;
+  inv.offsets = offsets;
+  inv.blk_off = blk_off;
+  inv.nblk = a.nblk;
+  return inv;
+}
+
+template <class Element>
+void launch_convert(const float* acc, TokenTensor<void> out, const Seqs& seqs, int64_t max_seqlen, int heads,
+                    float scale, cudaStream_t st) {
+  if (seqs.batch == 0 || max_seqlen == 0) return;
+  dim3 grid(unsigned((max_seqlen + 15) / 16), heads, seqs.batch);
+  convert_kernel<Element><<<grid, 256, 0, st>>>(acc, out, seqs, heads, scale);
+  FLASHMSA_CUDA_CHECK(cudaGetLastError());
+}
+
+template void launch_preprocess<cutlass::bfloat16_t>(const PreprocessArgs&, cudaStream_t);
+template void launch_preprocess<cutlass::half_t>(const PreprocessArgs&, cudaStream_t);
+template void launch_convert<cutlass::bfloat16_t>(const float*, TokenTensor<void>, const Seqs&, int64_t, int, float, cudaStream_t);
+template void launch_convert<cutlass::half_t>(const float*, TokenTensor<void>, const Seqs&, int64_t, int, float, cudaStream_t);
+
+}  // namespace flashmsa::cuda::attn_bwd

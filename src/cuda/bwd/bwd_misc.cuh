@@ -1,0 +1,49 @@
+// The backward's small kernels: preprocess (dpsum, lse in log2 into padded buffers), index
+// inversion (deterministic: a stable radix sort keyed by (proxy head, global block)), and the
+// fp32-accumulator to output conversion.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "cuda/bwd/bwd_params.cuh"
+
+namespace flashmsa::cuda::attn_bwd {
+
+struct PreprocessArgs {
+  TokenTensor<const void> out, dout;
+  HeadTensor<const float> lse;   // [Hq, total] natural log
+  HeadTensor<const float> dlse;  // optional
+  Seqs seqs;
+  int Hq = 0;
+  int64_t max_seqlen = 0;
+  float* lse2 = nullptr;  // padded [Hq, padded_total]
+  float* dsum = nullptr;
+  int64_t padded_stride = 0;  // = padded_total(total, B, kPadTile)
+};
+template <class Element>
+void launch_preprocess(const PreprocessArgs& a, cudaStream_t st);
+
+// Inversion workspace sizes; build writes inv.{tokens, offsets, blk_off}.
+struct InversionArgs {
+  HeadTensor<const int32_t> indices;  // [Hp, total, topk]
+  Seqs seqs;
+  int Hp = 0, topk = 0;
+  int64_t total = 0;
+  int nblk = 0;  // upper bound of global blocks: total / 128 + B + 1
+};
+size_t inversion_workspace(const InversionArgs& a);
+// Builds into ws (inversion_workspace bytes); returns the views.
+Inversion build_inversion(const InversionArgs& a, void* ws, cudaStream_t st);
+// blk_off only (dense mode), into ws of (B + 1) ints plus scan scratch.
+size_t blk_off_workspace(int batch);
+const int32_t* build_blk_off(const Seqs& seqs, void* ws, cudaStream_t st);
+
+// out[t, h, :] = scale * acc[t, h, :] in the output dtype.
+template <class Element>
+void launch_convert(const float* acc, TokenTensor<void> out, const Seqs& seqs, int64_t max_seqlen, int heads,
+                    float scale, cudaStream_t st);
+
+}  // namespace flashmsa::cuda::attn_bwd

@@ -1,0 +1,47 @@
+// Parameters shared by the backward's kernels (preprocess, index inversion, main backward,
+// proxy backward, convert).
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/common/seqlen.cuh"
+#include "cuda/common/tma.cuh"
+
+namespace flashmsa::cuda::attn_bwd {
+
+// Tile of the padded per-token buffers (lse2, dpsum): written by the preprocess, read by the
+// main backward, both through padded_offset(..., kPadTile).
+constexpr int kPadTile = 128;
+
+// The inversion: for each (proxy head p, global key block gb) the tokens (global index,
+// ascending) whose key set holds block gb: list = tokens[offsets[p * nblk + gb] ..
+// offsets[p * nblk + gb + 1]). Global blocks number the blocks of all sequences in order:
+// gb = blk_off[b] + j.
+struct Inversion {
+  const int32_t* tokens = nullptr;
+  const int32_t* offsets = nullptr;   // [Hp * nblk + 1]
+  const int32_t* blk_off = nullptr;   // [B + 1]
+  int nblk = 0;                       // total global blocks
+};
+
+struct Common {
+  TokenTensor<const void> q, k, v, dout, qp, kp;
+  HeadTensor<const float> lse2, dsum;  // padded: at(h, padded_offset(s0, b, kPadTile) + i)
+  HeadTensor<const float> plse;        // [Hp, total] natural log (proxy lse over the set)
+  Seqs seqs;
+  Inversion inv;
+  int Hq = 0, Hkv = 0, Hp = 0, Hpk = 0, R = 0;
+  float scale = 0, proxy_scale = 0;
+  bool dense = false;
+  // fp32 accumulators [total, H, 128] (dense layout)
+  float* dq_acc = nullptr;
+  float* dk_acc = nullptr;
+  float* dv_acc = nullptr;
+  float* dqp_acc = nullptr;
+  float* dkp_acc = nullptr;
+  float* kl_acc = nullptr;   // [num CTAs of the proxy kernel] partial kl sums, or null
+  const float* dkl = nullptr;  // device scalar g (null: 0)
+  int64_t total = 0;
+};
+
+}  // namespace flashmsa::cuda::attn_bwd
