@@ -10,6 +10,7 @@
 #include "api/data_checks.hpp"
 #include "cuda/bwd/bwd_kernel.cuh"
 #include "cuda/bwd/bwd_misc.cuh"
+#include "cuda/bwd/proxy_kernel.cuh"
 #include "cuda/fwd/fwd_kernel.cuh"
 #include "cuda/select/select_kernel.cuh"
 
@@ -28,6 +29,10 @@ extern template void launch<cutlass::half_t, true>(const Params<cutlass::half_t>
 namespace attn_bwd {
 extern template void launch_main<cutlass::bfloat16_t>(const MainParams<cutlass::bfloat16_t>&, int, cudaStream_t);
 extern template void launch_main<cutlass::half_t>(const MainParams<cutlass::half_t>&, int, cudaStream_t);
+extern template void launch_proxy<cutlass::bfloat16_t, 16>(const ProxyParams<cutlass::bfloat16_t>&, cudaStream_t);
+extern template void launch_proxy<cutlass::bfloat16_t, 64>(const ProxyParams<cutlass::bfloat16_t>&, cudaStream_t);
+extern template void launch_proxy<cutlass::half_t, 16>(const ProxyParams<cutlass::half_t>&, cudaStream_t);
+extern template void launch_proxy<cutlass::half_t, 64>(const ProxyParams<cutlass::half_t>&, cudaStream_t);
 }  // namespace attn_bwd
 
 namespace {
@@ -182,7 +187,7 @@ attn_bwd::InversionArgs inversion_args(const flashmsa_bwd_args_t& a, const Geome
 // Workspace of the backward, in order: lse2, dsum (padded), dq/dk/dv/dqp/dkp accumulators,
 // then the inversion (or the block offsets in dense mode).
 struct BwdLayout {
-  size_t lse2 = 0, dsum = 0, dq = 0, dk = 0, dv = 0, dqp = 0, dkp = 0, inv = 0, total = 0;
+  size_t lse2 = 0, dsum = 0, dq = 0, dk = 0, dv = 0, dqp = 0, dkp = 0, inv = 0, plse = 0, kl = 0, total = 0;
   int64_t padded = 0;
 };
 
@@ -202,6 +207,10 @@ BwdLayout bwd_layout(const flashmsa_bwd_args_t& a, const Geometry& g) {
   }
   l.inv = take(a.mode == FLASHMSA_MODE_DENSE ? attn_bwd::blk_off_workspace(g.batch)
                                              : attn_bwd::inversion_workspace(inversion_args(a, g)));
+  if (g.has_proxy && present(a.dkl)) {
+    l.plse = take(size_t(g.Hp) * g.total * 4);
+    l.kl = take(size_t(g.Hp) * global_blocks_bound(g) * 4);
+  }
   l.total = off;
   return l;
 }
@@ -215,10 +224,13 @@ size_t bwd_workspace(const flashmsa_bwd_args_t& a, const Geometry& g) {
 
 namespace {
 
+// Selection (lse_mode kSelect) or the proxy lse alone over every causal key (kDenseLse) or over
+// given blocks (kGivenLse, indices read from `given`).
 template <class Element>
 void run_select_t(const flashmsa_tensor_t& qp, const flashmsa_tensor_t& kp, const flashmsa_tensor_t& cu,
                   const Geometry& g, int32_t* indices, int64_t idx_head, int64_t idx_tok,
-                  const flashmsa_tensor_t& proxy_lse, cudaStream_t st) {
+                  HeadTensor<float> proxy_lse, cudaStream_t st, int lse_mode = selection::kSelect,
+                  HeadTensor<const int32_t> given = {}) {
   using P = selection::Params<Element>;
   P p;
   p.qp = token_tensor<const void>(qp, g);
@@ -235,8 +247,10 @@ void run_select_t(const flashmsa_tensor_t& qp, const flashmsa_tensor_t& kp, cons
   p.indices.ptr = indices;
   p.indices.head = idx_head;
   p.indices.tok = idx_tok;
-  p.proxy_lse = head_tensor<float>(proxy_lse);
+  p.proxy_lse = proxy_lse;
   p.num_m_blocks = int((g.max_seqlen + 127) / 128);
+  p.lse_mode = lse_mode;
+  p.given = given;
   selection::launch<Element>(p, st);
 }
 
@@ -244,9 +258,9 @@ void run_select(const flashmsa_tensor_t& qp, const flashmsa_tensor_t& kp, const 
                 const Geometry& g, int32_t* indices, int64_t idx_head, int64_t idx_tok,
                 const flashmsa_tensor_t& proxy_lse, cudaStream_t st) {
   if (g.dtype == FLASHMSA_DTYPE_BF16)
-    run_select_t<cutlass::bfloat16_t>(qp, kp, cu, g, indices, idx_head, idx_tok, proxy_lse, st);
+    run_select_t<cutlass::bfloat16_t>(qp, kp, cu, g, indices, idx_head, idx_tok, head_tensor<float>(proxy_lse), st);
   else
-    run_select_t<cutlass::half_t>(qp, kp, cu, g, indices, idx_head, idx_tok, proxy_lse, st);
+    run_select_t<cutlass::half_t>(qp, kp, cu, g, indices, idx_head, idx_tok, head_tensor<float>(proxy_lse), st);
 }
 
 template <class Element>
@@ -401,11 +415,54 @@ void run_bwd(const flashmsa_bwd_args_t& a, const Geometry& g, char* ws, const Bw
   attn_bwd::launch_convert<Element>(dq_acc, token_tensor<void>(a.dq, g), seqs, g.max_seqlen, g.Hq, float(g.scale), st);
   attn_bwd::launch_convert<Element>(dk_acc, token_tensor<void>(a.dk, g), seqs, g.max_seqlen, g.Hkv, float(g.scale), st);
   attn_bwd::launch_convert<Element>(dv_acc, token_tensor<void>(a.dv, g), seqs, g.max_seqlen, g.Hkv, 1.f, st);
-  if (g.has_proxy) {  // no kl gradient: the proxy gradients are exactly zero
+  if (g.has_proxy) {
+    float pscale = 1.f;
+    if (present(a.dkl)) {  // the proxy gradient; without dkl the accumulators stay zero
+      pscale = float(g.proxy_scale);
+      HeadTensor<float> plse;
+      if (present(a.proxy_lse)) {
+        plse = head_tensor<float>(a.proxy_lse);
+      } else {  // the proxy lse over the same sets
+        plse.ptr = reinterpret_cast<float*>(ws + l.plse);
+        plse.head = g.total;
+        plse.tok = 1;
+        HeadTensor<const int32_t> given;
+        if (!c.dense) {
+          given.ptr = static_cast<const int32_t*>(a.indices.data);
+          given.head = a.indices.strides[0];
+          given.tok = a.indices.strides[1];
+        }
+        run_select_t<Element>(a.qp, a.kp, a.cu_seqlens, g, nullptr, 0, 0, plse, st,
+                              c.dense ? selection::kDenseLse : selection::kGivenLse, given);
+      }
+      using PP = attn_bwd::ProxyParams<Element>;
+      PP pp;
+      pp.c = c;
+      pp.c.qp = token_tensor<const void>(a.qp, g);
+      pp.c.kp = token_tensor<const void>(a.kp, g);
+      pp.c.plse.ptr = plse.ptr;
+      pp.c.plse.head = plse.head;
+      pp.c.plse.tok = plse.tok;
+      pp.c.dqp_acc = reinterpret_cast<float*>(ws + l.dqp);
+      pp.c.dkp_acc = reinterpret_cast<float*>(ws + l.dkp);
+      pp.c.kl_acc = reinterpret_cast<float*>(ws + l.kl);
+      pp.c.dkl = static_cast<const float*>(a.dkl.data);
+      pp.G = g.Hq / g.Hp;
+      pp.kl_coef = float(1.0 / (double(g.Hp) * double(g.total)));
+      const auto tkp = make_block_load<Element, typename PP::StageLayout>(pp.c.kp, g.Hpk, g.batched, g.seqlen, g.batch, g.total);
+      pp.tma_k = mp.tma_k;
+      pp.tma_shape_k = mp.tma_shape;
+      pp.tma_kp = tkp.copy;
+      pp.tma_shape_kp = tkp.shape;
+      pp.batched = g.batched;
+      const int ntc = 64 / pp.G;
+      if (ntc <= 16) attn_bwd::launch_proxy<Element, 16>(pp, st);
+      else attn_bwd::launch_proxy<Element, 64>(pp, st);
+    }
     attn_bwd::launch_convert<Element>(reinterpret_cast<float*>(ws + l.dqp), token_tensor<void>(a.dqp, g), seqs,
-                                 g.max_seqlen, g.Hp, 1.f, st);
+                                      g.max_seqlen, g.Hp, pscale, st);
     attn_bwd::launch_convert<Element>(reinterpret_cast<float*>(ws + l.dkp), token_tensor<void>(a.dkp, g), seqs,
-                                 g.max_seqlen, g.Hpk, 1.f, st);
+                                      g.max_seqlen, g.Hpk, pscale, st);
   }
 }
 
@@ -419,11 +476,14 @@ void bwd(const flashmsa_bwd_args_t& a, const Geometry& g, void* ws, size_t) {
     check_aligned(fn, name, *t);
   if (a.lse.dtype != FLASHMSA_DTYPE_FP32) unsupported(fn, "lse must be fp32");
   if (present(a.dlse) && a.dlse.dtype != FLASHMSA_DTYPE_FP32) unsupported(fn, "dlse must be fp32");
-  if (present(a.dkl))
-    unsupported(fn, "the proxy (kl) gradient is not implemented yet on CUDA; pass no dkl (the proxy "
-                    "gradients are then zero) or use the CPU backend");
-  if (g.Hp < g.Hkv)
-    unsupported(fn, "Hp < Hkv (an MSA group spanning several kv heads) is not implemented yet on CUDA");
+  if (present(a.dkl) && a.dkl.dtype != FLASHMSA_DTYPE_FP32) unsupported(fn, "dkl must be fp32");
+  if (present(a.proxy_lse) && a.proxy_lse.dtype != FLASHMSA_DTYPE_FP32) unsupported(fn, "proxy_lse must be fp32");
+  if (g.has_proxy && present(a.dkl)) {
+    if ((g.Hq / g.Hkv) % (g.Hq / g.Hp) != 0)
+      unsupported(fn, "the proxy gradient needs every MSA group inside one kv head (Hkv dividing Hp); got Hkv = " +
+                          std::to_string(g.Hkv) + ", Hp = " + std::to_string(g.Hp) + " (use the CPU backend)");
+    if (g.Hq / g.Hp > 64) unsupported(fn, "the proxy gradient supports at most 64 query heads per proxy head");
+  }
   if (a.deterministic) unsupported(fn, "deterministic mode is not implemented yet on CUDA");
   auto st = static_cast<cudaStream_t>(a.stream);
   if (a.validate) {

@@ -406,4 +406,89 @@ inline RefBwd straightforward_bwd(const Problem& pb, const Tensor& q, const Tens
   return r;
 }
 
+// Straightforward same-dtype proxy gradient: P of the group's heads from the straightforward
+// forward (rounded), the teacher as their fp32 mean, proxy logits rounded, the student softmax in
+// fp32, dz rounded once, dqp and dkp accumulated in fp32 and rounded.
+inline RefBwd straightforward_proxy_bwd(const Problem& pb, const Tensor& q, const Tensor& k, const Tensor& qp,
+                                        const Tensor& kp, const std::vector<int32_t>* indices, int topk,
+                                        flashmsa_mode_t mode, double g) {
+  using flashmsa::round_to;
+  const auto dt = pb.dtype;
+  flashmsa::ref::Problem rp;
+  rp.cu = pb.offsets();
+  rp.total = pb.total();
+  rp.Hq = pb.Hq; rp.Hkv = pb.Hkv; rp.Hp = pb.Hp; rp.Hpk = pb.Hpk; rp.D = pb.D; rp.Dp = pb.Dp;
+  rp.topk = topk;
+  rp.mode = mode == FLASHMSA_MODE_DENSE ? FLASHMSA_MODE_DENSE : FLASHMSA_MODE_GIVEN;
+  const double scale = 1.0 / std::sqrt(double(pb.D)), pscale = 1.0 / std::sqrt(double(pb.Dp));
+  const int G = pb.Hq / pb.Hp;
+  const int64_t n = int64_t(pb.Hp) * rp.total;
+  const float coef = float(g / double(n));
+  const int T = int(std::min<int64_t>(flashmsa::ref::num_threads(), std::max<int64_t>(n, 1)));
+  std::vector<std::vector<float>> dkpb(static_cast<size_t>(T));
+  RefBwd r;
+  r.dqp.assign(qp.host.size(), 0.0);
+  flashmsa::ref::parallel_for(n, [&](int64_t first, int64_t, int tid) {
+    auto& dkp = dkpb[size_t(tid)];
+    dkp.assign(kp.host.size(), 0.f);
+    std::vector<int64_t> keys;
+    std::vector<float> teacher, s, z;
+    for (int64_t item = first; item < n; item += T) {
+      const int p = int(item / rp.total);
+      const int64_t t = item % rp.total;
+      flashmsa::ref::key_set(rp, indices ? indices->data() : nullptr, p, t, keys);
+      if (keys.empty()) continue;
+      const size_t nk = keys.size();
+      teacher.assign(nk, 0.f);
+      s.resize(nk);
+      for (int h = p * G; h < (p + 1) * G; ++h) {
+        const int c = rp.kv_of(h);
+        const size_t qo = (size_t(t) * pb.Hq + h) * pb.D;
+        float m = -INFINITY;
+        for (size_t j = 0; j < nk; ++j) {
+          float acc = 0.f;
+          const size_t ko = (size_t(keys[j]) * pb.Hkv + c) * pb.D;
+          for (int d = 0; d < pb.D; ++d) acc += float(round_to(dt, q.host[qo + d] * scale)) * float(k.host[ko + d]);
+          s[j] = float(round_to(dt, acc));
+          m = std::max(m, s[j]);
+        }
+        float sum = 0.f;
+        for (size_t j = 0; j < nk; ++j) sum += std::exp(s[j] - m);
+        for (size_t j = 0; j < nk; ++j) teacher[j] += float(round_to(dt, std::exp(s[j] - m) / sum)) / float(G);
+      }
+      const int c = rp.pk_of(p);
+      const size_t qo = (size_t(t) * pb.Hp + p) * pb.Dp;
+      z.resize(nk);
+      float m = -INFINITY;
+      for (size_t j = 0; j < nk; ++j) {
+        float acc = 0.f;
+        const size_t ko = (size_t(keys[j]) * pb.Hpk + c) * pb.Dp;
+        for (int d = 0; d < pb.Dp; ++d) acc += float(qp.host[qo + d]) * float(kp.host[ko + d]);
+        z[j] = float(round_to(dt, acc * pscale));
+        m = std::max(m, z[j]);
+      }
+      float sum = 0.f;
+      for (size_t j = 0; j < nk; ++j) sum += std::exp(z[j] - m);
+      std::vector<float> dq(size_t(pb.Dp), 0.f);
+      for (size_t j = 0; j < nk; ++j) {
+        const float dz = float(round_to(dt, coef * (std::exp(z[j] - m) / sum - teacher[j])));
+        const size_t ko = (size_t(keys[j]) * pb.Hpk + c) * pb.Dp;
+        for (int d = 0; d < pb.Dp; ++d) {
+          dq[size_t(d)] += dz * float(kp.host[ko + d]);
+          dkp[ko + d] += dz * float(qp.host[qo + d]);
+        }
+      }
+      for (int d = 0; d < pb.Dp; ++d) r.dqp[qo + d] = round_to(dt, dq[size_t(d)] * pscale);
+    }
+  });
+  r.dkp.assign(kp.host.size(), 0.0);
+  for (size_t e = 0; e < kp.host.size(); ++e) {
+    float a = 0.f;
+    for (int tt = 0; tt < T; ++tt)
+      if (!dkpb[size_t(tt)].empty()) a += dkpb[size_t(tt)][e];
+    r.dkp[e] = round_to(dt, a * pscale);
+  }
+  return r;
+}
+
 }  // namespace gputest

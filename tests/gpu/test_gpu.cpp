@@ -292,7 +292,8 @@ TEST(Given, SmallOdd) { run_given(make(8, 4, 2, 1, 3, {0, 300, 127}), true); }
 // Runs the CUDA forward then the CUDA backward (no kl gradient) with the outputs and the whole
 // workspace poisoned (NaN bytes), and checks dq, dk, dv against the fp64 reference fed the
 // kernel's own indices, at the accuracy bar; the proxy gradients must be exactly zero.
-void run_bwd_case(const Problem& pb0, flashmsa_mode_t mode, bool with_dlse) {
+void run_bwd_case(const Problem& pb0, flashmsa_mode_t mode, bool with_dlse, double dkl = NAN,
+                  bool pass_proxy_lse = false) {
   PoolScope scope;
   std::mt19937_64 rng(fresh_seed());
   Problem pb = pb0;
@@ -315,7 +316,9 @@ void run_bwd_case(const Problem& pb0, flashmsa_mode_t mode, bool with_dlse) {
             given[(size_t(p) * T + t) * K + s] = rng() % 5 == 0 ? -1 : blocks[size_t(s)];
         }
   }
-  FwdRun f = run_fwd(pb, in, mode, FLASHMSA_NUMERICS_TRAIN, mode == FLASHMSA_MODE_GIVEN ? &given : nullptr, K, false);
+  const bool with_dkl = !std::isnan(dkl);
+  FwdRun f = run_fwd(pb, in, mode, FLASHMSA_NUMERICS_TRAIN, mode == FLASHMSA_MODE_GIVEN ? &given : nullptr, K,
+                     pass_proxy_lse);
   Tensor dout = random_input(token_shape(pb, pb.Hq, pb.D), pb.dtype, rng);
   Tensor dlse;
   if (with_dlse) dlse = random_input({pb.Hq, T}, FLASHMSA_DTYPE_FP32, rng);
@@ -333,6 +336,15 @@ void run_bwd_case(const Problem& pb0, flashmsa_mode_t mode, bool with_dlse) {
   a.lse = dev_view(f.lse);
   a.dout = dev_view(dout);
   if (with_dlse) a.dlse = dev_view(dlse);
+  Tensor dklt;
+  if (with_dkl) {
+    dklt.shape = {};
+    dklt.dtype = FLASHMSA_DTYPE_FP32;
+    dklt.host = {dkl};
+    upload(dklt);
+    a.dkl = dev_view(dklt);
+  }
+  if (pass_proxy_lse) a.proxy_lse = dev_view(f.proxy_lse);
   a.dq = dev_view(dq); a.dk = dev_view(dk); a.dv = dev_view(dv); a.dqp = dev_view(dqp); a.dkp = dev_view(dkp);
   const size_t ws_bytes = flashmsa::workspace_size(a);
   void* ws = Pool::get().take(ws_bytes);
@@ -349,9 +361,29 @@ void run_bwd_case(const Problem& pb0, flashmsa_mode_t mode, bool with_dlse) {
   expect_bar("dq", dq.host, ref.dq, plain.dq);
   expect_bar("dk", dk.host, ref.dk, plain.dk);
   expect_bar("dv", dv.host, ref.dv, plain.dv);
-  for (double x : dqp.host) ASSERT_EQ(x, 0.0) << "dqp must be exactly zero without a kl gradient";
-  for (double x : dkp.host) ASSERT_EQ(x, 0.0) << "dkp must be exactly zero without a kl gradient";
+  if (!with_dkl || dkl == 0.0) {
+    for (double x : dqp.host) ASSERT_EQ(x, 0.0) << "dqp must be exactly zero without a kl gradient";
+    for (double x : dkp.host) ASSERT_EQ(x, 0.0) << "dkp must be exactly zero without a kl gradient";
+    return;
+  }
+  RefBwd pref = reference_bwd(pb, in.q, in.k, in.v, &in.qp, &in.kp, ip, K, ref_mode, dout.host,
+                              with_dlse ? &dlse.host : nullptr, dkl);
+  RefBwd pplain = straightforward_proxy_bwd(pb, in.q, in.k, in.qp, in.kp, ip, K, ref_mode, dkl);
+  expect_bar("dqp", dqp.host, pref.dqp, pplain.dqp);
+  expect_bar("dkp", dkp.host, pref.dkp, pplain.dkp);
 }
+
+TEST(Proxy, M3SparseWithProxyLse) { run_bwd_case(make(64, 4, 4, 1, 16, {1300}), FLASHMSA_MODE_SPARSE, true, 0.7, true); }
+TEST(Proxy, FmsaVarlenRecomputedLse) {
+  run_bwd_case(make(16, 2, 4, 1, 16, {0, 1, 127, 129, 1000, 2100}), FLASHMSA_MODE_SPARSE, false, 1.0);
+}
+TEST(Proxy, G1Hpk2Tok64) { run_bwd_case(make(4, 2, 4, 2, 8, {1500}), FLASHMSA_MODE_SPARSE, false, 1.3, true); }
+TEST(Proxy, DenseWarmup) { run_bwd_case(make(16, 2, 4, 1, 1, {300, 57, 0, 130}), FLASHMSA_MODE_DENSE, true, 1.0); }
+TEST(Proxy, GivenWithEmptyRows) { run_bwd_case(make(16, 2, 4, 1, 5, {900, 3}), FLASHMSA_MODE_GIVEN, false, 2.0); }
+TEST(Proxy, BatchedFp16) { run_bwd_case(make(16, 2, 4, 1, 16, {700}, 2, FLASHMSA_DTYPE_FP16), FLASHMSA_MODE_SPARSE, false, 1.0); }
+TEST(Proxy, ZeroGradientIsExactlyZero) { run_bwd_case(make(16, 2, 4, 1, 4, {600}), FLASHMSA_MODE_SPARSE, false, 0.0); }
+TEST(Proxy, SmallSparse) { run_bwd_case(make(8, 2, 4, 1, 2, {130, 5, 300}), FLASHMSA_MODE_SPARSE, true, 1.0, true); }
+TEST(Proxy, SmallDense) { run_bwd_case(make(8, 2, 2, 1, 1, {200, 1}), FLASHMSA_MODE_DENSE, false, 1.0); }
 
 TEST(Bwd, M3SparseDlse) { run_bwd_case(make(64, 4, 4, 1, 16, {1300}), FLASHMSA_MODE_SPARSE, true); }
 // Odd per-sequence lengths with a NaN-filled workspace: a tile mismatch between the padded

@@ -40,7 +40,12 @@ struct Params {
   HeadTensor<int32_t> indices;  // [Hp, total, topk]
   HeadTensor<float> proxy_lse;  // [Hp, total]; ptr may be null
   int num_m_blocks = 0;
+  // lse-only modes (no selection, indices not written): kDense = over every causal key,
+  // kGiven = over the blocks of `given` [Hp, total, topk] (empty set: -inf)
+  int lse_mode = 0;
+  HeadTensor<const int32_t> given;
 };
+constexpr int kSelect = 0, kDenseLse = 1, kGivenLse = 2;
 
 template <class Element>
 struct Config {
@@ -168,6 +173,20 @@ __global__ void __launch_bounds__(384, 1) select_kernel(const __grid_constant__ 
   const float sl2 = p.proxy_scale * kLog2e;
   int count[2] = {0, 0};
   float local_lse2[2] = {0.f, 0.f};
+  // lse-only modes: running log2-sum-exp2 of the counted blocks (kept by all four quad lanes)
+  float run_m[2] = {-INFINITY, -INFINITY}, run_s[2] = {0.f, 0.f};
+  if (p.lse_mode == kGivenLse && (lane & 3) == 0) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = wg * 64 + get<0>(cRC(r, 0));
+      const int64_t i = int64_t(m_block) * C::kBlockM + row;
+      for (int s = 0; s < p.topk; ++s) {
+        const int v = i < L ? p.given.at(ph, s0 + i)[s] : -1;
+        S.idx[s][row] = int16_t(v >= 0 && v <= m_block ? v : -1);  // blocks past the query's own hold no keys
+      }
+    }
+  }
+  if (p.lse_mode == kGivenLse) ptx::named_barrier_sync(int(NamedBarrier::kWarpGroup0) + wg, 128);
 
   typename Pipeline::PipelineState state;
   for (int j = 0; j <= m_block; ++j) {
@@ -193,7 +212,18 @@ __global__ void __launch_bounds__(384, 1) select_kernel(const __grid_constant__ 
       for (int c = 0; c < size<1>(accRC); ++c) sum += ptx::exp2f_approx(accRC(r, c) * sl2 - ms);
       sum = quad_sum(sum);
       const float blse2 = ms + __log2f(sum);
-      if (j == m_block) {
+      if (p.lse_mode != kSelect) {
+        bool counted = true;
+        if (p.lse_mode == kGivenLse) {
+          counted = false;
+          for (int s = 0; s < p.topk; ++s) counted = counted || S.idx[s][row] == j;
+        }
+        if (counted) {
+          const float m2 = fmaxf(run_m[r], blse2);
+          run_s[r] = run_s[r] * exp2f(run_m[r] - m2) + exp2f(blse2 - m2);
+          run_m[r] = m2;
+        }
+      } else if (j == m_block) {
         local_lse2[r] = blse2;
       } else if (cap > 0 && (lane & 3) == 0 && i < L) {
         list_insert(S, row, count[r], cap, mx, j, blse2);
@@ -208,6 +238,10 @@ __global__ void __launch_bounds__(384, 1) select_kernel(const __grid_constant__ 
       const int row = wg * 64 + get<0>(cRC(r, 0));
       const int64_t i = int64_t(m_block) * C::kBlockM + row;
       if (i >= L) continue;
+      if (p.lse_mode != kSelect) {
+        *p.proxy_lse.at(ph, s0 + i) = run_s[r] > 0.f ? (run_m[r] + log2f(run_s[r])) * kLn2 : -INFINITY;
+        continue;
+      }
       const int n = count[r];
       int32_t* out = p.indices.at(ph, s0 + i);
       float mx2 = local_lse2[r];

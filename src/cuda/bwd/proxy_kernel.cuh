@@ -1,0 +1,335 @@
+// Proxy (KL) backward on Hopper: dqp, dkp and the kl value, key-block-outer over the same
+// inversion as the main backward.
+//
+// One CTA = one key block j x one proxy head p (its G query heads share one kv head: Hkv | Hp).
+// Chunks of 64 rows = NTc tokens x G heads. Per chunk the two consumer warpgroups (64 keys
+// each) recompute S^T = K Q^T and the main probabilities P^T = exp2(S^T - lse2) of the G heads,
+// stage them in shared memory and reduce them to the teacher t(key, token) = mean over the
+// group's heads; the student comes from the proxy logits z^T = Kp Qp^T (kTok token columns,
+// zero-padded) and the selection's proxy lse: s = exp(z - plse). dz = (g/N)(s - t);
+// dKp_j += dz^T Qp stays in registers; dQp = dz Kp goes to an fp32 accumulator with atomics
+// after a GEMM over both warpgroups' dz staged in shared memory. Each CTA writes its kl partial
+// sum; a final kernel adds them in a fixed order.
+#pragma once
+
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/pipeline/sm90_pipeline.hpp>
+
+#include "cuda/bwd/bwd_kernel.cuh"
+
+namespace flashmsa::cuda::attn_bwd {
+
+template <class Element, int kTok>
+struct ProxyConfig {
+  static constexpr int kBlockN = 128, kRows = 64, kHeadDim = 128;
+  static constexpr int kThreads = 384, kStages = 2, kConsumers = 256, kProducers = 128;
+  using Pipeline = cutlass::PipelineAsync<kStages>;
+  using AtomK = cute::GMMA::Layout_K_SW128_Atom<Element>;
+  using SmemLayoutKV = decltype(cute::tile_to_shape(AtomK{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>{}));
+  // Kp^T view (dp, keys) for dQp^T... as the A operand of dQp^T = Kp^T dz^T
+  using SmemLayoutKt = decltype(cute::composition(
+      SmemLayoutKV{}, cute::make_ordered_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>>{},
+                                                cute::Step<cute::_2, cute::_1>{})));
+  using SmemLayoutRows = decltype(cute::tile_to_shape(
+      AtomK{}, cute::Shape<cute::Int<kRows>, cute::Int<kHeadDim>, cute::Int<kStages>>{}));
+  // proxy query rows (tokens, dp) per stage and the (dp, tokens) view
+  using SmemLayoutTok = decltype(cute::tile_to_shape(
+      AtomK{}, cute::Shape<cute::Int<kTok>, cute::Int<kHeadDim>, cute::Int<kStages>>{}));
+  using SmemLayoutTokT = decltype(cute::composition(
+      SmemLayoutTok{}, cute::make_ordered_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kTok>, cute::Int<kStages>>{},
+                                                 cute::Step<cute::_2, cute::_1, cute::_3>{})));
+  // dz staged as (tokens, keys), keys contiguous: the B operand (N = tokens, K = keys) of dQp^T
+  using SmemLayoutDz = decltype(cute::tile_to_shape(AtomK{}, cute::Shape<cute::Int<kTok>, cute::Int<kBlockN>>{}));
+  using MmaS = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<Element, Element, float, cute::Shape<cute::_64, cute::Int<kRows>, cute::Int<kHeadDim>>>(),
+      cute::Layout<cute::Shape<cute::_1, cute::_1, cute::_1>>{}));
+  using MmaZ = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<Element, Element, float, cute::Shape<cute::_64, cute::Int<kTok>, cute::Int<kHeadDim>>>(),
+      cute::Layout<cute::Shape<cute::_1, cute::_1, cute::_1>>{}));
+  using MmadKp = decltype(cute::make_tiled_mma(
+      cute::GMMA::rs_op_selector<Element, Element, float, cute::Shape<cute::_64, cute::Int<kHeadDim>, cute::Int<kTok>>,
+                                 cute::GMMA::Major::K, cute::GMMA::Major::MN>(),
+      cute::Layout<cute::Shape<cute::_1, cute::_1, cute::_1>>{}));
+  using MmadQp = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<Element, Element, float, cute::Shape<cute::_64, cute::Int<kTok>, cute::Int<kBlockN>>,
+                                 cute::GMMA::Major::MN, cute::GMMA::Major::K>(),
+      cute::Layout<cute::Shape<cute::_1, cute::_1, cute::_1>>{}));
+
+  struct Smem {
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>, 1024> k;
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>, 1024> kp;
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutRows>, 1024> q;
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutTok>, 1024> qp;
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutDz>, 1024> dz;
+    float pt[kBlockN][kRows + 1];  // P^T of the chunk (fp32), padded row
+    float lse2[kStages][kRows];
+    float plse2[kStages][kTok];
+    int32_t tok[kStages][kTok];  // global token of each token column; -1: padding
+    typename Pipeline::SharedStorage pipe;
+    cutlass::arch::ClusterTransactionBarrier kv_bar;
+    float kl_warp[8];
+  };
+  static constexpr size_t kSmemBytes = sizeof(Smem) + 1024;
+};
+
+template <class Element>
+struct ProxyParams {
+  using StageLayout = typename MainConfig<Element>::SmemLayoutKV;
+  TmaBlockLoad<Element, StageLayout> tma_k, tma_kp;
+  TmaShape tma_shape_k, tma_shape_kp;
+  bool batched = false;
+  Common c;
+  int G = 0;           // query heads per proxy head
+  float kl_coef = 0;   // 1 / N (N = Hp * total); dz = g * kl_coef * (s - t)
+};
+
+template <class Element, int kTok>
+__global__ void __launch_bounds__(384, 1) bwd_proxy_kernel(const __grid_constant__ ProxyParams<Element> P) {
+  using namespace cute;
+  using C = ProxyConfig<Element, kTok>;
+  using Pipeline = typename C::Pipeline;
+  const Common& p = P.c;
+  extern __shared__ char smem_raw[];
+  auto& S = *reinterpret_cast<typename C::Smem*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+
+  const int gb = blockIdx.x, grp = blockIdx.y;
+  const int64_t kl_slot = int64_t(grp) * gridDim.x + gb;
+  const int b = seq_of_block(p.inv.blk_off, p.seqs.batch, gb);
+  const int tid = threadIdx.x;
+  if (b < 0) {
+    if (tid == 0 && p.kl_acc) p.kl_acc[kl_slot] = 0.f;
+    return;
+  }
+  int64_t s0, L;
+  p.seqs.get(b, s0, L);
+  const int j = gb - p.inv.blk_off[b];
+  const int G = P.G;
+  const int h0 = grp * G;
+  const int kvh = h0 / (p.Hq / p.Hkv), pk = grp / (p.Hp / p.Hpk);
+  const int NTc = min(C::kRows / G, kTok);
+  int n = 0;
+  const int32_t* list = nullptr;
+  int64_t dense_first = 0;
+  if (p.dense) {
+    dense_first = s0 + int64_t(j) * C::kBlockN;
+    n = int(s0 + L - dense_first);
+  } else {
+    const int64_t k = int64_t(grp) * p.inv.nblk + gb;
+    n = p.inv.offsets[k + 1] - p.inv.offsets[k];
+    list = p.inv.tokens + p.inv.offsets[k];
+  }
+  if (n <= 0) {
+    if (tid == 0 && p.kl_acc) p.kl_acc[kl_slot] = 0.f;
+    return;
+  }
+  const int nchunks = (n + NTc - 1) / NTc;
+  const int role_wg = tid / 128;
+
+  typename Pipeline::Params pp;
+  pp.role = role_wg == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
+  pp.producer_arv_count = C::kProducers;
+  pp.consumer_arv_count = C::kConsumers;
+  Pipeline pipeline(S.pipe, pp);
+  if (tid == 0) S.kv_bar.init(1);
+  cutlass::arch::fence_barrier_init();
+  __syncthreads();
+
+  Tensor sK = make_tensor(make_smem_ptr(S.k.data()), typename C::SmemLayoutKV{});
+  Tensor sKp = make_tensor(make_smem_ptr(S.kp.data()), typename C::SmemLayoutKV{});
+  Tensor sQ = make_tensor(make_smem_ptr(S.q.data()), typename C::SmemLayoutRows{});
+  Tensor sQp = make_tensor(make_smem_ptr(S.qp.data()), typename C::SmemLayoutTok{});
+
+  if (role_wg == 0) {  // ---- producer ----
+    cutlass::arch::warpgroup_reg_dealloc<24>();
+    if (tid == 0) {
+      const int bidx = P.batched ? b : 0;
+      const int64_t off = P.batched ? 0 : s0;
+      Tensor mK = P.tma_k.get_tma_tensor(P.tma_shape_k)(_, _, kvh, bidx);
+      Tensor mKp = P.tma_kp.get_tma_tensor(P.tma_shape_kp)(_, _, pk, bidx);
+      Tensor gK = local_tile(domain_offset(make_coord(off, _0{}), mK), Shape<_128, _128>{}, make_coord(j, _0{}));
+      Tensor gKp = local_tile(domain_offset(make_coord(off, _0{}), mKp), Shape<_128, _128>{}, make_coord(j, _0{}));
+      auto tk = P.tma_k.get_slice(_0{});
+      auto tkp = P.tma_kp.get_slice(_0{});
+      S.kv_bar.arrive_and_expect_tx(2 * C::kBlockN * C::kHeadDim * sizeof(Element));
+      copy(P.tma_k.with(reinterpret_cast<uint64_t&>(S.kv_bar)), tk.partition_S(gK), tk.partition_D(sK));
+      copy(P.tma_kp.with(reinterpret_cast<uint64_t&>(S.kv_bar)), tkp.partition_S(gKp), tkp.partition_D(sKp));
+    }
+    const Element* qptr = static_cast<const Element*>(p.q.ptr);
+    const Element* qpptr = static_cast<const Element*>(p.qp.ptr);
+    const int64_t pad0 = padded_offset(s0, b, kPadTile) - s0;
+    auto state = cutlass::make_producer_start_state<Pipeline>();
+    for (int c = 0; c < nchunks; ++c) {
+      pipeline.producer_acquire(state);
+      const int st = state.index();
+      for (int x = tid; x < C::kRows * 16; x += 128) {  // Q rows: token r / G, head h0 + r % G
+        const int r = x / 16, col = (x % 16) * 8;
+        const int li = min(c * NTc + min(r / G, NTc - 1), n - 1);
+        const int64_t t = p.dense ? dense_first + li : int64_t(list[li]);
+        ptx::cp_async_16(&sQ(r, col, st), qptr + b * p.q.batch_corr + t * p.q.tok + (h0 + r % G) * p.q.head + col);
+      }
+      for (int x = tid; x < kTok * 16; x += 128) {  // Qp rows, zero past the chunk's tokens
+        const int r = x / 16, col = (x % 16) * 8;
+        const int li = c * NTc + r;
+        const bool valid = r < NTc && li < n;
+        const int64_t t = valid ? (p.dense ? dense_first + li : int64_t(list[li])) : s0;
+        ptx::cp_async_16(&sQp(r, col, st), qpptr + b * p.qp.batch_corr + t * p.qp.tok + grp * p.qp.head + col,
+                         valid ? 16 : 0);
+      }
+      if (tid < C::kRows) {
+        const int r = tid;
+        const int li = c * NTc + r / G;
+        const bool valid = r / G < NTc && li < n;
+        const int64_t t = valid ? (p.dense ? dense_first + li : int64_t(list[li])) : 0;
+        S.lse2[st][r] = valid ? *p.lse2.at(h0 + r % G, pad0 + t) : 0.f;
+      }
+      if (tid < kTok) {
+        const int r = tid;
+        const int li = c * NTc + r;
+        const bool valid = r < NTc && li < n;
+        const int64_t t = valid ? (p.dense ? dense_first + li : int64_t(list[li])) : -1;
+        S.tok[st][r] = int32_t(t);
+        S.plse2[st][r] = valid ? *p.plse.at(grp, t) * kLog2e : 0.f;
+      }
+      ptx::cp_async_commit();
+      ptx::cp_async_wait<0>();
+      ptx::fence_proxy_async_smem();
+      pipeline.producer_commit(state);
+      ++state;
+    }
+    return;
+  }
+
+  cutlass::arch::warpgroup_reg_alloc<240>();
+  const int w = role_wg - 1, wtid = tid % 128;
+  Tensor sQpT = make_tensor(make_smem_ptr(S.qp.data()), typename C::SmemLayoutTokT{});
+  Tensor sKpT = make_tensor(make_smem_ptr(S.kp.data()), typename C::SmemLayoutKt{});
+  Tensor sDz = make_tensor(make_smem_ptr(S.dz.data()), typename C::SmemLayoutDz{});
+
+  typename C::MmaS mma_s;
+  typename C::MmaZ mma_z;
+  typename C::MmadKp mma_dkp;
+  typename C::MmadQp mma_dqp;
+  auto thr_s = mma_s.get_thread_slice(wtid);
+  auto thr_z = mma_z.get_thread_slice(wtid);
+  auto thr_dkp = mma_dkp.get_thread_slice(wtid);
+  auto thr_dqp = mma_dqp.get_thread_slice(wtid);
+  Tensor tSrK = thr_s.partition_fragment_A(local_tile(sK, Shape<_64, Int<C::kHeadDim>>{}, make_coord(w, _0{})));
+  Tensor tSrQ = thr_s.partition_fragment_B(sQ);
+  Tensor tZrKp = thr_z.partition_fragment_A(local_tile(sKp, Shape<_64, Int<C::kHeadDim>>{}, make_coord(w, _0{})));
+  Tensor tZrQp = thr_z.partition_fragment_B(sQp);
+  Tensor tKprQpT = thr_dkp.partition_fragment_B(sQpT);  // (N = dp, K = tokens, stage)
+  Tensor tQprKpT = thr_dqp.partition_fragment_A(local_tile(sKpT, Shape<_64, Int<C::kBlockN>>{}, make_coord(w, _0{})));
+  Tensor tQprDz = thr_dqp.partition_fragment_B(sDz);
+
+  Tensor accS = partition_fragment_C(mma_s, Shape<_64, Int<C::kRows>>{});
+  Tensor accZ = partition_fragment_C(mma_z, Shape<_64, Int<kTok>>{});
+  Tensor accdKp = partition_fragment_C(mma_dkp, Shape<_64, Int<C::kHeadDim>>{});
+  Tensor accdQp = partition_fragment_C(mma_dqp, Shape<_64, Int<kTok>>{});  // (dp, token)
+  clear(accdKp);
+  Tensor cS = thr_s.partition_C(make_identity_tensor(Shape<_64, Int<C::kRows>>{}));   // (key, row)
+  Tensor cZ = thr_z.partition_C(make_identity_tensor(Shape<_64, Int<kTok>>{}));       // (key, token)
+  Tensor cQp = thr_dqp.partition_C(make_identity_tensor(Shape<_64, Int<kTok>>{}));    // (dp, token)
+
+  const float sl2 = p.scale * kLog2e, psl2 = p.proxy_scale * kLog2e;
+  const float coef = (p.dkl ? *p.dkl : 0.f) * P.kl_coef;
+  const int64_t key_base = int64_t(j) * C::kBlockN + 64 * w;
+  float kl_sum = 0.f;
+  S.kv_bar.wait(0);
+
+  typename Pipeline::PipelineState state;
+  for (int c = 0; c < nchunks; ++c) {
+    pipeline.consumer_wait(state);
+    const int st = state.index();
+    wg_gemm<true>(mma_s, tSrK, tSrQ(_, _, _, st), accS);
+    wg_gemm<true>(mma_z, tZrKp, tZrQp(_, _, _, st), accZ);
+    // P^T of the G heads into shared memory (this warpgroup's 64 keys)
+#pragma unroll
+    for (int x = 0; x < size(accS); ++x) {
+      const int key = get<0>(cS(x)), r = get<1>(cS(x));
+      const int tc = r / G;
+      const int32_t t = tc < NTc ? S.tok[st][tc] : -1;
+      const bool ok = t >= 0 && key_base + key <= int64_t(t) - s0;
+      S.pt[64 * w + key][r] = ok ? ptx::exp2f_approx(accS(x) * sl2 - S.lse2[st][r]) : 0.f;
+    }
+    ptx::named_barrier_sync(int(NamedBarrier::kWarpGroup0) + w, 128);
+    // teacher, student, dz (in the z^T accumulator), kl
+#pragma unroll
+    for (int x = 0; x < size(accZ); ++x) {
+      const int key = get<0>(cZ(x)), tc = get<1>(cZ(x));
+      const int32_t t = tc < NTc ? S.tok[st][tc] : -1;
+      const bool ok = t >= 0 && key_base + key <= int64_t(t) - s0;
+      float dz = 0.f;
+      if (ok) {
+        float tsum = 0.f;
+        for (int h = 0; h < G; ++h) tsum += S.pt[64 * w + key][tc * G + h];
+        const float teacher = tsum / float(G);
+        const float zl2 = accZ(x) * psl2 - S.plse2[st][tc];  // log2 of the student
+        const float student = ptx::exp2f_approx(zl2);
+        dz = coef * (student - teacher);
+        if (teacher > 0.f) kl_sum += teacher * (__logf(teacher) - zl2 * kLn2);
+      }
+      accZ(x) = dz;
+    }
+    Tensor rDz = make_tensor_like<Element>(accZ);
+#pragma unroll
+    for (int x = 0; x < size(accZ); ++x) rDz(x) = Element(accZ(x));
+    // dKp_j += dz^T Qp
+    wg_gemm<false>(mma_dkp, make_tensor(rDz.data(), acc_to_a_regs(rDz.layout())), tKprQpT(_, _, _, st), accdKp);
+    // stage dz as (token, key) for dQp^T = Kp^T dz^T over all 128 keys
+#pragma unroll
+    for (int x = 0; x < size(accZ); ++x) sDz(get<1>(cZ(x)), 64 * w + get<0>(cZ(x))) = rDz(x);
+    int32_t my_tok[kTok];
+#pragma unroll
+    for (int tc = 0; tc < kTok; ++tc) my_tok[tc] = S.tok[st][tc];
+    pipeline.consumer_release(state);
+    ptx::fence_proxy_async_smem();
+    ptx::named_barrier_sync(int(NamedBarrier::kConsumers), C::kConsumers);
+    wg_gemm<true>(mma_dqp, tQprKpT, tQprDz, accdQp);
+#pragma unroll
+    for (int x = 0; x < size(accdQp); ++x) {
+      const int d = 64 * w + get<0>(cQp(x)), tc = get<1>(cQp(x));
+      const int32_t t = my_tok[tc];
+      if (t < 0) continue;
+      atomicAdd(p.dqp_acc + (int64_t(t) * p.Hp + grp) * C::kHeadDim + d, accdQp(x));
+    }
+    // sDz and S.pt are rewritten next chunk: every consumer must be past its reads
+    ptx::named_barrier_sync(int(NamedBarrier::kConsumers), C::kConsumers);
+    ++state;
+  }
+
+  // dKp_j: fp32 atomics (several proxy heads may share a proxy key head)
+  Tensor cKp = thr_dkp.partition_C(make_identity_tensor(Shape<_64, Int<C::kHeadDim>>{}));
+#pragma unroll
+  for (int x = 0; x < size(accdKp); x += 2) {
+    const int64_t pos = key_base + get<0>(cKp(x));
+    if (pos >= L) continue;
+    const int64_t row = ((s0 + pos) * p.Hpk + pk) * C::kHeadDim + get<1>(cKp(x));
+    atomicAdd(reinterpret_cast<float2*>(p.dkp_acc + row), make_float2(accdKp(x), accdKp(x + 1)));
+  }
+  // kl partial of this CTA, in a fixed order
+  if (p.kl_acc) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) kl_sum += __shfl_xor_sync(0xffffffff, kl_sum, off);
+    if (tid % 32 == 0) S.kl_warp[(tid - 128) / 32] = kl_sum;
+    ptx::named_barrier_sync(int(NamedBarrier::kConsumers), C::kConsumers);
+    if (tid == 128) {
+      float total = 0.f;
+      for (int x = 0; x < 8; ++x) total += S.kl_warp[x];
+      p.kl_acc[kl_slot] = total;
+    }
+  }
+}
+
+template <class Element, int kTok>
+void launch_proxy(const ProxyParams<Element>& P, cudaStream_t stream) {
+  using C = ProxyConfig<Element, kTok>;
+  auto kernel = bwd_proxy_kernel<Element, kTok>;
+  FLASHMSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(C::kSmemBytes)));
+  dim3 grid(P.c.inv.nblk, P.c.Hp);
+  if (grid.x == 0) return;
+  kernel<<<grid, C::kThreads, C::kSmemBytes, stream>>>(P);
+  FLASHMSA_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace flashmsa::cuda::attn_bwd
