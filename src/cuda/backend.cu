@@ -148,13 +148,45 @@ void check_supported(const Geometry& g, const char* fn) {
     unsupported(fn, "max_seqlen " + std::to_string(g.max_seqlen) + " exceeds " + std::to_string(kMaxSeqlen));
 }
 
-size_t select_workspace(const flashmsa_select_args_t&, const Geometry&) { return 0; }
-
-size_t fwd_workspace(const flashmsa_fwd_args_t& a, const Geometry& g) {
-  if (a.mode == FLASHMSA_MODE_SPARSE && !present(a.indices))
-    return align_up(size_t(g.Hp) * size_t(g.total) * size_t(g.topk) * 4);
-  return 0;
+// What the CUDA kernels support beyond the spec's validation; called by the workspace queries
+// and the calls alike, so both refuse before anything runs.
+void fwd_features(const flashmsa_fwd_args_t& a, const Geometry& g) {
+  const char* fn = "flashmsa_fwd";
+  for (auto [name, t] : {std::pair{"q", &a.q}, {"k", &a.k}, {"v", &a.v}, {"qp", &a.qp}, {"kp", &a.kp},
+                         {"out", &a.out}})
+    check_aligned(fn, name, *t);
+  if (present(a.lse) && a.lse.dtype != FLASHMSA_DTYPE_FP32) unsupported(fn, "lse must be fp32");
+  if (present(a.proxy_lse) && a.proxy_lse.dtype != FLASHMSA_DTYPE_FP32)
+    unsupported(fn, "proxy_lse must be fp32");
+  if (present(a.kl) && a.kl.dtype != FLASHMSA_DTYPE_FP32) unsupported(fn, "kl must be fp32");
+  if (a.compute_kl) {
+    if ((g.Hq / g.Hkv) % (g.Hq / g.Hp) != 0)
+      unsupported(fn, "the kl value needs every MSA group inside one kv head (Hkv dividing Hp); got Hkv = " +
+                          std::to_string(g.Hkv) + ", Hp = " + std::to_string(g.Hp) + " (use the CPU backend)");
+    if (g.Hq / g.Hp > 64) unsupported(fn, "the kl value supports at most 64 query heads per proxy head");
+  }
 }
+
+void bwd_features(const flashmsa_bwd_args_t& a, const Geometry& g) {
+  const char* fn = "flashmsa_bwd";
+  for (auto [name, t] : {std::pair{"q", &a.q}, {"k", &a.k}, {"v", &a.v}, {"qp", &a.qp}, {"kp", &a.kp},
+                         {"out", &a.out}, {"dout", &a.dout}, {"dq", &a.dq}, {"dk", &a.dk}, {"dv", &a.dv},
+                         {"dqp", &a.dqp}, {"dkp", &a.dkp}})
+    check_aligned(fn, name, *t);
+  if (a.lse.dtype != FLASHMSA_DTYPE_FP32) unsupported(fn, "lse must be fp32");
+  if (present(a.dlse) && a.dlse.dtype != FLASHMSA_DTYPE_FP32) unsupported(fn, "dlse must be fp32");
+  if (present(a.dkl) && a.dkl.dtype != FLASHMSA_DTYPE_FP32) unsupported(fn, "dkl must be fp32");
+  if (present(a.proxy_lse) && a.proxy_lse.dtype != FLASHMSA_DTYPE_FP32) unsupported(fn, "proxy_lse must be fp32");
+  if (g.has_proxy && present(a.dkl)) {
+    if ((g.Hq / g.Hkv) % (g.Hq / g.Hp) != 0)
+      unsupported(fn, "the proxy gradient needs every MSA group inside one kv head (Hkv dividing Hp); got Hkv = " +
+                          std::to_string(g.Hkv) + ", Hp = " + std::to_string(g.Hp) + " (use the CPU backend)");
+    if (g.Hq / g.Hp > 64) unsupported(fn, "the proxy gradient supports at most 64 query heads per proxy head");
+  }
+  if (a.deterministic) unsupported(fn, "deterministic mode is not implemented yet on CUDA");
+}
+
+size_t select_workspace(const flashmsa_select_args_t&, const Geometry&) { return 0; }
 
 namespace {
 
@@ -171,17 +203,23 @@ int bwd_unit_heads(const Geometry& g) {
 
 int global_blocks_bound(const Geometry& g) { return int(g.total / 128 + g.batch + 1); }
 
-attn_bwd::InversionArgs inversion_args(const flashmsa_bwd_args_t& a, const Geometry& g) {
+attn_bwd::InversionArgs inversion_args(const int32_t* idx, int64_t idx_head, int64_t idx_tok,
+                                       const flashmsa_tensor_t& cu, const Geometry& g) {
   attn_bwd::InversionArgs ia;
-  ia.indices.ptr = static_cast<const int32_t*>(a.indices.data);
-  ia.indices.head = a.indices.strides[0];
-  ia.indices.tok = a.indices.strides[1];
-  ia.seqs = seqs_of(a.cu_seqlens, g);
+  ia.indices.ptr = idx;
+  ia.indices.head = idx_head;
+  ia.indices.tok = idx_tok;
+  ia.seqs = seqs_of(cu, g);
   ia.Hp = g.Hp;
   ia.topk = g.topk;
   ia.total = g.total;
   ia.nblk = global_blocks_bound(g);
   return ia;
+}
+
+attn_bwd::InversionArgs inversion_args(const flashmsa_bwd_args_t& a, const Geometry& g) {
+  return inversion_args(static_cast<const int32_t*>(a.indices.data), a.indices.strides[0], a.indices.strides[1],
+                        a.cu_seqlens, g);
 }
 
 // Workspace of the backward, in order: lse2, dsum (padded), dq/dk/dv/dqp/dkp accumulators,
@@ -218,6 +256,7 @@ BwdLayout bwd_layout(const flashmsa_bwd_args_t& a, const Geometry& g) {
 }  // namespace
 
 size_t bwd_workspace(const flashmsa_bwd_args_t& a, const Geometry& g) {
+  bwd_features(a, g);
   if (g.total == 0) return 0;
   return bwd_layout(a, g).total;
 }
@@ -311,44 +350,59 @@ void select(const flashmsa_select_args_t& a, const Geometry& g, void*, size_t) {
              a.indices.strides[1], a.proxy_lse, st);
 }
 
-void fwd(const flashmsa_fwd_args_t& a, const Geometry& g, void* ws, size_t) {
-  const char* fn = "flashmsa_fwd";
-  for (auto [name, t] : {std::pair{"q", &a.q}, {"k", &a.k}, {"v", &a.v}, {"qp", &a.qp}, {"kp", &a.kp},
-                         {"out", &a.out}})
-    check_aligned(fn, name, *t);
-  if (a.compute_kl) unsupported(fn, "compute_kl is not implemented yet on CUDA (it comes with the backward)");
-  if (present(a.proxy_lse) && a.mode != FLASHMSA_MODE_SPARSE)
-    unsupported(fn, "proxy_lse in GIVEN or DENSE mode is not implemented yet on CUDA");
-  if (present(a.lse) && a.lse.dtype != FLASHMSA_DTYPE_FP32) unsupported(fn, "lse must be fp32");
-  if (present(a.proxy_lse) && a.proxy_lse.dtype != FLASHMSA_DTYPE_FP32)
-    unsupported(fn, "proxy_lse must be fp32");
-  auto st = static_cast<cudaStream_t>(a.stream);
-  if (a.validate) {
-    const auto cu = validate_offsets(a.cu_seqlens, g, st, fn);
-    if (a.mode == FLASHMSA_MODE_GIVEN) validate_indices(a.indices, cu, g, st, fn);
-  }
-  if (present(a.kl)) FLASHMSA_CUDA_CHECK(cudaMemsetAsync(a.kl.data, 0, sizeof(float), st));
-  if (g.total == 0) return;
-
-  const int32_t* idx = nullptr;
-  int64_t idx_head = 0, idx_tok = 0;
-  if (a.mode == FLASHMSA_MODE_SPARSE) {
-    int32_t* dst = present(a.indices) ? static_cast<int32_t*>(a.indices.data) : static_cast<int32_t*>(ws);
-    idx_head = present(a.indices) ? a.indices.strides[0] : g.total * g.topk;
-    idx_tok = present(a.indices) ? a.indices.strides[1] : g.topk;
-    run_select(a.qp, a.kp, a.cu_seqlens, g, dst, idx_head, idx_tok, a.proxy_lse, st);
-    idx = dst;
-  } else if (a.mode == FLASHMSA_MODE_GIVEN) {
-    idx = static_cast<const int32_t*>(a.indices.data);
-    idx_head = a.indices.strides[0];
-    idx_tok = a.indices.strides[1];
-  }
-
-  if (g.dtype == FLASHMSA_DTYPE_BF16) run_fwd<cutlass::bfloat16_t>(a, g, idx, idx_head, idx_tok, st);
-  else run_fwd<cutlass::half_t>(a, g, idx, idx_head, idx_tok, st);
-}
-
 namespace {
+
+// The proxy kernel: gradients (backward) or the kl value alone (forward's compute_kl).
+struct ProxyRun {
+  const flashmsa_tensor_t *qp = nullptr, *kp = nullptr, *cu = nullptr, *indices = nullptr, *proxy_lse = nullptr;
+  float* plse_ws = nullptr;  // [Hp, total] when proxy_lse is absent
+  float *dqp_acc = nullptr, *dkp_acc = nullptr, *kl_acc = nullptr;
+  const float* dkl = nullptr;
+  bool grads = true;
+};
+
+template <class Element, class TmaK>
+void run_proxy(const Geometry& g, const attn_bwd::Common& c, const TmaK& tma_k, const TmaShape& tma_shape_k,
+               const ProxyRun& r, cudaStream_t st) {
+  HeadTensor<float> plse;
+  if (present(*r.proxy_lse)) {
+    plse = head_tensor<float>(*r.proxy_lse);
+  } else {  // the proxy lse over the same sets
+    plse.ptr = r.plse_ws;
+    plse.head = g.total;
+    plse.tok = 1;
+    HeadTensor<const int32_t> given;
+    if (!c.dense) {
+      given.ptr = static_cast<const int32_t*>(r.indices->data);
+      given.head = r.indices->strides[0];
+      given.tok = r.indices->strides[1];
+    }
+    run_select_t<Element>(*r.qp, *r.kp, *r.cu, g, nullptr, 0, 0, plse, st,
+                          c.dense ? selection::kDenseLse : selection::kGivenLse, given);
+  }
+  using PP = attn_bwd::ProxyParams<Element>;
+  PP pp;
+  pp.c = c;
+  pp.c.qp = token_tensor<const void>(*r.qp, g);
+  pp.c.kp = token_tensor<const void>(*r.kp, g);
+  pp.c.plse.ptr = plse.ptr;
+  pp.c.plse.head = plse.head;
+  pp.c.plse.tok = plse.tok;
+  pp.c.dqp_acc = r.dqp_acc;
+  pp.c.dkp_acc = r.dkp_acc;
+  pp.c.kl_acc = r.kl_acc;
+  pp.c.dkl = r.dkl;
+  pp.G = g.Hq / g.Hp;
+  pp.grads = r.grads;
+  const auto tkp = make_block_load<Element, typename PP::StageLayout>(pp.c.kp, g.Hpk, g.batched, g.seqlen, g.batch, g.total);
+  pp.tma_k = tma_k;
+  pp.tma_shape_k = tma_shape_k;
+  pp.tma_kp = tkp.copy;
+  pp.tma_shape_kp = tkp.shape;
+  pp.batched = g.batched;
+  if (64 / pp.G <= 16) attn_bwd::launch_proxy<Element, 16>(pp, st);
+  else attn_bwd::launch_proxy<Element, 64>(pp, st);
+}
 
 template <class Element>
 void run_bwd(const flashmsa_bwd_args_t& a, const Geometry& g, char* ws, const BwdLayout& l, cudaStream_t st) {
@@ -418,46 +472,20 @@ void run_bwd(const flashmsa_bwd_args_t& a, const Geometry& g, char* ws, const Bw
   if (g.has_proxy) {
     float pscale = 1.f;
     if (present(a.dkl)) {  // the proxy gradient; without dkl the accumulators stay zero
-      pscale = float(g.proxy_scale);
-      HeadTensor<float> plse;
-      if (present(a.proxy_lse)) {
-        plse = head_tensor<float>(a.proxy_lse);
-      } else {  // the proxy lse over the same sets
-        plse.ptr = reinterpret_cast<float*>(ws + l.plse);
-        plse.head = g.total;
-        plse.tok = 1;
-        HeadTensor<const int32_t> given;
-        if (!c.dense) {
-          given.ptr = static_cast<const int32_t*>(a.indices.data);
-          given.head = a.indices.strides[0];
-          given.tok = a.indices.strides[1];
-        }
-        run_select_t<Element>(a.qp, a.kp, a.cu_seqlens, g, nullptr, 0, 0, plse, st,
-                              c.dense ? selection::kDenseLse : selection::kGivenLse, given);
-      }
-      using PP = attn_bwd::ProxyParams<Element>;
-      PP pp;
-      pp.c = c;
-      pp.c.qp = token_tensor<const void>(a.qp, g);
-      pp.c.kp = token_tensor<const void>(a.kp, g);
-      pp.c.plse.ptr = plse.ptr;
-      pp.c.plse.head = plse.head;
-      pp.c.plse.tok = plse.tok;
-      pp.c.dqp_acc = reinterpret_cast<float*>(ws + l.dqp);
-      pp.c.dkp_acc = reinterpret_cast<float*>(ws + l.dkp);
-      pp.c.kl_acc = reinterpret_cast<float*>(ws + l.kl);
-      pp.c.dkl = static_cast<const float*>(a.dkl.data);
-      pp.G = g.Hq / g.Hp;
-      pp.kl_coef = float(1.0 / (double(g.Hp) * double(g.total)));
-      const auto tkp = make_block_load<Element, typename PP::StageLayout>(pp.c.kp, g.Hpk, g.batched, g.seqlen, g.batch, g.total);
-      pp.tma_k = mp.tma_k;
-      pp.tma_shape_k = mp.tma_shape;
-      pp.tma_kp = tkp.copy;
-      pp.tma_shape_kp = tkp.shape;
-      pp.batched = g.batched;
-      const int ntc = 64 / pp.G;
-      if (ntc <= 16) attn_bwd::launch_proxy<Element, 16>(pp, st);
-      else attn_bwd::launch_proxy<Element, 64>(pp, st);
+      pscale = float(g.proxy_scale / (double(g.Hp) * double(g.total)));  // dz was kept N times larger
+      ProxyRun r;
+      r.qp = &a.qp;
+      r.kp = &a.kp;
+      r.cu = &a.cu_seqlens;
+      r.indices = &a.indices;
+      r.proxy_lse = &a.proxy_lse;
+      r.plse_ws = reinterpret_cast<float*>(ws + l.plse);
+      r.dqp_acc = reinterpret_cast<float*>(ws + l.dqp);
+      r.dkp_acc = reinterpret_cast<float*>(ws + l.dkp);
+      r.kl_acc = reinterpret_cast<float*>(ws + l.kl);
+      r.dkl = static_cast<const float*>(a.dkl.data);
+      r.grads = true;
+      run_proxy<Element>(g, c, mp.tma_k, mp.tma_shape, r, st);
     }
     attn_bwd::launch_convert<Element>(reinterpret_cast<float*>(ws + l.dqp), token_tensor<void>(a.dqp, g), seqs,
                                       g.max_seqlen, g.Hp, pscale, st);
@@ -468,23 +496,163 @@ void run_bwd(const flashmsa_bwd_args_t& a, const Geometry& g, char* ws, const Bw
 
 }  // namespace
 
+namespace {
+
+// Workspace of the forward: the indices (SPARSE without an indices output), then for compute_kl
+// the padded lse2, the inversion, the proxy lse (when not an output) and the kl partials.
+struct FwdLayout {
+  size_t idx = 0, lse2 = 0, inv = 0, plse = 0, kl = 0, total = 0;
+  int64_t padded = 0;
+};
+
+FwdLayout fwd_layout(const flashmsa_fwd_args_t& a, const Geometry& g) {
+  FwdLayout l;
+  size_t off = 0;
+  auto take = [&](size_t bytes) { const size_t o = off; off += align_up(bytes); return o; };
+  if (a.mode == FLASHMSA_MODE_SPARSE && !present(a.indices)) l.idx = take(size_t(g.Hp) * g.total * g.topk * 4);
+  if (a.compute_kl) {
+    l.padded = padded_total(g.total, g.batch, attn_bwd::kPadTile);
+    l.lse2 = take(size_t(g.Hq) * l.padded * 4);
+    l.inv = take(a.mode == FLASHMSA_MODE_DENSE
+                     ? attn_bwd::blk_off_workspace(g.batch)
+                     : attn_bwd::inversion_workspace(inversion_args(nullptr, 0, 0, a.cu_seqlens, g)));
+    if (!present(a.proxy_lse)) l.plse = take(size_t(g.Hp) * g.total * 4);
+    l.kl = take(size_t(g.Hp) * global_blocks_bound(g) * 4);
+  }
+  l.total = off;
+  return l;
+}
+
+// kl of the forward: the proxy kernel without gradients over the main probabilities that the
+// forward's lse defines, partials added in a fixed order.
+template <class Element>
+void run_fwd_kl(const flashmsa_fwd_args_t& a, const Geometry& g, const int32_t* idx, int64_t idx_head,
+                int64_t idx_tok, const flashmsa_tensor_t& plse_t, char* ws, const FwdLayout& l, cudaStream_t st) {
+  const Seqs seqs = seqs_of(a.cu_seqlens, g);
+  attn_bwd::PreprocessArgs pa;
+  pa.out = token_tensor<const void>(a.out, g);
+  pa.lse = head_tensor<const float>(a.lse);
+  pa.seqs = seqs;
+  pa.Hq = g.Hq;
+  pa.max_seqlen = g.max_seqlen;
+  pa.lse2 = reinterpret_cast<float*>(ws + l.lse2);
+  pa.padded_stride = l.padded;
+  attn_bwd::launch_preprocess<Element>(pa, st);
+  attn_bwd::Common c;
+  c.q = token_tensor<const void>(a.q, g);
+  c.k = token_tensor<const void>(a.k, g);
+  c.lse2.ptr = pa.lse2;
+  c.lse2.head = l.padded;
+  c.lse2.tok = 1;
+  c.seqs = seqs;
+  c.dense = a.mode == FLASHMSA_MODE_DENSE;
+  if (c.dense) {
+    c.inv.blk_off = attn_bwd::build_blk_off(seqs, ws + l.inv, st);
+    c.inv.nblk = global_blocks_bound(g);
+  } else {
+    c.inv = attn_bwd::build_inversion(inversion_args(idx, idx_head, idx_tok, a.cu_seqlens, g), ws + l.inv, st);
+  }
+  c.Hq = g.Hq;
+  c.Hkv = g.Hkv;
+  c.Hp = g.Hp;
+  c.Hpk = g.Hpk;
+  c.scale = float(g.scale);
+  c.proxy_scale = float(g.proxy_scale);
+  c.total = g.total;
+  using Stage = typename attn_bwd::MainParams<Element>::StageLayout;
+  const auto tk = make_block_load<Element, Stage>(c.k, g.Hkv, g.batched, g.seqlen, g.batch, g.total);
+  flashmsa_tensor_t idx_t{};  // the rows the proxy lse recompute reads (GIVEN)
+  idx_t.data = const_cast<int32_t*>(idx);
+  idx_t.ndim = 3;
+  idx_t.strides[0] = idx_head;
+  idx_t.strides[1] = idx_tok;
+  idx_t.strides[2] = 1;
+  ProxyRun r;
+  r.qp = &a.qp;
+  r.kp = &a.kp;
+  r.cu = &a.cu_seqlens;
+  r.indices = &idx_t;
+  r.proxy_lse = &plse_t;
+  r.plse_ws = reinterpret_cast<float*>(ws + l.plse);
+  r.kl_acc = reinterpret_cast<float*>(ws + l.kl);
+  r.grads = false;
+  run_proxy<Element>(g, c, tk.copy, tk.shape, r, st);
+  attn_bwd::launch_kl_reduce(r.kl_acc, int64_t(g.Hp) * global_blocks_bound(g), 1.0 / (double(g.Hp) * double(g.total)),
+                             static_cast<float*>(a.kl.data), st);
+}
+
+}  // namespace
+
+size_t fwd_workspace(const flashmsa_fwd_args_t& a, const Geometry& g) {
+  fwd_features(a, g);
+  if (g.total == 0) return 0;
+  return fwd_layout(a, g).total;
+}
+
+void fwd(const flashmsa_fwd_args_t& a, const Geometry& g, void* ws_raw, size_t) {
+  const char* fn = "flashmsa_fwd";
+  fwd_features(a, g);
+  auto st = static_cast<cudaStream_t>(a.stream);
+  if (a.validate) {
+    const auto cu = validate_offsets(a.cu_seqlens, g, st, fn);
+    if (a.mode == FLASHMSA_MODE_GIVEN) validate_indices(a.indices, cu, g, st, fn);
+  }
+  if (present(a.kl)) FLASHMSA_CUDA_CHECK(cudaMemsetAsync(a.kl.data, 0, sizeof(float), st));
+  if (g.total == 0) return;
+  char* ws = static_cast<char*>(ws_raw);
+  const FwdLayout l = fwd_layout(a, g);
+
+  const int32_t* idx = nullptr;
+  int64_t idx_head = 0, idx_tok = 0;
+  // the proxy lse: an output, or (for the kl) workspace
+  flashmsa_tensor_t plse_t = a.proxy_lse;
+  if (!present(plse_t) && a.compute_kl) {
+    plse_t = flashmsa_tensor_t{};
+    plse_t.data = ws + l.plse;
+    plse_t.dtype = FLASHMSA_DTYPE_FP32;
+    plse_t.ndim = 2;
+    plse_t.shape[0] = g.Hp;
+    plse_t.shape[1] = g.total;
+    plse_t.strides[0] = g.total;
+    plse_t.strides[1] = 1;
+    plse_t.device_type = FLASHMSA_DEVICE_CUDA;
+  }
+  if (a.mode == FLASHMSA_MODE_SPARSE) {
+    int32_t* dst = present(a.indices) ? static_cast<int32_t*>(a.indices.data) : reinterpret_cast<int32_t*>(ws + l.idx);
+    idx_head = present(a.indices) ? a.indices.strides[0] : g.total * g.topk;
+    idx_tok = present(a.indices) ? a.indices.strides[1] : g.topk;
+    run_select(a.qp, a.kp, a.cu_seqlens, g, dst, idx_head, idx_tok, plse_t, st);
+    idx = dst;
+  } else {
+    if (a.mode == FLASHMSA_MODE_GIVEN) {
+      idx = static_cast<const int32_t*>(a.indices.data);
+      idx_head = a.indices.strides[0];
+      idx_tok = a.indices.strides[1];
+    }
+    if (present(a.proxy_lse)) {  // the proxy lse over the given sets / the causal set
+      HeadTensor<const int32_t> given;
+      given.ptr = idx;
+      given.head = idx_head;
+      given.tok = idx_tok;
+      const int mode = a.mode == FLASHMSA_MODE_DENSE ? selection::kDenseLse : selection::kGivenLse;
+      if (g.dtype == FLASHMSA_DTYPE_BF16)
+        run_select_t<cutlass::bfloat16_t>(a.qp, a.kp, a.cu_seqlens, g, nullptr, 0, 0, head_tensor<float>(a.proxy_lse), st, mode, given);
+      else
+        run_select_t<cutlass::half_t>(a.qp, a.kp, a.cu_seqlens, g, nullptr, 0, 0, head_tensor<float>(a.proxy_lse), st, mode, given);
+    }
+  }
+
+  if (g.dtype == FLASHMSA_DTYPE_BF16) run_fwd<cutlass::bfloat16_t>(a, g, idx, idx_head, idx_tok, st);
+  else run_fwd<cutlass::half_t>(a, g, idx, idx_head, idx_tok, st);
+  if (a.compute_kl) {
+    if (g.dtype == FLASHMSA_DTYPE_BF16) run_fwd_kl<cutlass::bfloat16_t>(a, g, idx, idx_head, idx_tok, plse_t, ws, l, st);
+    else run_fwd_kl<cutlass::half_t>(a, g, idx, idx_head, idx_tok, plse_t, ws, l, st);
+  }
+}
+
 void bwd(const flashmsa_bwd_args_t& a, const Geometry& g, void* ws, size_t) {
   const char* fn = "flashmsa_bwd";
-  for (auto [name, t] : {std::pair{"q", &a.q}, {"k", &a.k}, {"v", &a.v}, {"qp", &a.qp}, {"kp", &a.kp},
-                         {"out", &a.out}, {"dout", &a.dout}, {"dq", &a.dq}, {"dk", &a.dk}, {"dv", &a.dv},
-                         {"dqp", &a.dqp}, {"dkp", &a.dkp}})
-    check_aligned(fn, name, *t);
-  if (a.lse.dtype != FLASHMSA_DTYPE_FP32) unsupported(fn, "lse must be fp32");
-  if (present(a.dlse) && a.dlse.dtype != FLASHMSA_DTYPE_FP32) unsupported(fn, "dlse must be fp32");
-  if (present(a.dkl) && a.dkl.dtype != FLASHMSA_DTYPE_FP32) unsupported(fn, "dkl must be fp32");
-  if (present(a.proxy_lse) && a.proxy_lse.dtype != FLASHMSA_DTYPE_FP32) unsupported(fn, "proxy_lse must be fp32");
-  if (g.has_proxy && present(a.dkl)) {
-    if ((g.Hq / g.Hkv) % (g.Hq / g.Hp) != 0)
-      unsupported(fn, "the proxy gradient needs every MSA group inside one kv head (Hkv dividing Hp); got Hkv = " +
-                          std::to_string(g.Hkv) + ", Hp = " + std::to_string(g.Hp) + " (use the CPU backend)");
-    if (g.Hq / g.Hp > 64) unsupported(fn, "the proxy gradient supports at most 64 query heads per proxy head");
-  }
-  if (a.deterministic) unsupported(fn, "deterministic mode is not implemented yet on CUDA");
+  bwd_features(a, g);
   auto st = static_cast<cudaStream_t>(a.stream);
   if (a.validate) {
     const auto cu = validate_offsets(a.cu_seqlens, g, st, fn);

@@ -400,6 +400,160 @@ TEST(Bwd, GivenWithEmptyRows) { run_bwd_case(make(16, 2, 4, 1, 5, {900, 3}), FLA
 TEST(Bwd, SmallSparse) { run_bwd_case(make(8, 2, 4, 1, 2, {130, 5, 300}), FLASHMSA_MODE_SPARSE, true); }
 TEST(Bwd, SmallDense) { run_bwd_case(make(8, 2, 2, 1, 1, {200, 1}), FLASHMSA_MODE_DENSE, false); }
 
+// ---- the kl value and the proxy lse of the forward -------------------------------------------
+
+void run_kl_case(const Problem& pb0, flashmsa_mode_t mode) {
+  PoolScope scope;
+  std::mt19937_64 rng(fresh_seed());
+  Problem pb = pb0;
+  Inputs in = make_inputs(pb, rng);
+  const int64_t T = pb.total();
+  const int K = mode == FLASHMSA_MODE_DENSE ? 0 : pb.topk;
+  std::vector<int32_t> given;
+  if (mode == FLASHMSA_MODE_GIVEN) {  // the reference selection, with one slot in five emptied
+    given.assign(size_t(pb.Hp) * T * K, -1);
+    std::vector<double> qp = in.qp.host, kp = in.kp.host;
+    std::vector<int32_t> cu32 = in.cu32;
+    flashmsa::SelectArgs s;
+    s.qp = host_view(qp, {T, pb.Hp, pb.Dp});
+    s.kp = host_view(kp, {T, pb.Hpk, pb.Dp});
+    s.cu_seqlens = flashmsa::view(cu32.data(), FLASHMSA_DTYPE_INT32, {int64_t(cu32.size())});
+    s.max_seqlen = pb.max_len();
+    s.topk = K;
+    s.indices = flashmsa::view(given.data(), FLASHMSA_DTYPE_INT32, {pb.Hp, T, K});
+    flashmsa::select(s);
+    for (auto& x : given)
+      if (rng() % 5 == 0) x = -1;
+  }
+  Tensor out = output(token_shape(pb, pb.Hq, pb.D), pb.dtype), lse = output({pb.Hq, T}, FLASHMSA_DTYPE_FP32),
+         plse = output({pb.Hp, T}, FLASHMSA_DTYPE_FP32), kl = output({}, FLASHMSA_DTYPE_FP32), idx;
+  flashmsa::FwdArgs a;
+  a.q = dev_view(in.q); a.k = dev_view(in.k); a.v = dev_view(in.v);
+  a.qp = dev_view(in.qp); a.kp = dev_view(in.kp);
+  a.cu_seqlens = dev_view(in.cu);
+  a.max_seqlen = pb.max_len();
+  a.mode = mode;
+  a.topk = K;
+  a.compute_kl = 1;
+  if (mode == FLASHMSA_MODE_SPARSE) {
+    idx = output({pb.Hp, T, K}, FLASHMSA_DTYPE_INT32);
+    a.indices = dev_view(idx);
+  } else if (mode == FLASHMSA_MODE_GIVEN) {
+    idx.shape = {pb.Hp, T, K};
+    idx.dtype = FLASHMSA_DTYPE_INT32;
+    idx.host.assign(given.begin(), given.end());
+    upload(idx);
+    a.indices = dev_view(idx);
+  }
+  a.out = dev_view(out); a.lse = dev_view(lse); a.proxy_lse = dev_view(plse); a.kl = dev_view(kl);
+  const size_t ws_bytes = flashmsa::workspace_size(a);
+  void* ws = ws_bytes ? Pool::get().take(ws_bytes) : nullptr;
+  if (ws) cudaMemset(ws, 0xff, ws_bytes);
+  flashmsa::fwd(a, ws, ws_bytes);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  for (Tensor* t : {&out, &lse, &plse, &kl}) download(*t);
+  if (mode == FLASHMSA_MODE_SPARSE) download(idx);
+  const std::vector<int32_t> idxv = mode == FLASHMSA_MODE_DENSE ? std::vector<int32_t>{} : as_int(idx);
+  const auto ref_mode = mode == FLASHMSA_MODE_DENSE ? FLASHMSA_MODE_DENSE : FLASHMSA_MODE_GIVEN;
+  // the fp64 kl over the kernel's own sets
+  std::vector<int32_t> cu32 = in.cu32, idx_copy = idxv;
+  std::vector<double> rout(out.host.size()), rlse(lse.host.size()), rplse(plse.host.size()), rkl(1, NAN);
+  flashmsa::FwdArgs r;
+  r.q = host_view(in.q.host, {T, pb.Hq, pb.D}); r.k = host_view(in.k.host, {T, pb.Hkv, pb.D});
+  r.v = host_view(in.v.host, {T, pb.Hkv, pb.D});
+  r.qp = host_view(in.qp.host, {T, pb.Hp, pb.Dp}); r.kp = host_view(in.kp.host, {T, pb.Hpk, pb.Dp});
+  r.cu_seqlens = flashmsa::view(cu32.data(), FLASHMSA_DTYPE_INT32, {int64_t(cu32.size())});
+  r.max_seqlen = pb.max_len();
+  r.mode = ref_mode;
+  if (ref_mode == FLASHMSA_MODE_GIVEN) r.indices = flashmsa::view(idx_copy.data(), FLASHMSA_DTYPE_INT32, {pb.Hp, T, K});
+  r.compute_kl = 1;
+  r.out = host_view(rout, {T, pb.Hq, pb.D}); r.lse = host_view(rlse, {pb.Hq, T});
+  r.proxy_lse = host_view(rplse, {pb.Hp, T}); r.kl = host_view(rkl, {});
+  flashmsa::fwd(r);
+  const double kerr = std::fabs(kl.host[0] - rkl[0]) / std::fabs(rkl[0]);
+  std::printf("    kl %.6f vs fp64 %.6f (rel %.2e); proxy_lse rel-L2 %.2e\n", kl.host[0], rkl[0], kerr,
+              rel_l2(plse.host, rplse));
+  EXPECT_LT(kerr, 1e-2) << "kl";
+  EXPECT_LT(rel_l2(plse.host, rplse), 1e-4) << "proxy_lse";
+}
+
+TEST(Kl, M3Sparse) { run_kl_case(make(64, 4, 4, 1, 16, {2000}), FLASHMSA_MODE_SPARSE); }
+TEST(Kl, FmsaVarlenDense) { run_kl_case(make(16, 2, 4, 1, 1, {129, 700, 0, 1}), FLASHMSA_MODE_DENSE); }
+TEST(Kl, FmsaGivenWithEmptySlots) { run_kl_case(make(16, 2, 4, 1, 8, {1500, 33}), FLASHMSA_MODE_GIVEN); }
+TEST(Kl, SmallSparseG1) { run_kl_case(make(4, 2, 4, 2, 2, {300, 5}), FLASHMSA_MODE_SPARSE); }
+
+// A whole training step (forward with selection and kl, backward with dlse and the kl
+// gradient) captured in one CUDA graph and replayed: equal to the eager step up to the
+// order of the fp32 atomics.
+TEST(Graph, TrainingStepCaptureReplay) {
+  PoolScope scope;
+  std::mt19937_64 rng(fresh_seed());
+  Problem pb = make(64, 4, 4, 1, 16, {2500});
+  Inputs in = make_inputs(pb, rng);
+  const int64_t T = pb.total();
+  Tensor out = output(token_shape(pb, pb.Hq, pb.D), pb.dtype), lse = output({pb.Hq, T}, FLASHMSA_DTYPE_FP32),
+         plse = output({pb.Hp, T}, FLASHMSA_DTYPE_FP32), kl = output({}, FLASHMSA_DTYPE_FP32),
+         idx = output({pb.Hp, T, pb.topk}, FLASHMSA_DTYPE_INT32);
+  Tensor dout = random_input(token_shape(pb, pb.Hq, pb.D), pb.dtype, rng);
+  Tensor dkl;
+  dkl.shape = {};
+  dkl.dtype = FLASHMSA_DTYPE_FP32;
+  dkl.host = {1.0};
+  upload(dkl);
+  Tensor dq = output(token_shape(pb, pb.Hq, pb.D), pb.dtype), dk = output(token_shape(pb, pb.Hkv, pb.D), pb.dtype),
+         dv = output(token_shape(pb, pb.Hkv, pb.D), pb.dtype), dqp = output(token_shape(pb, pb.Hp, pb.Dp), pb.dtype),
+         dkp = output(token_shape(pb, pb.Hpk, pb.Dp), pb.dtype);
+  flashmsa::FwdArgs f;
+  f.q = dev_view(in.q); f.k = dev_view(in.k); f.v = dev_view(in.v); f.qp = dev_view(in.qp); f.kp = dev_view(in.kp);
+  f.cu_seqlens = dev_view(in.cu);
+  f.max_seqlen = pb.max_len();
+  f.topk = pb.topk;
+  f.compute_kl = 1;
+  f.indices = dev_view(idx); f.out = dev_view(out); f.lse = dev_view(lse); f.proxy_lse = dev_view(plse);
+  f.kl = dev_view(kl);
+  flashmsa::BwdArgs b;
+  b.q = f.q; b.k = f.k; b.v = f.v; b.qp = f.qp; b.kp = f.kp; b.cu_seqlens = f.cu_seqlens; b.max_seqlen = f.max_seqlen;
+  b.indices = f.indices; b.out = f.out; b.lse = f.lse; b.proxy_lse = f.proxy_lse; b.dout = dev_view(dout);
+  b.dkl = dev_view(dkl);
+  b.dq = dev_view(dq); b.dk = dev_view(dk); b.dv = dev_view(dv); b.dqp = dev_view(dqp); b.dkp = dev_view(dkp);
+  const size_t fws = flashmsa::workspace_size(f), bws = flashmsa::workspace_size(b);
+  void* wf = Pool::get().take(fws);
+  void* wb = Pool::get().take(bws);
+  cudaStream_t st;
+  CUDA_OK(cudaStreamCreate(&st));
+  f.stream = st;
+  b.stream = st;
+  flashmsa::fwd(f, wf, fws);
+  flashmsa::bwd(b, wb, bws);
+  CUDA_OK(cudaStreamSynchronize(st));
+  std::vector<Tensor*> outs = {&out, &lse, &kl, &dq, &dk, &dv, &dqp, &dkp};
+  std::vector<std::vector<double>> eager;
+  for (Tensor* t : outs) {
+    download(*t);
+    eager.push_back(t->host);
+    cudaMemset(t->dev, 0xff, t->bytes());
+  }
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CUDA_OK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+  flashmsa::fwd(f, wf, fws);
+  flashmsa::bwd(b, wb, bws);
+  CUDA_OK(cudaStreamEndCapture(st, &graph));
+  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int rep = 0; rep < 2; ++rep) CUDA_OK(cudaGraphLaunch(exec, st));
+  CUDA_OK(cudaStreamSynchronize(st));
+  const char* names[] = {"out", "lse", "kl", "dq", "dk", "dv", "dqp", "dkp"};
+  for (size_t x = 0; x < outs.size(); ++x) {
+    download(*outs[x]);
+    ASSERT_TRUE(all_finite(outs[x]->host)) << names[x];
+    EXPECT_LT(rel_l2(outs[x]->host, eager[x]), 1e-3) << names[x];
+  }
+  EXPECT_EQ(out.host, eager[0]) << "the forward has no atomics: bitwise equal";
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(st);
+}
+
 // A forward captured in a CUDA graph and replayed equals the eager run bitwise (no host sync
 // inside, workspace from the caller).
 TEST(Graph, SparseForwardCaptureReplay) {
@@ -465,6 +619,31 @@ TEST(Errors, UnsupportedHeadDim) {
   EXPECT_NE(std::string(flashmsa_last_error()).find("D = 64"), std::string::npos) << flashmsa_last_error();
   download(out);
   for (double x : out.host) ASSERT_TRUE(std::isnan(x)) << "output written by a refused call";
+}
+
+TEST(Errors, ProxyGradientAcrossKvHeads) {
+  PoolScope scope;
+  std::mt19937_64 rng(fresh_seed());
+  Problem pb = make(8, 4, 2, 1, 2, {200});  // a group spans two kv heads
+  Inputs in = make_inputs(pb, rng);
+  const int64_t T = pb.total();
+  Tensor o = output(token_shape(pb, pb.Hq, pb.D), pb.dtype), l = output({pb.Hq, T}, FLASHMSA_DTYPE_FP32),
+         idx = output({pb.Hp, T, 2}, FLASHMSA_DTYPE_INT32), g = output({}, FLASHMSA_DTYPE_FP32);
+  cudaMemset(idx.dev, 0, idx.bytes());
+  Tensor dq = output(token_shape(pb, pb.Hq, pb.D), pb.dtype), dk = output(token_shape(pb, pb.Hkv, pb.D), pb.dtype),
+         dv = output(token_shape(pb, pb.Hkv, pb.D), pb.dtype), dqp = output(token_shape(pb, pb.Hp, pb.Dp), pb.dtype),
+         dkp = output(token_shape(pb, pb.Hpk, pb.Dp), pb.dtype);
+  flashmsa::BwdArgs b;
+  b.q = dev_view(in.q); b.k = dev_view(in.k); b.v = dev_view(in.v); b.qp = dev_view(in.qp); b.kp = dev_view(in.kp);
+  b.cu_seqlens = dev_view(in.cu);
+  b.max_seqlen = pb.max_len();
+  b.indices = dev_view(idx); b.out = dev_view(o); b.lse = dev_view(l); b.dout = dev_view(o); b.dkl = dev_view(g);
+  b.dq = dev_view(dq); b.dk = dev_view(dk); b.dv = dev_view(dv); b.dqp = dev_view(dqp); b.dkp = dev_view(dkp);
+  size_t bytes = 0;
+  EXPECT_EQ(flashmsa_bwd(&b, nullptr, bytes), FLASHMSA_ERROR_NOT_SUPPORTED);
+  EXPECT_NE(std::string(flashmsa_last_error()).find("kv head"), std::string::npos) << flashmsa_last_error();
+  download(dq);
+  for (double x : dq.host) ASSERT_TRUE(std::isnan(x)) << "output written by a refused call";
 }
 
 }  // namespace

@@ -23,19 +23,18 @@ __global__ void preprocess_kernel(const PreprocessArgs a) {
   a.seqs.get(b, s0, L);
   if (i >= L) return;
   const int64_t t = s0 + i;
-  const Element* o = a.out.template row<const Element>(b, t, h);
-  const Element* g = a.dout.template row<const Element>(b, t, h);
   float acc = 0.f;
-#pragma unroll
-  for (int d = lane * 4; d < 128; d += 128) {
-    for (int e = 0; e < 4; ++e) acc += to_f(o[d + e]) * to_f(g[d + e]);
+  if (a.dout.ptr) {  // without dout (the forward's kl), only lse2
+    const Element* o = a.out.template row<const Element>(b, t, h);
+    const Element* g = a.dout.template row<const Element>(b, t, h);
+    for (int e = 0; e < 4; ++e) acc += to_f(o[lane * 4 + e]) * to_f(g[lane * 4 + e]);
   }
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffff, acc, off);
   if (lane == 0) {
     const int64_t pi = padded_offset(s0, b, kPadTile) + i;
     const float dl = a.dlse.ptr ? *a.dlse.at(h, t) : 0.f;
-    a.dsum[h * a.padded_stride + pi] = acc - dl;
+    if (a.dsum) a.dsum[h * a.padded_stride + pi] = acc - dl;
     a.lse2[h * a.padded_stride + pi] = *a.lse.at(h, t) * kLog2e;
   }
 }
@@ -106,6 +105,20 @@ __global__ void convert_kernel(const float* acc, TokenTensor<void> out, Seqs seq
   alignas(16) Element v[8] = {Element(x0.x * scale), Element(x0.y * scale), Element(x0.z * scale), Element(x0.w * scale),
                               Element(x1.x * scale), Element(x1.y * scale), Element(x1.z * scale), Element(x1.w * scale)};
   *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(v);
+}
+
+// kl = (sum of the partials, in a fixed order) * scale, written as fp32
+__global__ void kl_reduce_kernel(const float* partials, int64_t n, double scale, float* out) {
+  __shared__ double part[256];
+  double acc = 0;
+  for (int64_t x = threadIdx.x; x < n; x += 256) acc += partials[x];
+  part[threadIdx.x] = acc;
+  __syncthreads();
+  for (int half = 128; half > 0; half >>= 1) {
+    if (int(threadIdx.x) < half) part[threadIdx.x] += part[threadIdx.x + half];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) *out = float(part[0] * scale);
 }
 
 size_t align_up(size_t n) { return (n + 255) & ~size_t(255); }
@@ -211,6 +224,11 @@ void launch_convert(const float* acc, TokenTensor<void> out, const Seqs& seqs, i
   if (seqs.batch == 0 || max_seqlen == 0) return;
   dim3 grid(unsigned((max_seqlen + 15) / 16), heads, seqs.batch);
   convert_kernel<Element><<<grid, 256, 0, st>>>(acc, out, seqs, heads, scale);
+  FLASHMSA_CUDA_CHECK(cudaGetLastError());
+}
+
+void launch_kl_reduce(const float* partials, int64_t n, double scale, float* out, cudaStream_t st) {
+  kl_reduce_kernel<<<1, 256, 0, st>>>(partials, n, scale, out);
   FLASHMSA_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -46,4 +46,7 @@ template <class Element>
 void launch_convert(const float* acc, TokenTensor<void> out, const Seqs& seqs, int64_t max_seqlen, int heads,
                     float scale, cudaStream_t st);
 
+// kl = scale * (sum of n per-CTA partials, added in a fixed order): deterministic.
+void launch_kl_reduce(const float* partials, int64_t n, double scale, float* out, cudaStream_t st);
+
 }  // namespace flashmsa::cuda::attn_bwd

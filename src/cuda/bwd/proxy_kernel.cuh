@@ -6,7 +6,8 @@
 // each) recompute S^T = K Q^T and the main probabilities P^T = exp2(S^T - lse2) of the G heads,
 // stage them in shared memory and reduce them to the teacher t(key, token) = mean over the
 // group's heads; the student comes from the proxy logits z^T = Kp Qp^T (kTok token columns,
-// zero-padded) and the selection's proxy lse: s = exp(z - plse). dz = (g/N)(s - t);
+// zero-padded) and the selection's proxy lse: s = exp(z - plse). dz = g (s - t) (the 1/N and
+// the proxy scale are applied by the convert kernel, so dz keeps the precision of bf16/fp16);
 // dKp_j += dz^T Qp stays in registers; dQp = dz Kp goes to an fp32 accumulator with atomics
 // after a GEMM over both warpgroups' dz staged in shared memory. Each CTA writes its kl partial
 // sum; a final kernel adds them in a fixed order.
@@ -81,7 +82,7 @@ struct ProxyParams {
   bool batched = false;
   Common c;
   int G = 0;           // query heads per proxy head
-  float kl_coef = 0;   // 1 / N (N = Hp * total); dz = g * kl_coef * (s - t)
+  bool grads = true;   // false: kl value only (forward's compute_kl), no gradients
 };
 
 template <class Element, int kTok>
@@ -232,7 +233,7 @@ __global__ void __launch_bounds__(384, 1) bwd_proxy_kernel(const __grid_constant
   Tensor cQp = thr_dqp.partition_C(make_identity_tensor(Shape<_64, Int<kTok>>{}));    // (dp, token)
 
   const float sl2 = p.scale * kLog2e, psl2 = p.proxy_scale * kLog2e;
-  const float coef = (p.dkl ? *p.dkl : 0.f) * P.kl_coef;
+  const float coef = (P.grads && p.dkl) ? *p.dkl : 0.f;
   const int64_t key_base = int64_t(j) * C::kBlockN + 64 * w;
   float kl_sum = 0.f;
   S.kv_bar.wait(0);
@@ -274,24 +275,28 @@ __global__ void __launch_bounds__(384, 1) bwd_proxy_kernel(const __grid_constant
     Tensor rDz = make_tensor_like<Element>(accZ);
 #pragma unroll
     for (int x = 0; x < size(accZ); ++x) rDz(x) = Element(accZ(x));
-    // dKp_j += dz^T Qp
-    wg_gemm<false>(mma_dkp, make_tensor(rDz.data(), acc_to_a_regs(rDz.layout())), tKprQpT(_, _, _, st), accdKp);
-    // stage dz as (token, key) for dQp^T = Kp^T dz^T over all 128 keys
+    if (P.grads) {
+      // dKp_j += dz^T Qp
+      wg_gemm<false>(mma_dkp, make_tensor(rDz.data(), acc_to_a_regs(rDz.layout())), tKprQpT(_, _, _, st), accdKp);
+      // stage dz as (token, key) for dQp^T = Kp^T dz^T over all 128 keys
 #pragma unroll
-    for (int x = 0; x < size(accZ); ++x) sDz(get<1>(cZ(x)), 64 * w + get<0>(cZ(x))) = rDz(x);
+      for (int x = 0; x < size(accZ); ++x) sDz(get<1>(cZ(x)), 64 * w + get<0>(cZ(x))) = rDz(x);
+    }
     int32_t my_tok[kTok];
 #pragma unroll
     for (int tc = 0; tc < kTok; ++tc) my_tok[tc] = S.tok[st][tc];
     pipeline.consumer_release(state);
     ptx::fence_proxy_async_smem();
     ptx::named_barrier_sync(int(NamedBarrier::kConsumers), C::kConsumers);
-    wg_gemm<true>(mma_dqp, tQprKpT, tQprDz, accdQp);
+    if (P.grads) {
+      wg_gemm<true>(mma_dqp, tQprKpT, tQprDz, accdQp);
 #pragma unroll
-    for (int x = 0; x < size(accdQp); ++x) {
-      const int d = 64 * w + get<0>(cQp(x)), tc = get<1>(cQp(x));
-      const int32_t t = my_tok[tc];
-      if (t < 0) continue;
-      atomicAdd(p.dqp_acc + (int64_t(t) * p.Hp + grp) * C::kHeadDim + d, accdQp(x));
+      for (int x = 0; x < size(accdQp); ++x) {
+        const int d = 64 * w + get<0>(cQp(x)), tc = get<1>(cQp(x));
+        const int32_t t = my_tok[tc];
+        if (t < 0) continue;
+        atomicAdd(p.dqp_acc + (int64_t(t) * p.Hp + grp) * C::kHeadDim + d, accdQp(x));
+      }
     }
     // sDz and S.pt are rewritten next chunk: every consumer must be past its reads
     ptx::named_barrier_sync(int(NamedBarrier::kConsumers), C::kConsumers);
@@ -301,7 +306,7 @@ __global__ void __launch_bounds__(384, 1) bwd_proxy_kernel(const __grid_constant
   // dKp_j: fp32 atomics (several proxy heads may share a proxy key head)
   Tensor cKp = thr_dkp.partition_C(make_identity_tensor(Shape<_64, Int<C::kHeadDim>>{}));
 #pragma unroll
-  for (int x = 0; x < size(accdKp); x += 2) {
+  for (int x = 0; x < size(accdKp) * int(P.grads); x += 2) {
     const int64_t pos = key_base + get<0>(cKp(x));
     if (pos >= L) continue;
     const int64_t row = ((s0 + pos) * p.Hpk + pk) * C::kHeadDim + get<1>(cKp(x));
