@@ -151,6 +151,56 @@ int main(int argc, char** argv) {
       fd.kp = s.kp;
       const double t_dense = median_ms([&] { flashmsa::fwd(fd); }, std::max(3, iters / 3));
 
+      // backward (GIVEN indices of the selection, proxy lse, kl gradient 1) and a whole step
+      void *dout, *dq, *dk, *dvv, *dqp, *dkp, *dkl;
+      CK(cudaMalloc(&dout, size_t(T) * c.Hq * D * 2));
+      CK(cudaMalloc(&dq, size_t(T) * c.Hq * D * 2));
+      CK(cudaMalloc(&dk, size_t(T) * c.Hkv * D * 2));
+      CK(cudaMalloc(&dvv, size_t(T) * c.Hkv * D * 2));
+      CK(cudaMalloc(&dqp, size_t(T) * c.Hp * D * 2));
+      CK(cudaMalloc(&dkp, size_t(T) * c.Hpk * D * 2));
+      CK(cudaMalloc(&dkl, 4));
+      {
+        cli::Rng rd(1, cli::kStreamDout);
+        auto h = cli::normal_values(rd, size_t(T) * c.Hq * D);
+        std::vector<uint16_t> raw(h.size());
+        for (size_t x = 0; x < h.size(); ++x) raw[x] = double_to_bf16(h[x]);
+        CK(cudaMemcpy(dout, raw.data(), raw.size() * 2, cudaMemcpyHostToDevice));
+        const float one = 1.f;
+        CK(cudaMemcpy(dkl, &one, 4, cudaMemcpyHostToDevice));
+      }
+      BwdArgs bw;
+      bw.q = f.q; bw.k = f.k; bw.v = f.v; bw.qp = s.qp; bw.kp = s.kp;
+      bw.cu_seqlens = s.cu_seqlens;
+      bw.max_seqlen = T;
+      bw.mode = FLASHMSA_MODE_GIVEN;
+      bw.indices = s.indices;
+      bw.out = f.out; bw.lse = f.lse; bw.proxy_lse = s.proxy_lse;
+      bw.dout = dv(dout, FLASHMSA_DTYPE_BF16, {T, c.Hq, D});
+      bw.dkl = dv(dkl, FLASHMSA_DTYPE_FP32, {});
+      bw.dq = dv(dq, FLASHMSA_DTYPE_BF16, {T, c.Hq, D});
+      bw.dk = dv(dk, FLASHMSA_DTYPE_BF16, {T, c.Hkv, D});
+      bw.dv = dv(dvv, FLASHMSA_DTYPE_BF16, {T, c.Hkv, D});
+      bw.dqp = dv(dqp, FLASHMSA_DTYPE_BF16, {T, c.Hp, D});
+      bw.dkp = dv(dkp, FLASHMSA_DTYPE_BF16, {T, c.Hpk, D});
+      const size_t bws = workspace_size(bw);
+      void* wsb;
+      CK(cudaMalloc(&wsb, std::max<size_t>(bws, 256)));
+      const double t_bwd = median_ms([&] { flashmsa::bwd(bw, wsb, bws); }, iters);
+      // step: forward with selection (SPARSE) + backward
+      FwdArgs fs = f;
+      fs.mode = FLASHMSA_MODE_SPARSE;
+      fs.qp = s.qp; fs.kp = s.kp; fs.topk = c.topk; fs.indices = s.indices; fs.proxy_lse = s.proxy_lse;
+      const size_t fws = workspace_size(fs);
+      void* wsf;
+      CK(cudaMalloc(&wsf, std::max<size_t>(fws, 256)));
+      const double t_step = median_ms([&] { flashmsa::fwd(fs, wsf, fws); flashmsa::bwd(bw, wsb, bws); }, iters);
+      // bytes a step holds on the device: inputs, outputs, gradients, workspaces
+      const double step_gb = (double(T) * (2 * c.Hq + 2 * c.Hkv + c.Hp + c.Hpk) * D * 2 * 2 /* inputs+grads */ +
+                              double(T) * c.Hq * D * 2 * 2 /* out, dout */ + double(c.Hq + c.Hp) * T * 4 +
+                              double(c.Hp) * T * c.topk * 4 + double(bws) + double(fws)) / 1e9;
+      for (void* ptr : {dout, dq, dk, dvv, dqp, dkp, dkl, wsb, wsf}) cudaFree(ptr);
+
       // effective work from the selection actually made
       std::vector<int32_t> hidx(size_t(c.Hp) * T * c.topk);
       CK(cudaMemcpy(hidx.data(), idx, hidx.size() * 4, cudaMemcpyDeviceToHost));
@@ -190,10 +240,13 @@ int main(int argc, char** argv) {
           "{\"gpu\": \"%s\", \"config\": \"%s\", \"seqlen\": %lld, \"pattern\": \"%s\", \"topk\": %d, "
           "\"union_factor_128\": %.3f, \"select_ms\": %.4f, \"select_tflops\": %.1f, "
           "\"fwd_train_ms\": %.4f, \"fwd_train_tflops\": %.1f, \"fwd_infer_ms\": %.4f, \"fwd_infer_tflops\": %.1f, "
-          "\"dense_fwd_ms\": %.4f, \"dense_fwd_tflops\": %.1f}\n",
+          "\"dense_fwd_ms\": %.4f, \"dense_fwd_tflops\": %.1f, \"bwd_ms\": %.4f, \"bwd_tflops\": %.1f, "
+          "\"step_ms\": %.4f, \"step_tflops\": %.1f, \"step_gb\": %.2f}\n",
           prop.name, c.name.c_str(), (long long)T, pat_s.c_str(), c.topk, uf, t_sel,
           tf(2.0 * D * pc.proxy_pairs, t_sel), t_fwd, tf(4.0 * D * pc.main_pairs, t_fwd), t_fwd_inf,
-          tf(4.0 * D * pc.main_pairs, t_fwd_inf), t_dense, tf(4.0 * D * dense_pairs, t_dense));
+          tf(4.0 * D * pc.main_pairs, t_fwd_inf), t_dense, tf(4.0 * D * dense_pairs, t_dense), t_bwd,
+          tf(2.5 * 4.0 * D * pc.main_pairs, t_bwd), t_step,
+          tf(3.5 * 4.0 * D * pc.main_pairs + 2.0 * D * pc.proxy_pairs, t_step), step_gb);
       std::fflush(stdout);
       for (void* p : {q, k, v, qp, kp, dcu, idx, plse, out, lse}) cudaFree(p);
     }

@@ -185,8 +185,10 @@ def markdown(meta):
     out = [f"GPU {meta['gpu']}, torch {meta['torch']}, {meta['date']}. Command: `{meta['command']}`.", "",
            "Effective TFLOP/s count only the work the spec requires (ARCHITECTURE.md). Times in ms (median).", "",
            "| config | T | pattern | union/128 | select ms (TF/s) | torch top-k ms | fwd train ms (TF/s) | fwd infer ms | "
-           "flex fwd ms (TF/s) | cuDNN dense fwd ms (TF/s) | FA2 dense fwd ms | our dense fwd ms (TF/s) |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "flex fwd ms (TF/s) | cuDNN dense fwd ms (TF/s) | FA2 dense fwd ms | our dense fwd ms (TF/s) | "
+           "bwd ms (TF/s) | **step** ms (TF/s) | cuDNN fwd+bwd ms | FA2 fwd+bwd ms | flex fwd+bwd ms | step vs cuDNN | "
+           "step GB (ours / cuDNN peak) |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in meta["rows"]:
         p = r["peers"]
         fl = p.get("flex", {})
@@ -198,7 +200,11 @@ def markdown(meta):
             f"{fmt(r['fwd_train_ms'], 2)} ({fmt(r['fwd_train_tflops'], 0)}) | {fmt(r['fwd_infer_ms'], 2)} | "
             f"{fmt(fl.get('fwd_ms'), 2)} ({fmt(fl.get('fwd_tflops'), 0)}) | "
             f"{fmt(cu.get('fwd_ms'), 2)} ({fmt(cu.get('fwd_tflops'), 0)}) | {fmt(fa.get('fwd_ms'), 2)} | "
-            f"{fmt(r['dense_fwd_ms'], 2)} ({fmt(r['dense_fwd_tflops'], 0)}) |")
+            f"{fmt(r['dense_fwd_ms'], 2)} ({fmt(r['dense_fwd_tflops'], 0)}) | "
+            f"{fmt(r.get('bwd_ms'), 2)} ({fmt(r.get('bwd_tflops'), 0)}) | {fmt(r.get('step_ms'), 2)} ({fmt(r.get('step_tflops'), 0)}) | "
+            f"{fmt(cu.get('step_ms'), 1)} | {fmt(fa.get('step_ms'), 1)} | {fmt(fl.get('step_ms'), 1)} | "
+            f"{fmt(cu['step_ms'] / r['step_ms'] if cu.get('step_ms') and r.get('step_ms') else None, 2)}x | "
+            f"{fmt(r.get('step_gb'), 2)} / {fmt(cu.get('peak_gb'), 2)} |")
     return "\n".join(out) + "\n"
 
 
