@@ -105,10 +105,9 @@ int main(int argc, char** argv) {
       cli::parse_pattern(pat_s, &pat);
       std::vector<int64_t> cu{0, T};
       auto proxy = cli::draw_proxy(pat, cu, c.Hp, c.Hpk, D, 1234);
-      cli::Rng rq(1, cli::kStreamQ), rk(1, cli::kStreamK), rv(1, cli::kStreamV);
-      void* q = upload_bf16(cli::normal_values(rq, size_t(T) * c.Hq * D));
-      void* k = upload_bf16(cli::normal_values(rk, size_t(T) * c.Hkv * D));
-      void* v = upload_bf16(cli::normal_values(rv, size_t(T) * c.Hkv * D));
+      void* q = upload_bf16(cli::normal_values(1, cli::kStreamQ, size_t(T) * c.Hq * D));
+      void* k = upload_bf16(cli::normal_values(1, cli::kStreamK, size_t(T) * c.Hkv * D));
+      void* v = upload_bf16(cli::normal_values(1, cli::kStreamV, size_t(T) * c.Hkv * D));
       void* qp = upload_bf16(proxy.qp);
       void* kp = upload_bf16(proxy.kp);
       int32_t cu32[2] = {0, int32_t(T)};
@@ -161,8 +160,7 @@ int main(int argc, char** argv) {
       CK(cudaMalloc(&dkp, size_t(T) * c.Hpk * D * 2));
       CK(cudaMalloc(&dkl, 4));
       {
-        cli::Rng rd(1, cli::kStreamDout);
-        auto h = cli::normal_values(rd, size_t(T) * c.Hq * D);
+        auto h = cli::normal_values(1, cli::kStreamDout, size_t(T) * c.Hq * D);
         std::vector<uint16_t> raw(h.size());
         for (size_t x = 0; x < h.size(); ++x) raw[x] = double_to_bf16(h[x]);
         CK(cudaMemcpy(dout, raw.data(), raw.size() * 2, cudaMemcpyHostToDevice));

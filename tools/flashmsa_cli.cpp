@@ -489,26 +489,16 @@ void declare(const Config& c, Tensors& t) {
 // Seeded inputs, rounded to the dtype; outputs poisoned (NaN / -1 bytes).
 void generate(const Config& c, Tensors& t) {
   const size_t T = size_t(c.total);
-  {
-    Rng r(c.seed, kStreamQ);
-    t.q.assign(normal_values(r, T * c.Hq * c.D));
-  }
-  {
-    Rng r(c.seed, kStreamK);
-    t.k.assign(normal_values(r, T * c.Hkv * c.D));
-  }
-  {
-    Rng r(c.seed, kStreamV);
-    t.v.assign(normal_values(r, T * c.Hkv * c.D));
-  }
+  t.q.assign(normal_values(c.seed, kStreamQ, T * c.Hq * c.D));
+  t.k.assign(normal_values(c.seed, kStreamK, T * c.Hkv * c.D));
+  t.v.assign(normal_values(c.seed, kStreamV, T * c.Hkv * c.D));
   const ProxyInputs px = draw_proxy(c.pattern, c.cu, c.Hp, c.Hpk, c.Dp, c.seed);
   t.qp.assign(px.qp);
   t.kp.assign(px.kp);
   t.cu.allocate_host();
   for (size_t i = 0; i < c.cu.size(); ++i) t.cu.i32()[i] = int32_t(c.cu[i]);
   if (c.has_bwd()) {
-    Rng r(c.seed, kStreamDout);
-    t.dout.assign(normal_values(r, T * c.Hq * c.D));
+    t.dout.assign(normal_values(c.seed, kStreamDout, T * c.Hq * c.D));
     if (c.dlse) {
       Rng r2(c.seed, kStreamDlse);
       t.dlse.assign(normal_values(r2, size_t(c.Hq) * T));

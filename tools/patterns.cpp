@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <thread>
 
 namespace flashmsa::cli {
 
@@ -57,6 +58,23 @@ bool parse_pattern(const std::string& s, Pattern* out) {
 std::vector<double> normal_values(Rng& rng, size_t n) {
   std::vector<double> v(n);
   for (double& x : v) x = rng.normal();
+  return v;
+}
+
+std::vector<double> normal_values(uint64_t seed, uint64_t stream, size_t n) {
+  constexpr size_t kChunk = size_t(1) << 20;
+  std::vector<double> v(n);
+  const size_t chunks = (n + kChunk - 1) / kChunk;
+  const size_t threads = std::max<size_t>(1, std::min<size_t>(chunks, std::thread::hardware_concurrency()));
+  std::vector<std::thread> pool;
+  for (size_t w = 0; w < threads; ++w)
+    pool.emplace_back([&, w] {
+      for (size_t c = w; c < chunks; c += threads) {
+        Rng r(seed, stream * 0x100000001b3ULL + c);
+        for (size_t i = c * kChunk; i < std::min(n, (c + 1) * kChunk); ++i) v[i] = r.normal();
+      }
+    });
+  for (auto& t : pool) t.join();
   return v;
 }
 

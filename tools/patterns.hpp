@@ -42,6 +42,9 @@ bool parse_pattern(const std::string& s, Pattern* out);
 
 // n values N(0, 1).
 std::vector<double> normal_values(Rng& rng, size_t n);
+// n values N(0, 1) of stream `stream`, drawn in fixed chunks of 2^20 values (each chunk its own
+// sub-stream) on several threads: the same numbers for any thread count.
+std::vector<double> normal_values(uint64_t seed, uint64_t stream, size_t n);
 
 // Proxy inputs for sequences given by cu (B+1 offsets), in the dense layouts
 // qp [total][Hp][Dp] and kp [total][Hpk][Dp] (unrounded doubles).
