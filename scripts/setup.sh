@@ -15,9 +15,12 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}" >/dev/null
 fi
 
-# Python packages for the tests (pinned).
-if ! python3 -c "import numpy, pytest" >/dev/null 2>&1; then
-  echo "[setup] pip install numpy pytest"
+# Python packages for the tests (pinned): numpy, pytest and torch for the PyTorch package
+# (python/flashmsa). PyPI's Linux torch wheel brings its CUDA libraries (about 2.7 GB download,
+# a minute here); docs/python.md says why it is still the pick. Machines that already have
+# them (the GPU machine) install nothing.
+if ! python3 -c "import numpy, pytest, torch" >/dev/null 2>&1; then
+  echo "[setup] pip install -r requirements-test.txt (numpy, pytest, torch)"
   python3 -m pip install --quiet --disable-pip-version-check -r requirements-test.txt
 fi
 

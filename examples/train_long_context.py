@@ -1,0 +1,295 @@
+#!/usr/bin/env python3
+"""Train a small transformer whose attention is flashmsa.nn.MSAttention on associative recall
+across a long sequence: key/value pairs lie far back (outside the query's own 128-token block),
+the last tokens ask for the values of some keys. Dense warmup first (the proxy learns to imitate
+the attention through the kl term), then sparse: every query token keeps only topk blocks.
+
+Prints, every --eval-every steps: loss, answer accuracy, kl, and the selection's attention-mass
+recall at the query tokens (share of the dense attention mass inside the blocks the proxy would
+select), and plots them (PNG: matplotlib if present, else a tiny built-in PNG writer).
+
+    python3 examples/train_long_context.py                   # CPU, a few minutes
+    python3 examples/train_long_context.py --gpu             # larger: H=128 heads dims, 8k tokens
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import time
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+try:
+    import flashmsa
+except ImportError:  # run from a checkout
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "python"))
+    import flashmsa
+from flashmsa.nn import MSAttention, set_warmup
+from flashmsa.reference import attention_mass_recall
+
+PRESETS = {
+    # tiny CPU run: 4 blocks of 128 tokens, top-2 blocks (own + one chosen)
+    "cpu": dict(seqlen=512, batch=8, dim=64, heads=4, kv_heads=2, proxy_heads=2, head_dim=16, layers=2,
+                topk=2, pairs=4, keys=16, values=16, queries=32, steps=500, warmup_steps=250, lr=3e-3,
+                eval_every=25, dtype="float32"),
+    # GPU: D = Dp = 128 (what the CUDA kernels instantiate), 64 blocks, top-8
+    "gpu": dict(seqlen=8192, batch=8, dim=512, heads=8, kv_heads=2, proxy_heads=2, head_dim=128, layers=4,
+                topk=8, pairs=32, keys=64, values=64, queries=64, steps=2000, warmup_steps=500, lr=1e-3,
+                eval_every=100, dtype="bfloat16"),
+}
+
+
+# ---- the task --------------------------------------------------------------------------------
+class Recall:
+    """Associative recall. Token ids: filler [0, F), keys [F, F+K). A memory token is a key that
+    also carries a value (a second id in [0, V), embedded and added like a segment embedding;
+    other tokens carry the "no value" id V). The last `queries` tokens are keys again, whose
+    answer is the value stored with that key far back (before the last 128-token block)."""
+
+    def __init__(self, seqlen: int, pairs: int, queries: int, n_filler=1, n_keys=16, n_values=16):
+        assert seqlen >= 256 and pairs <= seqlen - 128 and pairs <= n_keys
+        self.S, self.P, self.Q = seqlen, pairs, queries
+        self.F, self.K, self.V = n_filler, n_keys, n_values
+        self.vocab = n_filler + n_keys
+
+    def batch(self, B: int, gen: torch.Generator):
+        """(tokens [B, S], values [B, S], targets [B, S]: the answer at the queries, else -100)."""
+        S, P, Q = self.S, self.P, self.Q
+        tok = torch.randint(0, self.F, (B, S), generator=gen)
+        val = torch.full((B, S), self.V)
+        tgt = torch.full((B, S), -100)
+        for b in range(B):
+            keys = torch.randperm(self.K, generator=gen)[:P]
+            vals = torch.randint(0, self.V, (P,), generator=gen)
+            where = torch.randperm(S - 128, generator=gen)[:P]  # memories: outside the last block
+            tok[b, where], val[b, where] = self.F + keys, vals
+            ask = torch.randint(0, P, (Q,), generator=gen)
+            tok[b, S - Q:], tgt[b, S - Q:] = self.F + keys[ask], vals[ask]
+        return tok, val, tgt
+
+
+# ---- the model -------------------------------------------------------------------------------
+class Block(nn.Module):
+    def __init__(self, a):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(a.dim), nn.LayerNorm(a.dim)
+        self.attn = MSAttention(a.dim, a.heads, a.kv_heads, a.proxy_heads, 1, head_dim=a.head_dim,
+                                topk=a.topk, kl_coef=a.kl_coef, backend=a.backend)
+        self.mlp = nn.Sequential(nn.Linear(a.dim, 4 * a.dim), nn.GELU(), nn.Linear(4 * a.dim, a.dim))
+
+    def forward(self, x):
+        y, kl = self.attn(self.ln1(x))
+        x = x + y
+        return x + self.mlp(self.ln2(x)), kl
+
+
+class Model(nn.Module):
+    def __init__(self, a, task):
+        super().__init__()
+        self.emb = nn.Embedding(task.vocab, a.dim)
+        self.val_emb = nn.Embedding(task.V + 1, a.dim)
+        self.blocks = nn.ModuleList(Block(a) for _ in range(a.layers))
+        self.ln = nn.LayerNorm(a.dim)
+        self.head = nn.Linear(a.dim, task.V)
+
+    def forward(self, tok, val):
+        x, kl = self.emb(tok) + self.val_emb(val), 0.0
+        for blk in self.blocks:
+            x, k = blk(x)
+            kl = kl + k
+        return self.head(self.ln(x)), kl / len(self.blocks)
+
+
+# ---- evaluation ------------------------------------------------------------------------------
+@torch.no_grad()
+def evaluate(model, tok, val, tgt, topk):
+    """(loss, accuracy, kl, recall, recall per layer): recall is the attention-mass recall of the selection at the
+    query tokens, averaged over the layers; the selection is msa_select on each layer's proxy."""
+    inputs = []
+    hooks = [b.attn.register_forward_pre_hook(lambda m, a: inputs.append(a[0])) for b in model.blocks]
+    logits, kl = model(tok, val)
+    for h in hooks:
+        h.remove()
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), tgt.flatten())
+    ask = tgt != -100
+    acc = (logits.argmax(-1)[ask] == tgt[ask]).float().mean()
+    recalls = []
+    for blk, x in zip(model.blocks, inputs):
+        q, k, v, qp, kp = blk.attn.project(x)
+        idx = flashmsa.msa_select(qp, kp, topk)
+        recalls.append(attention_mass_recall(q, k, idx, rows=ask.flatten()).item())
+    kl = float(kl) / model.blocks[0].attn.kl_coef
+    if kl == 0.0 and tok.device.type == "cuda":  # a placeholder: the backend declined the value
+        for b in model.blocks:
+            b.attn.backend = "reference"
+        kl = float(model(tok[:1], val[:1])[1]) / model.blocks[0].attn.kl_coef
+        for b in model.blocks:
+            b.attn.backend = "flashmsa"
+    return loss.item(), acc.item(), kl, sum(recalls) / len(recalls), recalls
+
+
+# ---- plotting --------------------------------------------------------------------------------
+def plot(hist, warmup_steps, path: pathlib.Path, title: str):
+    steps = [h["step"] for h in hist]
+    series = [("loss", [h["loss"] for h in hist]), ("kl", [h["kl"] for h in hist]),
+              ("recall", [h["recall"] for h in hist])]
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return _tiny_png(steps, series, warmup_steps, path)
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
+    for ax, (name, ys) in zip(axes, series):
+        ax.plot(steps, ys, marker=".")
+        ax.axvline(warmup_steps, color="gray", ls="--", lw=1)
+        ax.set_title(name + (" (attention mass at the queries)" if name == "recall" else ""), fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    axes[2].set_ylim(0, 1.02)
+    axes[0].text(warmup_steps, axes[0].get_ylim()[1], " dense | sparse", va="top", fontsize=8, color="gray")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+_FONT = {  # 3x5 glyphs, rows top to bottom
+    "L": "100100100100111", "O": "111101101101111", "S": "111100111001111", "K": "101110100110101",
+    "R": "110101110101101", "E": "111100110100111", "C": "111100100100111", "A": "010101111101101",
+}
+
+
+def _tiny_png(steps, series, warmup_steps, path: pathlib.Path):
+    """Three line panels (loss, kl, recall) and a dashed line at the end of the warmup, written
+    as a PNG with zlib alone."""
+    import struct
+    import zlib
+
+    W, H, pad = 900, 260, 20
+    img = bytearray(b"\xff" * (W * H * 3))
+
+    def px(x, y, c):
+        if 0 <= x < W and 0 <= y < H:
+            img[(y * W + x) * 3:(y * W + x) * 3 + 3] = bytes(c)
+
+    def line(x0, y0, x1, y1, c):
+        n = max(abs(x1 - x0), abs(y1 - y0), 1)
+        for i in range(n + 1):
+            px(round(x0 + (x1 - x0) * i / n), round(y0 + (y1 - y0) * i / n), c)
+
+    def text(x, y, s, c=(0, 0, 0), z=3):
+        for ch in s:
+            g = _FONT.get(ch.upper())
+            if g:
+                for r in range(5):
+                    for col in range(3):
+                        if g[r * 3 + col] == "1":
+                            for dy in range(z):
+                                for dx in range(z):
+                                    px(x + col * z + dx, y + r * z + dy, c)
+            x += 4 * z
+
+    pw = (W - 4 * pad) // 3
+    smin, smax = min(steps), max(max(steps), 1)
+    for p, (name, ys) in enumerate(series):
+        x0, y0, x1, y1 = pad + p * (pw + pad), pad + 25, pad + p * (pw + pad) + pw, H - pad
+        lo, hi = (0.0, 1.0) if name == "recall" else (min(ys + [0.0]), max(ys) or 1.0)
+        for a, b, c, d in ((x0, y0, x0, y1), (x0, y1, x1, y1)):
+            line(a, b, c, d, (0, 0, 0))
+        wx = x0 + round((warmup_steps - smin) / (smax - smin or 1) * (x1 - x0))
+        for yy in range(y0, y1, 6):
+            line(wx, yy, wx, min(yy + 3, y1), (150, 150, 150))
+        pts = [(x0 + round((s - smin) / (smax - smin or 1) * (x1 - x0)),
+                y1 - round((v - lo) / (hi - lo or 1) * (y1 - y0))) for s, v in zip(steps, ys)]
+        for (a, b), (c, d) in zip(pts, pts[1:]):
+            line(a, b, c, d, (31, 119, 180))
+        text(x0 + 5, pad, name)
+    raw = b"".join(b"\x00" + bytes(img[y * W * 3:(y + 1) * W * 3]) for y in range(H))
+
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", W, H, 8, 2, 0, 0, 0))
+    png += chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b"")
+    path.write_bytes(png)
+    return path
+
+
+# ---- main ------------------------------------------------------------------------------------
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gpu", action="store_true", help="the larger preset, on CUDA")
+    for k, v in PRESETS["cpu"].items():
+        p.add_argument("--" + k.replace("_", "-"), type=type(v), default=None, help=f"(cpu preset: {v})")
+    p.add_argument("--kl-coef", type=float, default=1.0)
+    p.add_argument("--backend", choices=["flashmsa", "reference"], default="flashmsa")
+    p.add_argument("--device", default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="directory for the PNG and the JSON log (default: none)")
+    a = p.parse_args(argv)
+    preset = PRESETS["gpu" if a.gpu else "cpu"]
+    for k, v in preset.items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
+    device = torch.device(a.device or ("cuda" if a.gpu else "cpu"))
+    dtype = getattr(torch, a.dtype)
+    torch.manual_seed(a.seed)
+    task = Recall(a.seqlen, a.pairs, a.queries, n_keys=a.keys, n_values=a.values)
+    model = Model(a, task).to(device=device, dtype=dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50))
+    gen = torch.Generator().manual_seed(a.seed + 1)
+    eval_batch = [t.to(device) for t in task.batch(a.batch, torch.Generator().manual_seed(12345))]
+    print(f"flashmsa {flashmsa.version()} | {device} {a.dtype} | seqlen {a.seqlen} ({a.seqlen // 128} blocks), "
+          f"topk {a.topk}, {a.pairs} pairs, {a.queries} queries, {a.layers} layers, dim {a.dim}, "
+          f"heads {a.heads}/{a.kv_heads}/{a.proxy_heads}/1, head_dim {a.head_dim} | "
+          f"dense warmup {a.warmup_steps} steps, then sparse | {sum(p.numel() for p in model.parameters())} params")
+    print(f"{'step':>5} {'mode':>6} {'loss':>7} {'acc':>6} {'kl':>8} {'recall':>7} {'per layer':>16} {'s/step':>7}")
+    hist, t0, last = [], time.time(), time.time()
+    for step in range(a.steps + 1):
+        sparse = step >= a.warmup_steps
+        set_warmup(model, not sparse)
+        if step % a.eval_every == 0 or step == a.steps:
+            model.eval()
+            loss, acc, kl, rec, per = evaluate(model, *eval_batch, a.topk)
+            model.train()
+            dt = (time.time() - last) / max(1, a.eval_every if step else 1)
+            last = time.time()
+            hist.append(dict(step=step, mode="sparse" if sparse else "dense", loss=loss, acc=acc, kl=kl,
+                             recall=rec, recall_per_layer=per))
+            print(f"{step:5d} {hist[-1]['mode']:>6} {loss:7.4f} {acc:6.3f} {kl:8.5f} {rec:7.4f} "
+                  f"{' '.join(f'{r:.3f}' for r in per):>16} {dt:7.3f}", flush=True)
+        if step == a.steps:
+            break
+        tok, val, tgt = (t.to(device) for t in task.batch(a.batch, gen))
+        logits, kl = model(tok, val)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), tgt.flatten())
+        opt.zero_grad(set_to_none=True)
+        try:
+            (loss + kl).backward()
+        except NotImplementedError as e:  # e.g. a CUDA build without the backward yet
+            sys.exit(f"training needs flashmsa's backward on {device}: {e}")
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+    print(f"done in {time.time() - t0:.0f} s")
+    if a.out:
+        out = pathlib.Path(a.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "train_long_context.json").write_text(json.dumps(dict(args=vars(a), history=hist), indent=1))
+        png = plot(hist, a.warmup_steps, out / "train_long_context.png",
+                   f"associative recall, {a.seqlen} tokens, top-{a.topk} of {a.seqlen // 128} blocks "
+                   f"(dense warmup to step {a.warmup_steps})")
+        print(f"wrote {png} and {out / 'train_long_context.json'}")
+    return hist
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,288 @@
+"""ctypes binding of the C ABI (include/flashmsa/flashmsa.h) and torch -> tensor-view conversion.
+
+Nothing here knows about autograd: it loads libflashmsa.so, mirrors the argument structs, turns
+torch tensors into `flashmsa_tensor_t` views and maps status codes to Python exceptions.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import pathlib
+import threading
+from typing import Optional
+
+import torch
+
+BLOCK_SIZE = 128  # FLASHMSA_BLOCK_SIZE
+MAX_TOPK = 64  # FLASHMSA_MAX_TOPK
+MAX_DIMS = 4  # FLASHMSA_MAX_DIMS
+
+# flashmsa_status_t
+SUCCESS, INVALID_ARGUMENT, NOT_SUPPORTED, DEVICE, WORKSPACE, INTERNAL = range(6)
+# flashmsa_dtype_t
+DTYPE_BF16, DTYPE_FP16, DTYPE_FP32, DTYPE_FP64, DTYPE_INT32 = range(5)
+# flashmsa_device_type_t
+DEVICE_CPU, DEVICE_CUDA = range(2)
+# flashmsa_mode_t
+MODE_SPARSE, MODE_DENSE, MODE_GIVEN = range(3)
+# flashmsa_numerics_t
+NUMERICS_TRAIN, NUMERICS_INFER = range(2)
+
+DTYPES = {
+    torch.bfloat16: DTYPE_BF16,
+    torch.float16: DTYPE_FP16,
+    torch.float32: DTYPE_FP32,
+    torch.float64: DTYPE_FP64,
+    torch.int32: DTYPE_INT32,
+}
+
+
+# ---- exceptions -----------------------------------------------------------------------------
+class FlashMSAError(RuntimeError):
+    """A failed library call; `status` is the flashmsa_status_t code."""
+
+    status = INTERNAL
+
+    def __init__(self, message: str, status: Optional[int] = None):
+        super().__init__(message)
+        if status is not None:
+            self.status = status
+
+
+class InvalidArgumentError(FlashMSAError, ValueError):
+    """FLASHMSA_ERROR_INVALID_ARGUMENT: bad shape, dtype, stride, ratio or value."""
+
+    status = INVALID_ARGUMENT
+
+
+class NotSupportedError(FlashMSAError, NotImplementedError):
+    """FLASHMSA_ERROR_NOT_SUPPORTED: valid per SPEC, but not built for this backend yet."""
+
+    status = NOT_SUPPORTED
+
+
+_ERRORS = {INVALID_ARGUMENT: InvalidArgumentError, NOT_SUPPORTED: NotSupportedError}
+
+
+# ---- the structs (flashmsa.h, field for field) ----------------------------------------------
+class Tensor(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("dtype", ctypes.c_int),
+        ("ndim", ctypes.c_int32),
+        ("shape", ctypes.c_int64 * MAX_DIMS),
+        ("strides", ctypes.c_int64 * MAX_DIMS),
+        ("device_type", ctypes.c_int),
+        ("device_id", ctypes.c_int32),
+    ]
+
+
+class SelectArgs(ctypes.Structure):
+    _fields_ = [
+        ("qp", Tensor),
+        ("kp", Tensor),
+        ("cu_seqlens", Tensor),
+        ("max_seqlen", ctypes.c_int64),
+        ("topk", ctypes.c_int32),
+        ("proxy_scale", ctypes.c_double),
+        ("indices", Tensor),
+        ("proxy_lse", Tensor),
+        ("stream", ctypes.c_void_p),
+    ]
+
+
+class FwdArgs(ctypes.Structure):
+    _fields_ = [
+        ("q", Tensor),
+        ("k", Tensor),
+        ("v", Tensor),
+        ("qp", Tensor),
+        ("kp", Tensor),
+        ("cu_seqlens", Tensor),
+        ("max_seqlen", ctypes.c_int64),
+        ("mode", ctypes.c_int),
+        ("numerics", ctypes.c_int),
+        ("topk", ctypes.c_int32),
+        ("softmax_scale", ctypes.c_double),
+        ("proxy_scale", ctypes.c_double),
+        ("compute_kl", ctypes.c_int32),
+        ("validate", ctypes.c_int32),
+        ("indices", Tensor),
+        ("out", Tensor),
+        ("lse", Tensor),
+        ("proxy_lse", Tensor),
+        ("kl", Tensor),
+        ("stream", ctypes.c_void_p),
+    ]
+
+
+class BwdArgs(ctypes.Structure):
+    _fields_ = [
+        ("q", Tensor),
+        ("k", Tensor),
+        ("v", Tensor),
+        ("qp", Tensor),
+        ("kp", Tensor),
+        ("cu_seqlens", Tensor),
+        ("max_seqlen", ctypes.c_int64),
+        ("mode", ctypes.c_int),
+        ("softmax_scale", ctypes.c_double),
+        ("proxy_scale", ctypes.c_double),
+        ("deterministic", ctypes.c_int32),
+        ("validate", ctypes.c_int32),
+        ("indices", Tensor),
+        ("out", Tensor),
+        ("lse", Tensor),
+        ("proxy_lse", Tensor),
+        ("dout", Tensor),
+        ("dlse", Tensor),
+        ("dkl", Tensor),
+        ("dq", Tensor),
+        ("dk", Tensor),
+        ("dv", Tensor),
+        ("dqp", Tensor),
+        ("dkp", Tensor),
+        ("stream", ctypes.c_void_p),
+    ]
+
+
+# ---- loading --------------------------------------------------------------------------------
+LIB_NAME = "libflashmsa.so"
+_PKG_DIR = pathlib.Path(__file__).resolve().parent
+_REPO_ROOT = _PKG_DIR.parents[1]
+
+
+def library_candidates() -> list[pathlib.Path]:
+    """Where the library is looked for, in order: $FLASHMSA_LIBRARY, then the repository's build
+    directory ($FLASHMSA_BUILD_DIR, relative to the current directory or the repository root,
+    default build/), then next to the package."""
+    env = os.environ.get("FLASHMSA_LIBRARY")
+    if env:
+        return [pathlib.Path(env)]
+    found = []
+    build = os.environ.get("FLASHMSA_BUILD_DIR")
+    if build:
+        b = pathlib.Path(build)
+        found += [b / LIB_NAME] if b.is_absolute() else [pathlib.Path.cwd() / b / LIB_NAME, _REPO_ROOT / b / LIB_NAME]
+    found += [_REPO_ROOT / "build" / LIB_NAME, _PKG_DIR / LIB_NAME]
+    return found
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    st, vp, sz = ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t
+    for name, args_t in (("select", SelectArgs), ("fwd", FwdArgs), ("bwd", BwdArgs)):
+        p = ctypes.POINTER(args_t)
+        init = getattr(lib, f"flashmsa_{name}_args_init")
+        init.argtypes, init.restype = [p], None
+        ws = getattr(lib, f"flashmsa_{name}_workspace_size")
+        ws.argtypes, ws.restype = [p, ctypes.POINTER(sz)], st
+        run = getattr(lib, f"flashmsa_{name}")
+        run.argtypes, run.restype = [p, vp, sz], st
+    lib.flashmsa_last_error.argtypes, lib.flashmsa_last_error.restype = [], ctypes.c_char_p
+    lib.flashmsa_status_string.argtypes, lib.flashmsa_status_string.restype = [st], ctypes.c_char_p
+    lib.flashmsa_cuda_available.argtypes, lib.flashmsa_cuda_available.restype = [], ctypes.c_int
+    lib.flashmsa_version.argtypes, lib.flashmsa_version.restype = [], ctypes.c_char_p
+    return lib
+
+
+_lib: Optional[ctypes.CDLL] = None
+_lib_path: Optional[pathlib.Path] = None
+_lock = threading.Lock()
+
+
+def lib() -> ctypes.CDLL:
+    """The loaded library (loaded on first use, so `import flashmsa` works without it)."""
+    global _lib, _lib_path
+    if _lib is None:
+        with _lock:
+            if _lib is None:
+                tried = library_candidates()
+                for path in tried:
+                    if path.is_file():
+                        _lib = _declare(ctypes.CDLL(str(path)))
+                        _lib_path = path
+                        break
+                else:
+                    raise OSError(
+                        f"flashmsa: {LIB_NAME} not found; looked at: {', '.join(map(str, tried))}. "
+                        "Build it (bash scripts/setup.sh) or set FLASHMSA_LIBRARY to its path."
+                    )
+    return _lib
+
+
+def library_path() -> pathlib.Path:
+    lib()
+    return _lib_path
+
+
+def version() -> str:
+    return lib().flashmsa_version().decode()
+
+
+def cuda_available() -> bool:
+    """True when the library has its CUDA backend and sees a device."""
+    return bool(lib().flashmsa_cuda_available())
+
+
+def check(status: int) -> None:
+    if status == SUCCESS:
+        return
+    msg = lib().flashmsa_last_error().decode(errors="replace")
+    if not msg:
+        msg = lib().flashmsa_status_string(status).decode()
+    raise _ERRORS.get(status, FlashMSAError)(msg, status)
+
+
+# ---- tensor views ---------------------------------------------------------------------------
+NONE = Tensor()  # absent: data NULL, ndim 0
+
+
+def view(t: Optional[torch.Tensor]) -> Tensor:
+    """A flashmsa_tensor_t over `t` (absent for None). Strides are passed as they are."""
+    v = Tensor()
+    if t is None:
+        return v
+    if t.dim() > MAX_DIMS:
+        raise ValueError(f"flashmsa: expected at most {MAX_DIMS} dimensions, got {t.dim()} {list(t.shape)}")
+    try:
+        v.dtype = DTYPES[t.dtype]
+    except KeyError:
+        raise TypeError(f"flashmsa: unsupported dtype {t.dtype}") from None
+    v.data = t.data_ptr() or None
+    v.ndim = t.dim()
+    for i, (n, s) in enumerate(zip(t.shape, t.stride())):
+        v.shape[i], v.strides[i] = n, s
+    if t.device.type == "cuda":
+        v.device_type, v.device_id = DEVICE_CUDA, t.device.index or 0
+    elif t.device.type == "cpu":
+        v.device_type, v.device_id = DEVICE_CPU, 0
+    else:
+        raise ValueError(f"flashmsa: tensors must be on the CPU or a CUDA device, got {t.device}")
+    return v
+
+
+def stream_of(device: torch.device) -> Optional[int]:
+    """The current torch stream of `device` as a cudaStream_t (None on the CPU)."""
+    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+
+
+def call(name: str, args: ctypes.Structure, device: torch.device) -> None:
+    """Query the workspace, allocate it with torch (caching allocator, graph-safe) and run."""
+    L = lib()
+    nbytes = ctypes.c_size_t(0)
+    check(getattr(L, f"flashmsa_{name}_workspace_size")(ctypes.byref(args), ctypes.byref(nbytes)))
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        # Allocated on the current stream, which the call runs on: the caching allocator
+        # reuses it only after the call's work in stream order (and CUDA graphs capture it).
+        ws = torch.empty(nbytes.value, dtype=torch.uint8, device=device) if nbytes.value else None
+        check(getattr(L, f"flashmsa_{name}")(ctypes.byref(args), ws.data_ptr() if ws is not None else None,
+                                             nbytes.value))
+
+
+def new_args(kind: type) -> ctypes.Structure:
+    """An argument struct initialised by flashmsa_*_args_init (absent tensors, default scales)."""
+    a = kind()
+    name = {SelectArgs: "select", FwdArgs: "fwd", BwdArgs: "bwd"}[kind]
+    getattr(lib(), f"flashmsa_{name}_args_init")(ctypes.byref(a))
+    return a

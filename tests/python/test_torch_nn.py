@@ -1,0 +1,111 @@
+"""flashmsa.nn.MSAttention and the long-context example (a short smoke run)."""
+import importlib.util
+import pathlib
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "python"))
+
+import flashmsa  # noqa: E402
+from flashmsa.nn import MSAttention, positions, set_warmup  # noqa: E402
+from flashmsa.testing import rel_l2  # noqa: E402
+
+
+def layer(**kw):
+    torch.manual_seed(0)
+    args = dict(embed_dim=32, num_heads=4, num_kv_heads=2, num_proxy_heads=2, head_dim=8, topk=2)
+    return MSAttention(**{**args, **kw}).double()
+
+
+def test_shapes_and_varlen_equals_batched():
+    m = layer()
+    x = torch.randn(3, 200, 32, dtype=torch.float64)
+    y, kl = m(x)
+    assert y.shape == x.shape and kl.shape == () and kl.item() > 0
+    cu = torch.tensor([0, 200, 400, 600], dtype=torch.int32)
+    yv, klv = m(x.reshape(600, 32), cu_seqlens=cu, max_seqlen=200)
+    assert rel_l2(yv.reshape(x.shape), y) < 1e-13 and rel_l2(klv, kl) < 1e-13
+    assert positions(cu, 600).tolist() == list(range(200)) * 3
+
+
+@pytest.mark.parametrize("warmup", [False, True])
+def test_flashmsa_backend_matches_reference_backend(warmup):
+    m = layer(warmup=warmup)
+    x = torch.randn(2, 300, 32, dtype=torch.float64)
+    res = {}
+    for backend in ("flashmsa", "reference"):
+        m.backend = backend
+        m.zero_grad(set_to_none=True)
+        y, kl = m(x)
+        (y.square().mean() + kl).backward()
+        res[backend] = (y, kl, {n: p.grad.clone() for n, p in m.named_parameters()})
+    (y1, k1, g1), (y2, k2, g2) = res.values()
+    assert rel_l2(y1, y2) < 1e-12 and rel_l2(k1, k2) < 1e-12
+    for n in g1:
+        assert rel_l2(g1[n], g2[n]) < 1e-10, n
+
+
+def test_warmup_switch_and_kl_routing():
+    m = layer()
+    x = torch.randn(1, 400, 32, dtype=torch.float64, requires_grad=True)
+    set_warmup(torch.nn.Sequential(m), True)
+    assert m.warmup
+    y_dense, _ = m(x)
+    set_warmup(m, False)
+    y_sparse, kl = m(x)
+    assert rel_l2(y_sparse, y_dense) > 1e-3  # the selection drops blocks
+    # the kl term trains the proxy projections only (their input is detached)
+    grads = torch.autograd.grad(kl, [m.q_proj.weight, m.qp_proj.weight, m.kp_proj.weight, x])
+    assert grads[0].abs().max() == 0 and grads[1].abs().max() > 0 and grads[2].abs().max() > 0
+    assert grads[3].abs().max() == 0
+    m.detach_proxy_input = False
+    _, kl = m(x)
+    assert torch.autograd.grad(kl, x)[0].abs().max() > 0
+
+
+def test_kl_coef_and_record_indices():
+    m = layer(kl_coef=0.25)
+    m.record_indices = True
+    x = torch.randn(1, 300, 32, dtype=torch.float64)
+    _, term = m(x)
+    q, k, v, qp, kp = m.project(x)
+    out, kl, idx = flashmsa.msa_attention(q, k, v, qp, kp, 2, return_indices=True)
+    assert rel_l2(term, 0.25 * kl) < 1e-14 and torch.equal(m.last_indices, idx)
+
+
+def test_bad_configuration():
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        MSAttention(32, 4, num_kv_heads=3)
+    with pytest.raises(ValueError, match="num_proxy_kv_heads"):
+        MSAttention(32, 4, 2, num_proxy_heads=2, num_proxy_kv_heads=3)
+    with pytest.raises(ValueError, match="backend"):
+        MSAttention(32, 4, backend="triton")
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        layer()(torch.randn(10, 32, dtype=torch.float64))
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location("train_long_context", ROOT / "examples" / "train_long_context.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_example_smoke(tmp_path, capsys):
+    ex = _example()
+    hist = ex.main(["--steps", "4", "--warmup-steps", "2", "--eval-every", "2", "--seqlen", "256",
+                    "--batch", "2", "--queries", "8", "--out", str(tmp_path)])
+    assert [h["mode"] for h in hist] == ["dense", "sparse", "sparse"]
+    assert all(0 <= h["recall"] <= 1 and h["kl"] >= 0 for h in hist)
+    assert (tmp_path / "train_long_context.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "recall" in capsys.readouterr().out
+
+
+def test_example_tiny_png_writer(tmp_path):
+    ex = _example()
+    series = [("loss", [3.0, 2.0, 1.0]), ("kl", [0.1, 0.2, 0.05]), ("recall", [0.5, 0.7, 0.8])]
+    png = ex._tiny_png([0, 10, 20], series, 10, tmp_path / "p.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and b"IEND" in png[-12:]
