@@ -225,6 +225,33 @@ struct V {
                       std::to_string(int(m)));
   }
 
+  // Caller indices [Hp, total, topk] (GIVEN; SPARSE in the backward): rank, topk, and the
+  // groups when no proxy tensors give Hp.
+  void index_rows(const flashmsa_tensor_t& idx, const char* missing) {
+    if (!present(idx)) bad("indices", missing);
+    basic("indices", idx);
+    if (idx.ndim != 3)
+      bad("indices", "expected 3 dimensions [Hp, total, topk], got " + std::to_string(idx.ndim) + " " +
+                         shape_string(idx));
+    topk_range("indices", idx.shape[2]);
+    g.topk = int(idx.shape[2]);
+    if (!g.has_proxy) {
+      g.Hp = int(idx.shape[0]);
+      g.Hpk = 1;
+      if (g.Hp < 1) bad("indices", "expected Hp >= 1 rows, got " + shape_string(idx));
+    }
+  }
+
+  // DENSE mode: no indices; without proxy tensors there are no groups to train, so every head
+  // is its own group.
+  void dense_groups(const flashmsa_tensor_t& idx) {
+    if (present(idx)) bad("indices", "must be absent in DENSE (warmup) mode");
+    if (!g.has_proxy) {
+      g.Hp = g.Hq;
+      g.Hpk = 1;
+    }
+  }
+
   // Main q, k, v and the optional proxy pair; fills heads and dims.
   void main_inputs(const flashmsa_tensor_t& q, const flashmsa_tensor_t& k,
                    const flashmsa_tensor_t& v, const flashmsa_tensor_t& qp,
@@ -307,24 +334,9 @@ Geometry validate_fwd(const flashmsa_fwd_args_t& a) {
     v.topk_range("topk", a.topk);
     v.g.topk = a.topk;
   } else if (a.mode == FLASHMSA_MODE_GIVEN) {
-    if (!present(a.indices)) v.bad("indices", "is required in GIVEN mode");
-    v.basic("indices", a.indices);
-    if (a.indices.ndim != 3)
-      v.bad("indices", "expected 3 dimensions [Hp, total, topk], got " +
-                           std::to_string(a.indices.ndim) + " " + shape_string(a.indices));
-    v.topk_range("indices", a.indices.shape[2]);
-    v.g.topk = int(a.indices.shape[2]);
-    if (!v.g.has_proxy) {
-      v.g.Hp = int(a.indices.shape[0]);
-      v.g.Hpk = 1;
-      if (v.g.Hp < 1) v.bad("indices", "expected Hp >= 1 rows, got " + shape_string(a.indices));
-    }
+    v.index_rows(a.indices, "is required in GIVEN mode");
   } else {
-    if (present(a.indices)) v.bad("indices", "must be absent in DENSE (warmup) mode");
-    if (!v.g.has_proxy) {  // no groups to train: every head its own group
-      v.g.Hp = v.g.Hq;
-      v.g.Hpk = 1;
-    }
+    v.dense_groups(a.indices);
   }
   v.ratios();
   v.g.scale = v.resolve_scale("softmax_scale", a.softmax_scale, v.g.D);
@@ -359,24 +371,9 @@ Geometry validate_bwd(const flashmsa_bwd_args_t& a) {
   v.flag("deterministic", a.deterministic);
   v.flag("validate", a.validate);
   if (a.mode == FLASHMSA_MODE_DENSE) {
-    if (present(a.indices)) v.bad("indices", "must be absent in DENSE (warmup) mode");
-    if (!v.g.has_proxy) {
-      v.g.Hp = v.g.Hq;
-      v.g.Hpk = 1;
-    }
+    v.dense_groups(a.indices);
   } else {
-    if (!present(a.indices)) v.bad("indices", "is required in SPARSE and GIVEN modes");
-    v.basic("indices", a.indices);
-    if (a.indices.ndim != 3)
-      v.bad("indices", "expected 3 dimensions [Hp, total, topk], got " +
-                           std::to_string(a.indices.ndim) + " " + shape_string(a.indices));
-    v.topk_range("indices", a.indices.shape[2]);
-    v.g.topk = int(a.indices.shape[2]);
-    if (!v.g.has_proxy) {
-      v.g.Hp = int(a.indices.shape[0]);
-      v.g.Hpk = 1;
-      if (v.g.Hp < 1) v.bad("indices", "expected Hp >= 1 rows, got " + shape_string(a.indices));
-    }
+    v.index_rows(a.indices, "is required in SPARSE and GIVEN modes");
   }
   v.ratios();
   v.g.scale = v.resolve_scale("softmax_scale", a.softmax_scale, v.g.D);
