@@ -179,6 +179,19 @@ FLASHMSA_API const char* flashmsa_dtype_name(flashmsa_dtype_t dtype);
 FLASHMSA_API int flashmsa_cuda_available(void);
 FLASHMSA_API const char* flashmsa_version(void);
 
+/* ABI of this header: bindings compare it (and the struct sizes) with what they were written
+ * against before their first call. Bumped whenever a struct or an enum changes. */
+#define FLASHMSA_ABI_VERSION 1
+typedef enum flashmsa_struct {
+  FLASHMSA_STRUCT_TENSOR = 0,
+  FLASHMSA_STRUCT_SELECT_ARGS = 1,
+  FLASHMSA_STRUCT_FWD_ARGS = 2,
+  FLASHMSA_STRUCT_BWD_ARGS = 3
+} flashmsa_struct_t;
+FLASHMSA_API int flashmsa_abi_version(void);
+/* sizeof the struct in this build; 0 for an unknown id. */
+FLASHMSA_API size_t flashmsa_struct_size(flashmsa_struct_t which);
+
 #ifdef __cplusplus
 } /* extern "C" */
 #endif

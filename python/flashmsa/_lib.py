@@ -183,7 +183,26 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.flashmsa_status_string.argtypes, lib.flashmsa_status_string.restype = [st], ctypes.c_char_p
     lib.flashmsa_cuda_available.argtypes, lib.flashmsa_cuda_available.restype = [], ctypes.c_int
     lib.flashmsa_version.argtypes, lib.flashmsa_version.restype = [], ctypes.c_char_p
+    _check_abi(lib)
     return lib
+
+
+ABI_VERSION = 1  # FLASHMSA_ABI_VERSION of the header these structs mirror
+
+
+def _check_abi(lib: ctypes.CDLL) -> None:
+    """Refuse a library whose ABI (version or struct layout) differs from these bindings."""
+    lib.flashmsa_abi_version.argtypes, lib.flashmsa_abi_version.restype = [], ctypes.c_int
+    lib.flashmsa_struct_size.argtypes, lib.flashmsa_struct_size.restype = [ctypes.c_int], ctypes.c_size_t
+    got = lib.flashmsa_abi_version()
+    if got != ABI_VERSION:
+        raise ImportError(f"flashmsa: the library has ABI version {got}, these Python bindings expect "
+                          f"{ABI_VERSION}: rebuild the library or update the package")
+    for which, struct in enumerate((Tensor, SelectArgs, FwdArgs, BwdArgs)):
+        size = lib.flashmsa_struct_size(which)
+        if size != ctypes.sizeof(struct):
+            raise ImportError(f"flashmsa: struct {struct.__name__} is {size} bytes in the library but "
+                              f"{ctypes.sizeof(struct)} in the Python bindings: rebuild the library")
 
 
 _lib: Optional[ctypes.CDLL] = None

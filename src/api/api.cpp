@@ -207,4 +207,16 @@ int flashmsa_cuda_available(void) { return cuda::available() ? 1 : 0; }
 
 const char* flashmsa_version(void) { return "0.1.0"; }
 
+int flashmsa_abi_version(void) { return FLASHMSA_ABI_VERSION; }
+
+size_t flashmsa_struct_size(flashmsa_struct_t which) {
+  switch (which) {
+    case FLASHMSA_STRUCT_TENSOR: return sizeof(flashmsa_tensor_t);
+    case FLASHMSA_STRUCT_SELECT_ARGS: return sizeof(flashmsa_select_args_t);
+    case FLASHMSA_STRUCT_FWD_ARGS: return sizeof(flashmsa_fwd_args_t);
+    case FLASHMSA_STRUCT_BWD_ARGS: return sizeof(flashmsa_bwd_args_t);
+  }
+  return 0;
+}
+
 }  // extern "C"

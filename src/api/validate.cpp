@@ -50,11 +50,13 @@ struct V {
     int64_t numel = 1;
     for (int i = 0; i < t.ndim; ++i) {
       if (t.shape[i] < 0) bad(name, "negative size in shape " + shape_string(t));
+      numel *= t.shape[i];
+    }
+    if (numel == 0) return;  // an empty tensor's strides are never used (torch gives it any)
+    for (int i = 0; i < t.ndim; ++i)
       if (t.strides[i] < 0)
         bad(name, "negative stride " + std::to_string(t.strides[i]) + " in dimension " +
                       std::to_string(i));
-      numel *= t.shape[i];
-    }
     if (t.ndim > 0 && t.strides[t.ndim - 1] != 1 && t.shape[t.ndim - 1] > 1)
       bad(name, "the last dimension must be contiguous (stride 1), got stride " +
                     std::to_string(t.strides[t.ndim - 1]));
