@@ -165,6 +165,8 @@ def main():
                         row["peers"]["flex"] = dict(error=str(e)[:300])
                     torch.cuda.empty_cache()
                 rows.append(row)
+                with open(os.path.join(args.out, "rows.jsonl"), "a") as f:  # kept if a later step dies
+                    f.write(json.dumps(row) + "\n")
         for f in os.listdir(args.out):
             if f.startswith("indices-"):
                 os.remove(os.path.join(args.out, f))
