@@ -352,6 +352,36 @@ void select(const flashmsa_select_args_t& a, const Geometry& g, void*, size_t) {
 
 namespace {
 
+// What the backward's kernels and the forward's kl share: q, k, the padded lse2, the sequences,
+// the inversion (or the block offsets in dense mode), heads and scales.
+attn_bwd::Common common_base(const Geometry& g, const flashmsa_tensor_t& q, const flashmsa_tensor_t& k,
+                             const flashmsa_tensor_t& cu, float* lse2, int64_t padded, bool dense,
+                             const int32_t* idx, int64_t idx_head, int64_t idx_tok, char* inv_ws,
+                             cudaStream_t st) {
+  attn_bwd::Common c;
+  c.q = token_tensor<const void>(q, g);
+  c.k = token_tensor<const void>(k, g);
+  c.lse2.ptr = lse2;
+  c.lse2.head = padded;
+  c.lse2.tok = 1;
+  c.seqs = seqs_of(cu, g);
+  c.dense = dense;
+  if (dense) {
+    c.inv.blk_off = attn_bwd::build_blk_off(c.seqs, inv_ws, st);
+    c.inv.nblk = global_blocks_bound(g);
+  } else {
+    c.inv = attn_bwd::build_inversion(inversion_args(idx, idx_head, idx_tok, cu, g), inv_ws, st);
+  }
+  c.Hq = g.Hq;
+  c.Hkv = g.Hkv;
+  c.Hp = g.Hp;
+  c.Hpk = g.Hpk;
+  c.scale = float(g.scale);
+  c.proxy_scale = float(g.proxy_scale);
+  c.total = g.total;
+  return c;
+}
+
 // The proxy kernel: gradients (backward) or the kl value alone (forward's compute_kl).
 struct ProxyRun {
   const flashmsa_tensor_t *qp = nullptr, *kp = nullptr, *cu = nullptr, *indices = nullptr, *proxy_lse = nullptr;
@@ -429,35 +459,18 @@ void run_bwd(const flashmsa_bwd_args_t& a, const Geometry& g, char* ws, const Bw
   using P = attn_bwd::MainParams<Element>;
   P mp;
   attn_bwd::Common& c = mp.c;
-  c.q = token_tensor<const void>(a.q, g);
-  c.k = token_tensor<const void>(a.k, g);
+  c = common_base(g, a.q, a.k, a.cu_seqlens, pa.lse2, l.padded, a.mode == FLASHMSA_MODE_DENSE,
+                  static_cast<const int32_t*>(a.indices.data), a.indices.strides[0], a.indices.strides[1],
+                  ws + l.inv, st);
   c.v = token_tensor<const void>(a.v, g);
   c.dout = token_tensor<const void>(a.dout, g);
-  c.lse2.ptr = pa.lse2;
-  c.lse2.head = l.padded;
-  c.lse2.tok = 1;
   c.dsum.ptr = pa.dsum;
   c.dsum.head = l.padded;
   c.dsum.tok = 1;
-  c.seqs = seqs;
-  c.dense = a.mode == FLASHMSA_MODE_DENSE;
-  if (c.dense) {
-    c.inv.blk_off = attn_bwd::build_blk_off(seqs, ws + l.inv, st);
-    c.inv.nblk = global_blocks_bound(g);
-  } else {
-    c.inv = attn_bwd::build_inversion(inversion_args(a, g), ws + l.inv, st);
-  }
-  c.Hq = g.Hq;
-  c.Hkv = g.Hkv;
-  c.Hp = g.Hp;
-  c.Hpk = g.Hpk;
   c.R = bwd_unit_heads(g);
-  c.scale = float(g.scale);
-  c.proxy_scale = float(g.proxy_scale);
   c.dq_acc = dq_acc;
   c.dk_acc = dk_acc;
   c.dv_acc = dv_acc;
-  c.total = g.total;
   const auto tk = make_block_load<Element, typename P::StageLayout>(c.k, g.Hkv, g.batched, g.seqlen, g.batch, g.total);
   const auto tv = make_block_load<Element, typename P::StageLayout>(c.v, g.Hkv, g.batched, g.seqlen, g.batch, g.total);
   mp.tma_k = tk.copy;
@@ -538,27 +551,8 @@ void run_fwd_kl(const flashmsa_fwd_args_t& a, const Geometry& g, const int32_t* 
   pa.lse2 = reinterpret_cast<float*>(ws + l.lse2);
   pa.padded_stride = l.padded;
   attn_bwd::launch_preprocess<Element>(pa, st);
-  attn_bwd::Common c;
-  c.q = token_tensor<const void>(a.q, g);
-  c.k = token_tensor<const void>(a.k, g);
-  c.lse2.ptr = pa.lse2;
-  c.lse2.head = l.padded;
-  c.lse2.tok = 1;
-  c.seqs = seqs;
-  c.dense = a.mode == FLASHMSA_MODE_DENSE;
-  if (c.dense) {
-    c.inv.blk_off = attn_bwd::build_blk_off(seqs, ws + l.inv, st);
-    c.inv.nblk = global_blocks_bound(g);
-  } else {
-    c.inv = attn_bwd::build_inversion(inversion_args(idx, idx_head, idx_tok, a.cu_seqlens, g), ws + l.inv, st);
-  }
-  c.Hq = g.Hq;
-  c.Hkv = g.Hkv;
-  c.Hp = g.Hp;
-  c.Hpk = g.Hpk;
-  c.scale = float(g.scale);
-  c.proxy_scale = float(g.proxy_scale);
-  c.total = g.total;
+  const attn_bwd::Common c = common_base(g, a.q, a.k, a.cu_seqlens, pa.lse2, l.padded,
+                                         a.mode == FLASHMSA_MODE_DENSE, idx, idx_head, idx_tok, ws + l.inv, st);
   using Stage = typename attn_bwd::MainParams<Element>::StageLayout;
   const auto tk = make_block_load<Element, Stage>(c.k, g.Hkv, g.batched, g.seqlen, g.batch, g.total);
   flashmsa_tensor_t idx_t{};  // the rows the proxy lse recompute reads (GIVEN)

@@ -229,6 +229,17 @@ inline RefFwd reference_fwd(const Problem& pb, Tensor& q, Tensor& k, Tensor& v, 
   return r;
 }
 
+// The reference's description of a problem whose key sets come from given indices (or dense).
+inline flashmsa::ref::Problem ref_problem(const Problem& pb, int topk, flashmsa_mode_t mode) {
+  flashmsa::ref::Problem rp;
+  rp.cu = pb.offsets();
+  rp.total = pb.total();
+  rp.Hq = pb.Hq; rp.Hkv = pb.Hkv; rp.Hp = pb.Hp; rp.Hpk = pb.Hpk; rp.D = pb.D; rp.Dp = pb.Dp;
+  rp.topk = topk;
+  rp.mode = mode == FLASHMSA_MODE_DENSE ? FLASHMSA_MODE_DENSE : FLASHMSA_MODE_GIVEN;
+  return rp;
+}
+
 // Straightforward same-dtype attention (FlashAttention's test rule): q scaled and rounded,
 // scores rounded to the dtype, softmax in fp32 rounded to the dtype, P V accumulated in fp32
 // and rounded. lse from the rounded scores in fp32.
@@ -236,12 +247,7 @@ inline RefFwd straightforward_fwd(const Problem& pb, const Tensor& q, const Tens
                                   const std::vector<int32_t>* indices, int topk, flashmsa_mode_t mode) {
   using flashmsa::round_to;
   const auto dt = pb.dtype;
-  flashmsa::ref::Problem rp;
-  rp.cu = pb.offsets();
-  rp.total = pb.total();
-  rp.Hq = pb.Hq; rp.Hkv = pb.Hkv; rp.Hp = pb.Hp; rp.Hpk = pb.Hpk; rp.D = pb.D; rp.Dp = pb.Dp;
-  rp.topk = topk;
-  rp.mode = mode == FLASHMSA_MODE_DENSE ? FLASHMSA_MODE_DENSE : FLASHMSA_MODE_GIVEN;
+  const flashmsa::ref::Problem rp = ref_problem(pb, topk, mode);
   const double scale = 1.0 / std::sqrt(double(pb.D));
   RefFwd r;
   r.out.assign(size_t(rp.total) * pb.Hq * pb.D, 0.0);
@@ -340,12 +346,7 @@ inline RefBwd straightforward_bwd(const Problem& pb, const Tensor& q, const Tens
                                   const std::vector<int32_t>* indices, int topk, flashmsa_mode_t mode) {
   using flashmsa::round_to;
   const auto dt = pb.dtype;
-  flashmsa::ref::Problem rp;
-  rp.cu = pb.offsets();
-  rp.total = pb.total();
-  rp.Hq = pb.Hq; rp.Hkv = pb.Hkv; rp.Hp = pb.Hp; rp.Hpk = pb.Hpk; rp.D = pb.D; rp.Dp = pb.Dp;
-  rp.topk = topk;
-  rp.mode = mode == FLASHMSA_MODE_DENSE ? FLASHMSA_MODE_DENSE : FLASHMSA_MODE_GIVEN;
+  const flashmsa::ref::Problem rp = ref_problem(pb, topk, mode);
   const double scale = 1.0 / std::sqrt(double(pb.D));
   const RefFwd f = straightforward_fwd(pb, q, k, v, indices, topk, mode);
   const int64_t n = int64_t(pb.Hq) * rp.total;
@@ -414,12 +415,7 @@ inline RefBwd straightforward_proxy_bwd(const Problem& pb, const Tensor& q, cons
                                         flashmsa_mode_t mode, double g) {
   using flashmsa::round_to;
   const auto dt = pb.dtype;
-  flashmsa::ref::Problem rp;
-  rp.cu = pb.offsets();
-  rp.total = pb.total();
-  rp.Hq = pb.Hq; rp.Hkv = pb.Hkv; rp.Hp = pb.Hp; rp.Hpk = pb.Hpk; rp.D = pb.D; rp.Dp = pb.Dp;
-  rp.topk = topk;
-  rp.mode = mode == FLASHMSA_MODE_DENSE ? FLASHMSA_MODE_DENSE : FLASHMSA_MODE_GIVEN;
+  const flashmsa::ref::Problem rp = ref_problem(pb, topk, mode);
   const double scale = 1.0 / std::sqrt(double(pb.D)), pscale = 1.0 / std::sqrt(double(pb.Dp));
   const int G = pb.Hq / pb.Hp;
   const int64_t n = int64_t(pb.Hp) * rp.total;
