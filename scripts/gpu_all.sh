@@ -1,19 +1,52 @@
 #!/usr/bin/env bash
-# Everything one device call needs, logs under $OUT: the GPU suite, compute-sanitizer on the
-# small cases, the main job on the GPU, and the benchmarks with peers.
+# Everything one device call needs, logs under $OUT. STEPS picks the parts (default: all):
+#   suite      the GPU suite (tests/gpu)
+#   sanitize   compute-sanitizer memcheck + racecheck on the small cases
+#   pytest     the Python tests against the CUDA build (tests/python, GPU ones included)
+#   run        the main job on the GPU
+#   profile    per-kernel durations of one m3 training step (scripts/gpu_profile.sh)
+#   kbench     flashmsa's kernels alone (flashmsa_bench, KBENCH_ARGS), no peers
+#   bench      the benchmarks with peers (BENCH_ARGS)
+# Binaries and libflashmsa.so are expected in .gpu/ (copied from build/, carried by the device call).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
+STEPS=${STEPS:-suite sanitize pytest run bench}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
-echo "== GPU suite"
-timeout 400 ./.gpu/flashmsa_gpu_tests > "$OUT/gpu_suite.log" 2>&1; echo "suite rc=$?"
-grep -E "^\[  (PASSED|FAILED)|FAILED  \]|tests? from .* ran" "$OUT/gpu_suite.log" | tail -5
-echo "== sanitizers"
-timeout 200 compute-sanitizer --tool memcheck --error-exitcode 1 ./.gpu/flashmsa_gpu_tests --gtest_filter='*Small*' > "$OUT/memcheck.log" 2>&1; echo "memcheck rc=$?"; tail -1 "$OUT/memcheck.log"
-timeout 300 compute-sanitizer --tool racecheck --error-exitcode 1 ./.gpu/flashmsa_gpu_tests --gtest_filter='*Small*' > "$OUT/racecheck.log" 2>&1; echo "racecheck rc=$?"; tail -1 "$OUT/racecheck.log"
-echo "== main job"
-timeout 200 ./.gpu/flashmsa run > "$OUT/run_default.log" 2>&1; echo "run rc=$?"; tail -25 "$OUT/run_default.log"
-timeout 200 ./.gpu/flashmsa run --config fmsa --seqlen 3000 --topk 8 --check > "$OUT/run_check.log" 2>&1; echo "check rc=$?"; tail -14 "$OUT/run_check.log"
-echo "== bench"
-PYTHONUNBUFFERED=1 timeout 560 python3 bench/run_bench.py --out "$OUT" ${BENCH_ARGS:---seqlens 16384,32768,65536 --flex 32768} > "$OUT/bench_log.txt" 2>&1; echo "bench rc=$?"
-tail -14 "$OUT/bench_log.txt"
+has() { [[ " $STEPS " == *" $1 "* ]]; }
+stamp() { echo "== $1 ($(date +%T))"; }
+if has suite; then
+  stamp "GPU suite"
+  timeout 400 ./.gpu/flashmsa_gpu_tests > "$OUT/gpu_suite.log" 2>&1; echo "suite rc=$?"
+  grep -E "^\[  (PASSED|FAILED)|FAILED  \]|tests? from .* ran" "$OUT/gpu_suite.log" | tail -8
+fi
+if has sanitize; then
+  stamp "sanitizers"
+  timeout 200 compute-sanitizer --tool memcheck --error-exitcode 1 ./.gpu/flashmsa_gpu_tests --gtest_filter='*Small*' > "$OUT/memcheck.log" 2>&1; echo "memcheck rc=$?"; tail -1 "$OUT/memcheck.log"
+  timeout 300 compute-sanitizer --tool racecheck --error-exitcode 1 ./.gpu/flashmsa_gpu_tests --gtest_filter='*Small*' > "$OUT/racecheck.log" 2>&1; echo "racecheck rc=$?"; tail -1 "$OUT/racecheck.log"
+fi
+if has pytest; then
+  stamp "pytest (CUDA build)"
+  FLASHMSA_BUILD_DIR=.gpu timeout 300 python3 -m pytest -q -rs tests/python ${PYTEST_ARGS:-} > "$OUT/pytest.log" 2>&1; echo "pytest rc=$?"
+  tail -25 "$OUT/pytest.log"
+fi
+if has run; then
+  stamp "main job"
+  timeout 200 ./.gpu/flashmsa run > "$OUT/run_default.log" 2>&1; echo "run rc=$?"; tail -25 "$OUT/run_default.log"
+  timeout 200 ./.gpu/flashmsa run --config fmsa --seqlen 3000 --topk 8 --check > "$OUT/run_check.log" 2>&1; echo "check rc=$?"; tail -14 "$OUT/run_check.log"
+fi
+if has profile; then
+  stamp "profile"
+  bash scripts/gpu_profile.sh
+fi
+if has kbench; then
+  stamp "kernel bench"
+  timeout 300 ./.gpu/flashmsa_bench ${KBENCH_ARGS:---config m3 --seqlens 32768,65536 --patterns clustered} > "$OUT/kbench.jsonl" 2>&1; echo "kbench rc=$?"
+  cat "$OUT/kbench.jsonl"
+fi
+if has bench; then
+  stamp "bench"
+  PYTHONUNBUFFERED=1 timeout 560 python3 bench/run_bench.py --out "$OUT" ${BENCH_ARGS:---seqlens 16384,32768,65536 --flex 32768} > "$OUT/bench_log.txt" 2>&1; echo "bench rc=$?"
+  tail -14 "$OUT/bench_log.txt"
+fi
+stamp "done"

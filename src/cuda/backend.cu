@@ -10,6 +10,7 @@
 #include "api/data_checks.hpp"
 #include "cuda/bwd/bwd_kernel.cuh"
 #include "cuda/bwd/bwd_misc.cuh"
+#include "cuda/bwd/kl_kernel.cuh"
 #include "cuda/bwd/proxy_kernel.cuh"
 #include "cuda/fwd/fwd_kernel.cuh"
 #include "cuda/select/select_kernel.cuh"
@@ -33,6 +34,8 @@ extern template void launch_proxy<cutlass::bfloat16_t, 16>(const ProxyParams<cut
 extern template void launch_proxy<cutlass::bfloat16_t, 64>(const ProxyParams<cutlass::bfloat16_t>&, cudaStream_t);
 extern template void launch_proxy<cutlass::half_t, 16>(const ProxyParams<cutlass::half_t>&, cudaStream_t);
 extern template void launch_proxy<cutlass::half_t, 64>(const ProxyParams<cutlass::half_t>&, cudaStream_t);
+extern template void launch_kl<cutlass::bfloat16_t>(const KlParams<cutlass::bfloat16_t>&, cudaStream_t);
+extern template void launch_kl<cutlass::half_t>(const KlParams<cutlass::half_t>&, cudaStream_t);
 }  // namespace attn_bwd
 
 namespace {
@@ -203,6 +206,18 @@ int bwd_unit_heads(const Geometry& g) {
 
 int global_blocks_bound(const Geometry& g) { return int(g.total / 128 + g.batch + 1); }
 
+// Head slots per token in the main backward's chunks: R rounded up to a power of two.
+int head_slots(int R) {
+  int Rp = 1;
+  while (Rp < R) Rp *= 2;
+  return Rp;
+}
+
+// The teacher buffer of the kl kernel: one fp32 row of 128 keys per inversion entry (at most
+// topk entries per proxy head and token). SPARSE/GIVEN only: in DENSE mode the recomputing proxy
+// kernel runs instead (the buffer would hold every causal pair).
+size_t teacher_bytes(const Geometry& g) { return size_t(g.Hp) * size_t(g.total) * size_t(g.topk) * 128 * 4; }
+
 attn_bwd::InversionArgs inversion_args(const int32_t* idx, int64_t idx_head, int64_t idx_tok,
                                        const flashmsa_tensor_t& cu, const Geometry& g) {
   attn_bwd::InversionArgs ia;
@@ -225,8 +240,10 @@ attn_bwd::InversionArgs inversion_args(const flashmsa_bwd_args_t& a, const Geome
 // Workspace of the backward, in order: lse2, dsum (padded), dq/dk/dv/dqp/dkp accumulators,
 // then the inversion (or the block offsets in dense mode).
 struct BwdLayout {
-  size_t lse2 = 0, dsum = 0, dq = 0, dk = 0, dv = 0, dqp = 0, dkp = 0, inv = 0, plse = 0, kl = 0, total = 0;
+  size_t lse2 = 0, dsum = 0, dq = 0, dk = 0, dv = 0, dqp = 0, dkp = 0, inv = 0, plse = 0, kl = 0, teach = 0,
+         total = 0;
   int64_t padded = 0;
+  bool has_teacher = false;
 };
 
 BwdLayout bwd_layout(const flashmsa_bwd_args_t& a, const Geometry& g) {
@@ -248,6 +265,10 @@ BwdLayout bwd_layout(const flashmsa_bwd_args_t& a, const Geometry& g) {
   if (g.has_proxy && present(a.dkl)) {
     l.plse = take(size_t(g.Hp) * g.total * 4);
     l.kl = take(size_t(g.Hp) * global_blocks_bound(g) * 4);
+    if (a.mode != FLASHMSA_MODE_DENSE) {
+      l.teach = take(teacher_bytes(g));
+      l.has_teacher = true;
+    }
   }
   l.total = off;
   return l;
@@ -391,9 +412,9 @@ struct ProxyRun {
   bool grads = true;
 };
 
-template <class Element, class TmaK>
-void run_proxy(const Geometry& g, const attn_bwd::Common& c, const TmaK& tma_k, const TmaShape& tma_shape_k,
-               const ProxyRun& r, cudaStream_t st) {
+// The proxy lse the kl needs: the given tensor, or recomputed over the same sets into workspace.
+template <class Element>
+HeadTensor<float> proxy_lse_for_kl(const Geometry& g, const attn_bwd::Common& c, const ProxyRun& r, cudaStream_t st) {
   HeadTensor<float> plse;
   if (present(*r.proxy_lse)) {
     plse = head_tensor<float>(*r.proxy_lse);
@@ -410,6 +431,14 @@ void run_proxy(const Geometry& g, const attn_bwd::Common& c, const TmaK& tma_k, 
     run_select_t<Element>(*r.qp, *r.kp, *r.cu, g, nullptr, 0, 0, plse, st,
                           c.dense ? selection::kDenseLse : selection::kGivenLse, given);
   }
+  return plse;
+}
+
+// The recomputing proxy kernel (DENSE mode): the teacher from the group's S^T, chunk by chunk.
+template <class Element, class TmaK>
+void run_proxy(const Geometry& g, const attn_bwd::Common& c, const TmaK& tma_k, const TmaShape& tma_shape_k,
+               const ProxyRun& r, cudaStream_t st) {
+  const HeadTensor<float> plse = proxy_lse_for_kl<Element>(g, c, r, st);
   using PP = attn_bwd::ProxyParams<Element>;
   PP pp;
   pp.c = c;
@@ -432,6 +461,31 @@ void run_proxy(const Geometry& g, const attn_bwd::Common& c, const TmaK& tma_k, 
   pp.batched = g.batched;
   if (64 / pp.G <= 16) attn_bwd::launch_proxy<Element, 16>(pp, st);
   else attn_bwd::launch_proxy<Element, 64>(pp, st);
+}
+
+// The kl kernel (SPARSE/GIVEN): the proxy side only, the teacher read from the main backward's buffer.
+template <class Element>
+void run_kl(const Geometry& g, const attn_bwd::Common& c, const float* teacher, const ProxyRun& r, cudaStream_t st) {
+  const HeadTensor<float> plse = proxy_lse_for_kl<Element>(g, c, r, st);
+  attn_bwd::KlParams<Element> kp;
+  kp.c = c;
+  kp.c.qp = token_tensor<const void>(*r.qp, g);
+  kp.c.kp = token_tensor<const void>(*r.kp, g);
+  kp.c.plse.ptr = plse.ptr;
+  kp.c.plse.head = plse.head;
+  kp.c.plse.tok = plse.tok;
+  kp.c.dqp_acc = r.dqp_acc;
+  kp.c.dkp_acc = r.dkp_acc;
+  kp.c.kl_acc = r.kl_acc;
+  kp.c.dkl = r.dkl;
+  kp.teacher = teacher;
+  kp.grads = r.grads;
+  const auto tkp = make_block_load<Element, typename attn_bwd::KlParams<Element>::StageLayout>(
+      kp.c.kp, g.Hpk, g.batched, g.seqlen, g.batch, g.total);
+  kp.tma_kp = tkp.copy;
+  kp.tma_shape_kp = tkp.shape;
+  kp.batched = g.batched;
+  attn_bwd::launch_kl<Element>(kp, st);
 }
 
 template <class Element>
@@ -477,6 +531,9 @@ void run_bwd(const flashmsa_bwd_args_t& a, const Geometry& g, char* ws, const Bw
   mp.tma_v = tv.copy;
   mp.tma_shape = tk.shape;
   mp.batched = g.batched;
+  mp.Rp = head_slots(c.R);
+  mp.log_rp = __builtin_ctz(unsigned(mp.Rp));
+  if (l.has_teacher) mp.teacher = reinterpret_cast<float*>(ws + l.teach);  // R = G here (bwd_features)
   attn_bwd::launch_main<Element>(mp, g.Hq / c.R, st);
 
   attn_bwd::launch_convert<Element>(dq_acc, token_tensor<void>(a.dq, g), seqs, g.max_seqlen, g.Hq, float(g.scale), st);
@@ -498,7 +555,8 @@ void run_bwd(const flashmsa_bwd_args_t& a, const Geometry& g, char* ws, const Bw
       r.kl_acc = reinterpret_cast<float*>(ws + l.kl);
       r.dkl = static_cast<const float*>(a.dkl.data);
       r.grads = true;
-      run_proxy<Element>(g, c, mp.tma_k, mp.tma_shape, r, st);
+      if (l.has_teacher) run_kl<Element>(g, c, mp.teacher, r, st);
+      else run_proxy<Element>(g, c, mp.tma_k, mp.tma_shape, r, st);
     }
     attn_bwd::launch_convert<Element>(reinterpret_cast<float*>(ws + l.dqp), token_tensor<void>(a.dqp, g), seqs,
                                       g.max_seqlen, g.Hp, pscale, st);
@@ -514,8 +572,9 @@ namespace {
 // Workspace of the forward: the indices (SPARSE without an indices output), then for compute_kl
 // the padded lse2, the inversion, the proxy lse (when not an output) and the kl partials.
 struct FwdLayout {
-  size_t idx = 0, lse2 = 0, inv = 0, plse = 0, kl = 0, total = 0;
+  size_t idx = 0, lse2 = 0, inv = 0, plse = 0, kl = 0, teach = 0, total = 0;
   int64_t padded = 0;
+  bool has_teacher = false;
 };
 
 FwdLayout fwd_layout(const flashmsa_fwd_args_t& a, const Geometry& g) {
@@ -531,6 +590,10 @@ FwdLayout fwd_layout(const flashmsa_fwd_args_t& a, const Geometry& g) {
                      : attn_bwd::inversion_workspace(inversion_args(nullptr, 0, 0, a.cu_seqlens, g)));
     if (!present(a.proxy_lse)) l.plse = take(size_t(g.Hp) * g.total * 4);
     l.kl = take(size_t(g.Hp) * global_blocks_bound(g) * 4);
+    if (a.mode != FLASHMSA_MODE_DENSE) {
+      l.teach = take(teacher_bytes(g));
+      l.has_teacher = true;
+    }
   }
   l.total = off;
   return l;
@@ -555,6 +618,20 @@ void run_fwd_kl(const flashmsa_fwd_args_t& a, const Geometry& g, const int32_t* 
                                          a.mode == FLASHMSA_MODE_DENSE, idx, idx_head, idx_tok, ws + l.inv, st);
   using Stage = typename attn_bwd::MainParams<Element>::StageLayout;
   const auto tk = make_block_load<Element, Stage>(c.k, g.Hkv, g.batched, g.seqlen, g.batch, g.total);
+  if (l.has_teacher) {  // the main backward's S and P only, storing the teacher (R = G: fwd_features)
+    attn_bwd::MainParams<Element> mp;
+    mp.c = c;
+    mp.c.R = bwd_unit_heads(g);
+    mp.tma_k = tk.copy;
+    mp.tma_v = tk.copy;  // not loaded
+    mp.tma_shape = tk.shape;
+    mp.batched = g.batched;
+    mp.Rp = head_slots(mp.c.R);
+    mp.log_rp = __builtin_ctz(unsigned(mp.Rp));
+    mp.teacher = reinterpret_cast<float*>(ws + l.teach);
+    mp.teacher_only = true;
+    attn_bwd::launch_main<Element>(mp, g.Hq / mp.c.R, st);
+  }
   flashmsa_tensor_t idx_t{};  // the rows the proxy lse recompute reads (GIVEN)
   idx_t.data = const_cast<int32_t*>(idx);
   idx_t.ndim = 3;
@@ -570,7 +647,8 @@ void run_fwd_kl(const flashmsa_fwd_args_t& a, const Geometry& g, const int32_t* 
   r.plse_ws = reinterpret_cast<float*>(ws + l.plse);
   r.kl_acc = reinterpret_cast<float*>(ws + l.kl);
   r.grads = false;
-  run_proxy<Element>(g, c, tk.copy, tk.shape, r, st);
+  if (l.has_teacher) run_kl<Element>(g, c, reinterpret_cast<const float*>(ws + l.teach), r, st);
+  else run_proxy<Element>(g, c, tk.copy, tk.shape, r, st);
   attn_bwd::launch_kl_reduce(r.kl_acc, int64_t(g.Hp) * global_blocks_bound(g), 1.0 / (double(g.Hp) * double(g.total)),
                              static_cast<float*>(a.kl.data), st);
 }
@@ -623,16 +701,16 @@ void fwd(const flashmsa_fwd_args_t& a, const Geometry& g, void* ws_raw, size_t) 
       idx_head = a.indices.strides[0];
       idx_tok = a.indices.strides[1];
     }
-    if (present(a.proxy_lse)) {  // the proxy lse over the given sets / the causal set
+    if (present(plse_t)) {  // the proxy lse over the given sets / the causal set (an output, or the kl's)
       HeadTensor<const int32_t> given;
       given.ptr = idx;
       given.head = idx_head;
       given.tok = idx_tok;
       const int mode = a.mode == FLASHMSA_MODE_DENSE ? selection::kDenseLse : selection::kGivenLse;
       if (g.dtype == FLASHMSA_DTYPE_BF16)
-        run_select_t<cutlass::bfloat16_t>(a.qp, a.kp, a.cu_seqlens, g, nullptr, 0, 0, head_tensor<float>(a.proxy_lse), st, mode, given);
+        run_select_t<cutlass::bfloat16_t>(a.qp, a.kp, a.cu_seqlens, g, nullptr, 0, 0, head_tensor<float>(plse_t), st, mode, given);
       else
-        run_select_t<cutlass::half_t>(a.qp, a.kp, a.cu_seqlens, g, nullptr, 0, 0, head_tensor<float>(a.proxy_lse), st, mode, given);
+        run_select_t<cutlass::half_t>(a.qp, a.kp, a.cu_seqlens, g, nullptr, 0, 0, head_tensor<float>(plse_t), st, mode, given);
     }
   }
 

@@ -196,18 +196,21 @@ def _compile_case():
 
 @cuda
 def test_cuda_compile_fullgraph():
-    """The op is opaque to inductor: compiled and eager runs agree exactly."""
+    """The op is opaque to inductor: its outputs agree exactly between compiled and eager runs;
+    the surrounding arithmetic, which inductor fuses (its reductions round differently), to 1e-5."""
     args = _compile_case()
 
     def f(q, k, v, qp, kp):
         out, kl, lse = flashmsa.msa_attention(q * 1.0, k, v, qp, kp, 16, return_lse=True)
-        return out.float().square().mean(-1) + lse.t().reshape(*out.shape[:3]).float(), kl
+        return out, kl, lse, out.float().square().mean(-1) + lse.t().reshape(*out.shape[:3]).float()
 
     torch._dynamo.reset()
     cf = torch.compile(f, fullgraph=True)
     with torch.no_grad():
         a, b = cf(*args), f(*args)
-    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    for x, y in zip(a[:3], b[:3]):
+        assert torch.equal(x, y)
+    torch.testing.assert_close(a[3], b[3], rtol=1e-5, atol=1e-5)
 
 
 @cuda

@@ -3,13 +3,22 @@
 //
 // One CTA = one key block j (128 keys of one sequence) x one head unit (R query heads sharing a
 // group and a kv head). It walks the inverted list of the tokens that selected block j in
-// chunks of 64 rows = NTc tokens x R heads (m3: 4 x 16), so no masked work is paid beyond the
-// causal diagonal and partial chunks. dK_j and dV_j accumulate in registers for the whole list
-// (two consumer warpgroups own 64 keys each, S^T = K Q^T layout as in FlashAttention-3's
-// backward); dQ of each chunk goes to an fp32 accumulator with float2 atomics after a GEMM
-// over both warpgroups' dS^T staged in shared memory. Warpgroup 0 produces: the chunk's Q and
-// dO rows (gathered per token with cp.async), and its lse (log2) and dpsum from the padded
-// buffers of the preprocess, into a two-stage mbarrier pipeline; K_j and V_j come once by TMA.
+// chunks of 64 rows = NTc token slots x Rp head slots (Rp = R rounded up to a power of two;
+// m3: 4 x 16), so no masked work is paid beyond the causal diagonal and partial chunks. dK_j and
+// dV_j accumulate in registers for the whole list (two consumer warpgroups own 64 keys each,
+// S^T = K Q^T layout as in FlashAttention-3's backward); dQ of each chunk goes to an fp32
+// accumulator with float2 atomics after a GEMM over both warpgroups' dS^T staged in shared
+// memory. Warpgroup 0 produces: the chunk's token ids (prefetched one chunk ahead), then the Q
+// and dO rows, lse (log2) and dpsum gathered with cp.async into a three-stage mbarrier pipeline
+// whose arrivals complete with the copies (the producer never waits for its own loads); K_j and
+// V_j come once by TMA.
+//
+// With a teacher buffer (proxy gradient or kl in SPARSE/GIVEN mode, where the unit is exactly
+// one MSA group: R = G) the consumers also reduce P^T over the group's heads in registers (the
+// head slots of a token are Rp adjacent accumulator columns: two per thread, then lanes xor 1
+// and 2) and store the teacher t(token, key) = mean_h P for every list entry, fp32 [entry, 128];
+// the kl kernel (kl_kernel.cuh) reads it instead of recomputing the group's attention.
+// teacher_only (the forward's kl) skips dP, dS and the gradients.
 #pragma once
 
 #include <cutlass/arch/barrier.h>
@@ -20,12 +29,16 @@
 #include "cuda/common/utils.cuh"
 #include "cuda/ptx/cp_async.cuh"
 
+#ifndef FLASHMSA_BWD_STAGES
+#define FLASHMSA_BWD_STAGES 3  // pipeline stages of the chunk rows (a build knob for measurements)
+#endif
+
 namespace flashmsa::cuda::attn_bwd {
 
 template <class Element>
 struct MainConfig {
   static constexpr int kBlockN = 128, kRows = 64, kHeadDim = 128;
-  static constexpr int kThreads = 384, kStages = 2, kConsumers = 256, kProducers = 128;
+  static constexpr int kThreads = 384, kStages = FLASHMSA_BWD_STAGES, kConsumers = 256, kProducers = 128;
   using Pipeline = cutlass::PipelineAsync<kStages>;
   using AtomK = cute::GMMA::Layout_K_SW128_Atom<Element>;
   // K, V resident: (keys, d), d contiguous
@@ -67,9 +80,11 @@ struct MainConfig {
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutRows>, 1024> q;
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutRows>, 1024> dout;
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutdS>, 1024> ds;
-    float lse2[kStages][kRows];
-    float dsum[kStages][kRows];
-    int32_t tok[kStages][kRows];  // global token of each row; -1: padding row
+    alignas(16) float lse2[kStages][kRows];
+    alignas(16) float dsum[kStages][kRows];
+    alignas(16) int32_t pos[kStages][kRows];  // in-sequence position of each row's token; -1: padding row
+    int32_t tok[kStages][kRows];   // global token of each row; -1: padding row
+    int32_t slot[kStages][kRows];  // global token of each token slot; -1: past the list
     typename Pipeline::SharedStorage pipe;
     cutlass::arch::ClusterTransactionBarrier kv_bar;
   };
@@ -83,6 +98,10 @@ struct MainParams {
   TmaShape tma_shape;
   bool batched = false;
   Common c;
+  int Rp = 0;                  // head slots per token: R rounded up to a power of two
+  int log_rp = 0;              // log2(Rp)
+  float* teacher = nullptr;    // [inversion entries, 128] mean_h P of the group, or null
+  bool teacher_only = false;   // the forward's kl: S, P and the teacher only
 };
 
 // Sequence of global block gb (blk_off[b] <= gb < blk_off[b+1]); -1 past the last.
@@ -97,6 +116,59 @@ __device__ __forceinline__ int seq_of_block(const int32_t* blk_off, int batch, i
   return lo;
 }
 
+// The teacher of one chunk from this warpgroup's P^T accumulator (64 keys x 64 rows, rows =
+// Rp head slots per token): sum over each token's head slots, scaled by 1/G, one store per
+// (token, key). SM90 accumulator fragment: value x = e0 + 2 e1 + 4 i of lane l sits at
+// key 16 warp + l / 4 + 8 e1 and row 8 i + 2 (l % 4) + e0 (cS gives both). A token's Rp >= 2
+// slots are the aligned column group of its rows: e0 pairs, then i groups of Rp / 8, then the
+// lanes xor 1 (Rp >= 4) and xor 2 (Rp >= 8); the rows' padding heads hold P = 0.
+template <class Acc>
+__device__ __forceinline__ void store_teacher(const Acc& accS, int key0, int row0, const int32_t* slot_tok, float* dst,
+                                              int log_rp, float inv_g) {
+  using namespace cute;
+  static_assert(decltype(size(accS))::value == 32, "64 x 64 fragment");
+  if (log_rp == 0) {  // one head per token: the teacher is P itself
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+#pragma unroll
+      for (int e1 = 0; e1 < 2; ++e1)
+#pragma unroll
+        for (int e0 = 0; e0 < 2; ++e0) {
+          const int r = row0 + 8 * i + e0;
+          if (slot_tok[r] >= 0) dst[r * 128 + key0 + 8 * e1] = accS(4 * i + 2 * e1 + e0) * inv_g;
+        }
+    return;
+  }
+  // only the first i of each token's group (i % span == 0) accumulates: no symmetric copies,
+  // so the reduction adds few live registers (it runs before dP^T exists)
+  const int span_mask = log_rp >= 3 ? (1 << (log_rp - 3)) - 1 : 0;  // consecutive i of one token, minus 1
+  float a[8][2];
+#pragma unroll
+  for (int i = 0; i < 8; ++i)
+#pragma unroll
+    for (int e1 = 0; e1 < 2; ++e1) a[i][e1] = accS(4 * i + 2 * e1) + accS(4 * i + 2 * e1 + 1);
+#pragma unroll
+  for (int sft = 1; sft < 8; sft <<= 1)
+    if (sft <= span_mask)
+#pragma unroll
+      for (int i = 0; i < 8; i += 2 * sft) a[i][0] += a[i + sft][0], a[i][1] += a[i + sft][1];
+  const int q = (threadIdx.x % 32) % 4;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    if (i & span_mask) continue;
+#pragma unroll
+    for (int e1 = 0; e1 < 2; ++e1) {
+      if (log_rp >= 2) a[i][e1] += __shfl_xor_sync(0xffffffff, a[i][e1], 1);
+      if (log_rp >= 3) a[i][e1] += __shfl_xor_sync(0xffffffff, a[i][e1], 2);
+    }
+    const int slot = (row0 + 8 * i) >> log_rp;
+    const bool writer = log_rp >= 3 ? q == (slot & 3) : (log_rp == 2 ? (q & 1) == 0 : true);
+    if (!writer || slot_tok[slot] < 0) continue;
+#pragma unroll
+    for (int e1 = 0; e1 < 2; ++e1) dst[slot * 128 + key0 + 8 * e1] = a[i][e1] * inv_g;
+  }
+}
+
 template <class Element>
 __global__ void __launch_bounds__(384, 1) bwd_main_kernel(const __grid_constant__ MainParams<Element> P) {
   using namespace cute;
@@ -104,7 +176,7 @@ __global__ void __launch_bounds__(384, 1) bwd_main_kernel(const __grid_constant_
   using Pipeline = typename C::Pipeline;
   const Common& p = P.c;
   extern __shared__ char smem_raw[];
-  auto& S = *reinterpret_cast<typename C::Smem*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  auto& S = smem_struct<typename C::Smem>(smem_raw);
 
   const int gb = blockIdx.x, unit = blockIdx.y;
   const int b = seq_of_block(p.inv.blk_off, p.seqs.batch, gb);
@@ -114,7 +186,7 @@ __global__ void __launch_bounds__(384, 1) bwd_main_kernel(const __grid_constant_
   const int j = gb - p.inv.blk_off[b];
   const int h0 = unit * p.R;
   const int grp = h0 / (p.Hq / p.Hp), kvh = h0 / (p.Hq / p.Hkv);
-  const int NTc = C::kRows / p.R;  // tokens per chunk
+  const int NTc = C::kRows / P.Rp;  // token slots per chunk
   // the tokens of this block's list
   int n = 0;
   const int32_t* list = nullptr;
@@ -147,51 +219,74 @@ __global__ void __launch_bounds__(384, 1) bwd_main_kernel(const __grid_constant_
 
   if (role_wg == 0) {  // ---- producer ----
     cutlass::arch::warpgroup_reg_dealloc<24>();
-    if (tid == 0) {  // K_j, V_j once, by TMA
+    if (tid == 0) {  // K_j (and V_j), once, by TMA
       const int bidx = P.batched ? b : 0;
       const int64_t off = P.batched ? 0 : s0;
       Tensor mK = P.tma_k.get_tma_tensor(P.tma_shape)(_, _, kvh, bidx);
-      Tensor mV = P.tma_v.get_tma_tensor(P.tma_shape)(_, _, kvh, bidx);
       Tensor gK = local_tile(domain_offset(make_coord(off, _0{}), mK), Shape<_128, _128>{}, make_coord(j, _0{}));
-      Tensor gV = local_tile(domain_offset(make_coord(off, _0{}), mV), Shape<_128, _128>{}, make_coord(j, _0{}));
       auto tk = P.tma_k.get_slice(_0{});
-      auto tv = P.tma_v.get_slice(_0{});
-      S.kv_bar.arrive_and_expect_tx(2 * C::kBlockN * C::kHeadDim * sizeof(Element));
+      S.kv_bar.arrive_and_expect_tx((P.teacher_only ? 1 : 2) * C::kBlockN * C::kHeadDim * sizeof(Element));
       copy(P.tma_k.with(reinterpret_cast<uint64_t&>(S.kv_bar)), tk.partition_S(gK), tk.partition_D(sK));
-      copy(P.tma_v.with(reinterpret_cast<uint64_t&>(S.kv_bar)), tv.partition_S(gV), tv.partition_D(sV));
+      if (!P.teacher_only) {
+        Tensor mV = P.tma_v.get_tma_tensor(P.tma_shape)(_, _, kvh, bidx);
+        Tensor gV = local_tile(domain_offset(make_coord(off, _0{}), mV), Shape<_128, _128>{}, make_coord(j, _0{}));
+        auto tv = P.tma_v.get_slice(_0{});
+        copy(P.tma_v.with(reinterpret_cast<uint64_t&>(S.kv_bar)), tv.partition_S(gV), tv.partition_D(sV));
+      }
     }
     const Element* qptr = static_cast<const Element*>(p.q.ptr);
     const Element* doptr = static_cast<const Element*>(p.dout.ptr);
     const int64_t pad0 = padded_offset(s0, b, kPadTile) - s0;  // padded index = pad0 + global token
+    const int R = p.R, lrp = P.log_rp, rmask = P.Rp - 1;
+    // token of slot `tid` of chunk c (threads < NTc), -1 past the list
+    auto slot_token = [&](int c) -> int32_t {
+      const int li = c * NTc + tid;
+      if (tid >= NTc || li >= n) return -1;
+      return p.dense ? int32_t(dense_first + li) : list[li];
+    };
+    int32_t next = slot_token(0);
     auto state = cutlass::make_producer_start_state<Pipeline>();
     for (int c = 0; c < nchunks; ++c) {
       pipeline.producer_acquire(state);
       const int st = state.index();
-      // rows of this chunk: row r = token c * NTc + r / R of the list, head h0 + r % R
+      if (tid < NTc) S.slot[st][tid] = next;
+      if (c + 1 < nchunks) next = slot_token(c + 1);  // in flight while this chunk is issued
+      ptx::named_barrier_sync(int(NamedBarrier::kProducer), C::kProducers);
+      // rows of this chunk: row r = slot r / Rp, head h0 + r % Rp (padding heads >= R: zero rows)
       for (int x = tid; x < C::kRows * 16; x += 128) {
         const int r = x / 16, col = (x % 16) * 8;
-        const int li = min(c * NTc + r / p.R, n - 1);
-        const int64_t t = p.dense ? dense_first + li : int64_t(list[li]);
-        const int h = h0 + r % p.R;
-        ptx::cp_async_16(&sQ(r, col, st), qptr + b * p.q.batch_corr + t * p.q.tok + h * p.q.head + col);
-        ptx::cp_async_16(&sdO(r, col, st), doptr + b * p.dout.batch_corr + t * p.dout.tok + h * p.dout.head + col);
+        const int32_t t = S.slot[st][r >> lrp];
+        const bool valid = t >= 0 && (r & rmask) < R;
+        const int64_t tt = valid ? t : s0;  // a readable row; nothing is read when !valid
+        const int h = h0 + (valid ? (r & rmask) : 0);
+        ptx::cp_async_16(&sQ(r, col, st), qptr + b * p.q.batch_corr + tt * p.q.tok + h * p.q.head + col, valid ? 16 : 0);
+        if (!P.teacher_only)
+          ptx::cp_async_16(&sdO(r, col, st), doptr + b * p.dout.batch_corr + tt * p.dout.tok + h * p.dout.head + col,
+                           valid ? 16 : 0);
       }
       if (tid < C::kRows) {
         const int r = tid;
-        const int li = c * NTc + r / p.R;
-        const bool valid = (r / p.R) < NTc && li < n;
-        const int64_t t = valid ? (p.dense ? dense_first + li : int64_t(list[li])) : -1;
-        const int h = h0 + r % p.R;
-        S.tok[st][r] = int32_t(t);
-        S.lse2[st][r] = valid ? *p.lse2.at(h, pad0 + t) : 0.f;
-        S.dsum[st][r] = valid ? *p.dsum.at(h, pad0 + t) : 0.f;
+        const int32_t t = S.slot[st][r >> lrp];
+        const bool valid = t >= 0 && (r & rmask) < R;
+        const int64_t tt = valid ? t : s0;
+        const int h = h0 + (valid ? (r & rmask) : 0);
+        S.tok[st][r] = valid ? t : -1;
+        S.pos[st][r] = valid ? int32_t(t - s0) : -1;
+        ptx::cp_async_4(&S.lse2[st][r], p.lse2.at(h, pad0 + tt), valid ? 4 : 0);
+        if (!P.teacher_only) ptx::cp_async_4(&S.dsum[st][r], p.dsum.at(h, pad0 + tt), valid ? 4 : 0);
       }
+      // the stage is full when every producer thread's copies have landed
+#ifdef FLASHMSA_BWD_SYNC_PRODUCER
       ptx::cp_async_commit();
       ptx::cp_async_wait<0>();
       ptx::fence_proxy_async_smem();
       pipeline.producer_commit(state);
+#else
+      pipeline.producer_commit(state, cutlass::arch::cpasync_barrier_arrive);
+#endif
       ++state;
     }
+    ptx::cp_async_wait<0>();
     return;
   }
 
@@ -235,22 +330,57 @@ __global__ void __launch_bounds__(384, 1) bwd_main_kernel(const __grid_constant_
 
   const float sl2 = p.scale * kLog2e;
   const int64_t key_base = int64_t(j) * C::kBlockN + 64 * w;  // in-sequence position of key 0 of this half
+  // SM90 accumulator fragment (64 x N): value x = e0 + 2 e1 + 4 i of a thread sits at
+  // (key0 + 8 e1, row0 + 8 i + e0); dQ's (row, d) likewise at (rq0 + 8 e1, d0 + 8 i + e0). The
+  // element loops below use these offsets instead of per-element coordinates; check them once.
+  const int key0 = get<0>(cS(0)), row0 = get<1>(cS(0)), rq0 = get<0>(cdQ(0));
+  if (get<0>(cS(2)) != key0 + 8 || get<1>(cS(5)) != row0 + 9 || get<0>(cdQ(2)) != rq0 + 8 ||
+      get<1>(cdQ(5)) != get<1>(cdQ(0)) + 9)
+    __trap();
+  const int kpos0 = int(key_base) + key0;  // in-sequence position of this thread's first key
+  // teacher rows of this list: entries offsets[grp * nblk + gb] + li (sparse/given only)
+  const int64_t entry0 = p.dense ? 0 : p.inv.offsets[int64_t(grp) * p.inv.nblk + gb];
+  const float inv_g = 1.f / float(p.R);
   S.kv_bar.wait(0);
 
   typename Pipeline::PipelineState state;
   for (int c = 0; c < nchunks; ++c) {
+    // no proxy fence here: cp.async writes completed through the mbarrier are visible to wgmma
+    // (CUTLASS's cp.async GMMA mainloop and FlashAttention-3's paged-KV path rely on the same);
+    // a fence.proxy.async at this point cost ~1.8x (measured: 47 vs 26 ms at m3 32k)
     pipeline.consumer_wait(state);
     const int st = state.index();
     wg_gemm<true>(mma_sdp, tSrK, tSrQ(_, _, _, st), accS);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {  // P^T (0 where masked: padding rows, keys after the token)
+      const int2 pos = *reinterpret_cast<const int2*>(&S.pos[st][row0 + 8 * i]);
+      const float2 l2 = *reinterpret_cast<const float2*>(&S.lse2[st][row0 + 8 * i]);
+#pragma unroll
+      for (int e1 = 0; e1 < 2; ++e1) {
+        const int x = 4 * i + 2 * e1;
+        accS(x) = kpos0 + 8 * e1 <= pos.x ? ptx::exp2f_approx(accS(x) * sl2 - l2.x) : 0.f;
+        accS(x + 1) = kpos0 + 8 * e1 <= pos.y ? ptx::exp2f_approx(accS(x + 1) * sl2 - l2.y) : 0.f;
+      }
+    }
+#ifndef FLASHMSA_BWD_NO_TEACHER
+    if (P.teacher) store_teacher(accS, key0, row0, S.slot[st], P.teacher + (entry0 + int64_t(c) * NTc) * C::kBlockN + 64 * w,
+                                 P.log_rp, inv_g);
+#endif
+    if (P.teacher_only) {
+      pipeline.consumer_release(state);
+      ++state;
+      continue;
+    }
     wg_gemm<true>(mma_sdp, tSrV, tSrdO(_, _, _, st), accdP);
 #pragma unroll
-    for (int x = 0; x < size(accS); ++x) {
-      const int key = get<0>(cS(x)), r = get<1>(cS(x));
-      const int32_t t = S.tok[st][r];
-      const bool ok = t >= 0 && key_base + key <= int64_t(t) - s0;
-      const float pr = ok ? ptx::exp2f_approx(accS(x) * sl2 - S.lse2[st][r]) : 0.f;
-      accS(x) = pr;                                  // P^T
-      accdP(x) = pr * (accdP(x) - S.dsum[st][r]);    // dS^T
+    for (int i = 0; i < 8; ++i) {  // dS^T
+      const float2 ds = *reinterpret_cast<const float2*>(&S.dsum[st][row0 + 8 * i]);
+#pragma unroll
+      for (int e1 = 0; e1 < 2; ++e1) {
+        const int x = 4 * i + 2 * e1;
+        accdP(x) = accS(x) * (accdP(x) - ds.x);
+        accdP(x + 1) = accS(x + 1) * (accdP(x + 1) - ds.y);
+      }
     }
     Tensor rP = make_tensor_like<Element>(accS);
     Tensor rdS = make_tensor_like<Element>(accdP);
@@ -266,24 +396,26 @@ __global__ void __launch_bounds__(384, 1) bwd_main_kernel(const __grid_constant_
 #pragma unroll
     for (int x = 0; x < size(accdP); ++x) sdS(64 * w + get<0>(cS(x)), get<1>(cS(x)), buf) = rdS(x);
     // the tokens of this thread's dQ rows, read before the stage goes back to the producer
-    const int32_t tok_a = S.tok[st][get<0>(cdQ(0))], tok_b = S.tok[st][get<0>(cdQ(0)) + 8];
+    const int32_t tok_a = S.tok[st][rq0], tok_b = S.tok[st][rq0 + 8];
     pipeline.consumer_release(state);
     ptx::fence_proxy_async_smem();
     ptx::named_barrier_sync(int(NamedBarrier::kConsumers), C::kConsumers);  // dS^T staged by both
     wg_gemm<true>(mma_dq, tQrdS(_, _, _, buf), tQrK, accdQ);
     // dQ rows of this chunk (unscaled: the convert kernel applies the softmax scale)
+    const int dq0 = 64 * w + get<1>(cdQ(0));
 #pragma unroll
-    for (int x = 0; x < size(accdQ); x += 2) {
-      const int r = get<0>(cdQ(x)), d = 64 * w + get<1>(cdQ(x));
-      const int32_t t = (r == get<0>(cdQ(0))) ? tok_a : tok_b;
+    for (int e1 = 0; e1 < 2; ++e1) {
+      const int32_t t = e1 ? tok_b : tok_a;
       if (t < 0) continue;
-      const int h = h0 + r % p.R;
-      float2* dst = reinterpret_cast<float2*>(p.dq_acc + (int64_t(t) * p.Hq + h) * C::kHeadDim + d);
-      atomicAdd(dst, make_float2(accdQ(x), accdQ(x + 1)));
+      float* dst = p.dq_acc + (int64_t(t) * p.Hq + h0 + ((rq0 + 8 * e1) & (P.Rp - 1))) * C::kHeadDim + dq0;
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        atomicAdd(reinterpret_cast<float2*>(dst + 8 * i), make_float2(accdQ(4 * i + 2 * e1), accdQ(4 * i + 2 * e1 + 1)));
     }
     ++state;
   }
 
+  if (P.teacher_only) return;
   // dK_j, dV_j of this unit: fp32 atomics (several units may share a kv head)
   Tensor cKV = thr_dkv.partition_C(make_identity_tensor(Shape<_64, Int<C::kHeadDim>>{}));
 #pragma unroll

@@ -92,7 +92,7 @@ __global__ void __launch_bounds__(384, 1) bwd_proxy_kernel(const __grid_constant
   using Pipeline = typename C::Pipeline;
   const Common& p = P.c;
   extern __shared__ char smem_raw[];
-  auto& S = *reinterpret_cast<typename C::Smem*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  auto& S = smem_struct<typename C::Smem>(smem_raw);
 
   const int gb = blockIdx.x, grp = blockIdx.y;
   const int64_t kl_slot = int64_t(grp) * gridDim.x + gb;

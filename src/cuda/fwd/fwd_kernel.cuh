@@ -91,8 +91,7 @@ __global__ void __launch_bounds__(384, 1) fwd_kernel(const __grid_constant__ Par
   using namespace cute;
   using C = Config<Element>;
   extern __shared__ char smem_raw[];
-  auto& S = *reinterpret_cast<typename C::Smem*>(
-      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  auto& S = smem_struct<typename C::Smem>(smem_raw);
 
   const int m_tile = p.num_m_tiles - 1 - int(blockIdx.x);
   const int unit = blockIdx.y, b = blockIdx.z;

@@ -12,6 +12,12 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, int sr
                : "memory");
 }
 
+// 4-byte cp.async (cache-all; the only size class below 16 bytes is .ca); src_bytes 0 writes zero.
+__device__ __forceinline__ void cp_async_4(void* smem, const void* gmem, int src_bytes = 4) {
+  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes) : "memory");
+}
+
 // PTX ISA 9.7.9.25.3.2: cp.async.commit_group / cp.async.wait_group N.
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N>

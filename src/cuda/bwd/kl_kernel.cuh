@@ -1,0 +1,291 @@
+// Proxy (KL) backward from a stored teacher, SPARSE/GIVEN mode: dqp, dkp and the kl value,
+// key-block-outer over the same inversion as the main backward.
+//
+// The main backward (bwd_kernel.cuh) already has the main probabilities of every list entry and
+// stores the teacher t(entry, key) = mean over the group's heads, fp32 [entries, 128]. This
+// kernel needs only the proxy side, so a chunk is 64 tokens (not 64 / G as when the teacher is
+// recomputed): one CTA = one key block j x one proxy head p; per chunk the producer gathers the
+// 64 Qp rows and the 64 teacher rows (contiguous entries) with cp.async; the consumers
+// (2 warpgroups x 64 keys) compute z^T = Kp Qp^T, the student s = exp(z - plse), dz = g (s - t)
+// (the 1/N and the proxy scale are applied by the convert kernel), the kl terms
+// t (ln t - ln s); dKp_j += dz^T Qp stays in registers, dQp = dz Kp goes through dz^T staged in
+// shared memory to an fp32 accumulator with float2 atomics. Each CTA writes its kl partial.
+// DENSE (warmup) mode keeps the recomputing proxy kernel (proxy_kernel.cuh): its teacher buffer
+// would hold every causal (token, key) pair.
+#pragma once
+
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/pipeline/sm90_pipeline.hpp>
+
+#include "cuda/bwd/bwd_kernel.cuh"
+
+namespace flashmsa::cuda::attn_bwd {
+
+template <class Element>
+struct KlConfig {
+  static constexpr int kBlockN = 128, kTok = 64, kHeadDim = 128, kTeachStride = 132;  // 132: no bank conflicts
+  static constexpr int kThreads = 384, kStages = 2, kConsumers = 256, kProducers = 128;
+  using Pipeline = cutlass::PipelineAsync<kStages>;
+  using AtomK = cute::GMMA::Layout_K_SW128_Atom<Element>;
+  using SmemLayoutKp = decltype(cute::tile_to_shape(AtomK{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>{}));
+  // Kp^T view (dp, keys): the B operand of dQp = dz Kp
+  using SmemLayoutKpt = decltype(cute::composition(
+      SmemLayoutKp{}, cute::make_ordered_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>>{},
+                                                cute::Step<cute::_2, cute::_1>{})));
+  // proxy query rows (tokens, dp) per stage, and the (dp, tokens) view for dKp += dz^T Qp
+  using SmemLayoutQp = decltype(cute::tile_to_shape(
+      AtomK{}, cute::Shape<cute::Int<kTok>, cute::Int<kHeadDim>, cute::Int<kStages>>{}));
+  using SmemLayoutQpT = decltype(cute::composition(
+      SmemLayoutQp{}, cute::make_ordered_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kTok>, cute::Int<kStages>>{},
+                                                cute::Step<cute::_2, cute::_1, cute::_3>{})));
+  // dz^T staged as (keys, tokens), tokens contiguous, and its (tokens, keys) view (A of dQp)
+  using SmemLayoutDz = decltype(cute::tile_to_shape(AtomK{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kTok>>{}));
+  using SmemLayoutDzT = decltype(cute::composition(
+      SmemLayoutDz{}, cute::make_ordered_layout(cute::Shape<cute::Int<kTok>, cute::Int<kBlockN>>{},
+                                                cute::Step<cute::_2, cute::_1>{})));
+  // z^T = Kp Qp^T: (64 keys) x (64 tokens) x dp
+  using MmaZ = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<Element, Element, float, cute::Shape<cute::_64, cute::Int<kTok>, cute::Int<kHeadDim>>>(),
+      cute::Layout<cute::Shape<cute::_1, cute::_1, cute::_1>>{}));
+  // dKp += dz^T Qp: (64 keys) x dp x (64 tokens), A from registers
+  using MmadKp = decltype(cute::make_tiled_mma(
+      cute::GMMA::rs_op_selector<Element, Element, float, cute::Shape<cute::_64, cute::Int<kHeadDim>, cute::Int<kTok>>,
+                                 cute::GMMA::Major::K, cute::GMMA::Major::MN>(),
+      cute::Layout<cute::Shape<cute::_1, cute::_1, cute::_1>>{}));
+  // dQp = dz Kp: (64 tokens) x (64 dp, one half per warpgroup) x (128 keys)
+  using MmadQp = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<Element, Element, float, cute::Shape<cute::_64, cute::_64, cute::Int<kBlockN>>,
+                                 cute::GMMA::Major::MN, cute::GMMA::Major::MN>(),
+      cute::Layout<cute::Shape<cute::_1, cute::_1, cute::_1>>{}));
+
+  struct Smem {
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutKp>, 1024> kp;
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutQp>, 1024> qp;
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutDz>, 1024> dz;
+    alignas(16) float teach[kStages][kTok][kTeachStride];
+    float plse[kStages][kTok];
+    int32_t tok[kStages][kTok];  // global token of each row; -1: past the list
+    typename Pipeline::SharedStorage pipe;
+    cutlass::arch::ClusterTransactionBarrier kp_bar;
+    float kl_warp[8];
+  };
+  static constexpr size_t kSmemBytes = sizeof(Smem) + 1024;
+};
+
+template <class Element>
+struct KlParams {
+  using StageLayout = typename MainConfig<Element>::SmemLayoutKV;
+  TmaBlockLoad<Element, StageLayout> tma_kp;
+  TmaShape tma_shape_kp;
+  bool batched = false;
+  Common c;
+  const float* teacher = nullptr;  // [inversion entries, 128], from the main backward
+  bool grads = true;               // false: the kl value only (forward's compute_kl)
+};
+
+template <class Element>
+__global__ void __launch_bounds__(384, 1) bwd_kl_kernel(const __grid_constant__ KlParams<Element> P) {
+  using namespace cute;
+  using C = KlConfig<Element>;
+  using Pipeline = typename C::Pipeline;
+  const Common& p = P.c;
+  extern __shared__ char smem_raw[];
+  auto& S = smem_struct<typename C::Smem>(smem_raw);
+
+  const int gb = blockIdx.x, grp = blockIdx.y;
+  const int64_t kl_slot = int64_t(grp) * gridDim.x + gb;
+  const int b = seq_of_block(p.inv.blk_off, p.seqs.batch, gb);
+  const int tid = threadIdx.x;
+  if (b < 0) {
+    if (tid == 0 && p.kl_acc) p.kl_acc[kl_slot] = 0.f;
+    return;
+  }
+  int64_t s0, L;
+  p.seqs.get(b, s0, L);
+  const int j = gb - p.inv.blk_off[b];
+  const int pk = grp / (p.Hp / p.Hpk);
+  const int64_t entry0 = p.inv.offsets[int64_t(grp) * p.inv.nblk + gb];
+  const int n = p.inv.offsets[int64_t(grp) * p.inv.nblk + gb + 1] - int(entry0);
+  const int32_t* list = p.inv.tokens + entry0;
+  if (n <= 0) {
+    if (tid == 0 && p.kl_acc) p.kl_acc[kl_slot] = 0.f;
+    return;
+  }
+  const int nchunks = (n + C::kTok - 1) / C::kTok;
+  const int role_wg = tid / 128;
+
+  typename Pipeline::Params pp;
+  pp.role = role_wg == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
+  pp.producer_arv_count = C::kProducers;
+  pp.consumer_arv_count = C::kConsumers;
+  Pipeline pipeline(S.pipe, pp);
+  if (tid == 0) S.kp_bar.init(1);
+  cutlass::arch::fence_barrier_init();
+  __syncthreads();
+
+  Tensor sKp = make_tensor(make_smem_ptr(S.kp.data()), typename C::SmemLayoutKp{});
+  Tensor sQp = make_tensor(make_smem_ptr(S.qp.data()), typename C::SmemLayoutQp{});
+
+  if (role_wg == 0) {  // ---- producer ----
+    cutlass::arch::warpgroup_reg_dealloc<24>();
+    if (tid == 0) {
+      const int bidx = P.batched ? b : 0;
+      const int64_t off = P.batched ? 0 : s0;
+      Tensor mKp = P.tma_kp.get_tma_tensor(P.tma_shape_kp)(_, _, pk, bidx);
+      Tensor gKp = local_tile(domain_offset(make_coord(off, _0{}), mKp), Shape<_128, _128>{}, make_coord(j, _0{}));
+      auto tkp = P.tma_kp.get_slice(_0{});
+      S.kp_bar.arrive_and_expect_tx(C::kBlockN * C::kHeadDim * sizeof(Element));
+      copy(P.tma_kp.with(reinterpret_cast<uint64_t&>(S.kp_bar)), tkp.partition_S(gKp), tkp.partition_D(sKp));
+    }
+    const Element* qpptr = static_cast<const Element*>(p.qp.ptr);
+    auto row_token = [&](int c) -> int32_t {  // token of row `tid` of chunk c (threads < 64)
+      const int li = c * C::kTok + tid;
+      return (tid < C::kTok && li < n) ? list[li] : -1;
+    };
+    int32_t next = row_token(0);
+    auto state = cutlass::make_producer_start_state<Pipeline>();
+    for (int c = 0; c < nchunks; ++c) {
+      pipeline.producer_acquire(state);
+      const int st = state.index();
+      if (tid < C::kTok) S.tok[st][tid] = next;
+      if (c + 1 < nchunks) next = row_token(c + 1);
+      ptx::named_barrier_sync(int(NamedBarrier::kProducer), C::kProducers);
+      for (int x = tid; x < C::kTok * 16; x += 128) {  // Qp rows, zero past the list
+        const int r = x / 16, col = (x % 16) * 8;
+        const int32_t t = S.tok[st][r];
+        const int64_t tt = t >= 0 ? t : s0;
+        ptx::cp_async_16(&sQp(r, col, st), qpptr + b * p.qp.batch_corr + tt * p.qp.tok + grp * p.qp.head + col,
+                         t >= 0 ? 16 : 0);
+      }
+      for (int x = tid; x < C::kTok * 32; x += 128) {  // teacher rows (contiguous entries)
+        const int r = x / 32, col = (x % 32) * 4;
+        const bool valid = c * C::kTok + r < n;
+        const float* src = P.teacher + (entry0 + (valid ? int64_t(c) * C::kTok + r : 0)) * C::kBlockN + col;
+        ptx::cp_async_16(&S.teach[st][r][col], src, valid ? 16 : 0);
+      }
+      if (tid < C::kTok) {
+        const int32_t t = S.tok[st][tid];
+        ptx::cp_async_4(&S.plse[st][tid], p.plse.at(grp, t >= 0 ? t : s0), t >= 0 ? 4 : 0);
+      }
+      pipeline.producer_commit(state, cutlass::arch::cpasync_barrier_arrive);
+      ++state;
+    }
+    ptx::cp_async_wait<0>();
+    return;
+  }
+
+  cutlass::arch::warpgroup_reg_alloc<240>();
+  const int w = role_wg - 1, wtid = tid % 128;
+  Tensor sQpT = make_tensor(make_smem_ptr(S.qp.data()), typename C::SmemLayoutQpT{});
+  Tensor sKpt = make_tensor(make_smem_ptr(S.kp.data()), typename C::SmemLayoutKpt{});
+  Tensor sDz = make_tensor(make_smem_ptr(S.dz.data()), typename C::SmemLayoutDz{});
+  Tensor sDzT = make_tensor(make_smem_ptr(S.dz.data()), typename C::SmemLayoutDzT{});
+
+  typename C::MmaZ mma_z;
+  typename C::MmadKp mma_dkp;
+  typename C::MmadQp mma_dqp;
+  auto thr_z = mma_z.get_thread_slice(wtid);
+  auto thr_dkp = mma_dkp.get_thread_slice(wtid);
+  auto thr_dqp = mma_dqp.get_thread_slice(wtid);
+  Tensor tZrKp = thr_z.partition_fragment_A(local_tile(sKp, Shape<_64, Int<C::kHeadDim>>{}, make_coord(w, _0{})));
+  Tensor tZrQp = thr_z.partition_fragment_B(sQp);
+  Tensor tKprQpT = thr_dkp.partition_fragment_B(sQpT);  // (N = dp, K = tokens, stage)
+  Tensor tQprDz = thr_dqp.partition_fragment_A(sDzT);   // (M = tokens, K = keys)
+  Tensor tQprKp = thr_dqp.partition_fragment_B(local_tile(sKpt, Shape<_64, Int<C::kBlockN>>{}, make_coord(w, _0{})));
+
+  Tensor accZ = partition_fragment_C(mma_z, Shape<_64, Int<C::kTok>>{});
+  Tensor accdKp = partition_fragment_C(mma_dkp, Shape<_64, Int<C::kHeadDim>>{});
+  Tensor accdQp = partition_fragment_C(mma_dqp, Shape<Int<C::kTok>, _64>{});  // (token, dp)
+  clear(accdKp);
+  Tensor cZ = thr_z.partition_C(make_identity_tensor(Shape<_64, Int<C::kTok>>{}));     // (key, token)
+  Tensor cQp = thr_dqp.partition_C(make_identity_tensor(Shape<Int<C::kTok>, _64>{}));  // (token, dp)
+
+  const float psl2 = p.proxy_scale * kLog2e;
+  const float coef = (P.grads && p.dkl) ? *p.dkl : 0.f;
+  const int64_t key_base = int64_t(j) * C::kBlockN + 64 * w;
+  float kl_sum = 0.f;
+  S.kp_bar.wait(0);
+
+  typename Pipeline::PipelineState state;
+  for (int c = 0; c < nchunks; ++c) {
+    pipeline.consumer_wait(state);  // (no proxy fence: see bwd_kernel.cuh)
+    const int st = state.index();
+    wg_gemm<true>(mma_z, tZrKp, tZrQp(_, _, _, st), accZ);
+#pragma unroll
+    for (int x = 0; x < size(accZ); ++x) {
+      const int key = get<0>(cZ(x)), r = get<1>(cZ(x));
+      const int32_t t = S.tok[st][r];
+      const bool ok = t >= 0 && key_base + key <= int64_t(t) - s0;
+      float dz = 0.f;
+      if (ok) {
+        const float teacher = S.teach[st][r][64 * w + key];
+        const float zl2 = accZ(x) * psl2 - S.plse[st][r] * kLog2e;  // log2 of the student
+        dz = coef * (ptx::exp2f_approx(zl2) - teacher);
+        if (teacher > 0.f) kl_sum += teacher * (__logf(teacher) - zl2 * kLn2);
+      }
+      accZ(x) = dz;
+    }
+    Tensor rDz = make_tensor_like<Element>(accZ);
+#pragma unroll
+    for (int x = 0; x < size(accZ); ++x) rDz(x) = Element(accZ(x));
+    const int32_t tok_a = S.tok[st][get<0>(cQp(0))], tok_b = S.tok[st][get<0>(cQp(0)) + 8];
+    if (P.grads) {
+      wg_gemm<false>(mma_dkp, make_tensor(rDz.data(), acc_to_a_regs(rDz.layout())), tKprQpT(_, _, _, st), accdKp);
+#pragma unroll
+      for (int x = 0; x < size(accZ); ++x) sDz(64 * w + get<0>(cZ(x)), get<1>(cZ(x))) = rDz(x);
+    }
+    pipeline.consumer_release(state);
+    if (P.grads) {
+      ptx::fence_proxy_async_smem();
+      ptx::named_barrier_sync(int(NamedBarrier::kConsumers), C::kConsumers);  // dz^T staged by both
+      wg_gemm<true>(mma_dqp, tQprDz, tQprKp, accdQp);
+#pragma unroll
+      for (int x = 0; x < size(accdQp); x += 2) {
+        const int r = get<0>(cQp(x)), d = 64 * w + get<1>(cQp(x));
+        const int32_t t = (r == get<0>(cQp(0))) ? tok_a : tok_b;
+        if (t < 0) continue;
+        atomicAdd(reinterpret_cast<float2*>(p.dqp_acc + (int64_t(t) * p.Hp + grp) * C::kHeadDim + d),
+                  make_float2(accdQp(x), accdQp(x + 1)));
+      }
+      // dz^T is rewritten next chunk: both warpgroups must be past their dQp GEMM
+      ptx::named_barrier_sync(int(NamedBarrier::kConsumers), C::kConsumers);
+    }
+    ++state;
+  }
+
+  if (P.grads) {  // dKp_j: fp32 atomics (several proxy heads may share a proxy key head)
+    Tensor cKp = thr_dkp.partition_C(make_identity_tensor(Shape<_64, Int<C::kHeadDim>>{}));
+#pragma unroll
+    for (int x = 0; x < size(accdKp); x += 2) {
+      const int64_t pos = key_base + get<0>(cKp(x));
+      if (pos >= L) continue;
+      const int64_t row = ((s0 + pos) * p.Hpk + pk) * C::kHeadDim + get<1>(cKp(x));
+      atomicAdd(reinterpret_cast<float2*>(p.dkp_acc + row), make_float2(accdKp(x), accdKp(x + 1)));
+    }
+  }
+  if (p.kl_acc) {  // kl partial of this CTA, in a fixed order
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) kl_sum += __shfl_xor_sync(0xffffffff, kl_sum, off);
+    if (tid % 32 == 0) S.kl_warp[(tid - 128) / 32] = kl_sum;
+    ptx::named_barrier_sync(int(NamedBarrier::kConsumers), C::kConsumers);
+    if (tid == 128) {
+      float total = 0.f;
+      for (int x = 0; x < 8; ++x) total += S.kl_warp[x];
+      p.kl_acc[kl_slot] = total;
+    }
+  }
+}
+
+template <class Element>
+void launch_kl(const KlParams<Element>& P, cudaStream_t stream) {
+  using C = KlConfig<Element>;
+  auto kernel = bwd_kl_kernel<Element>;
+  FLASHMSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(C::kSmemBytes)));
+  dim3 grid(P.c.inv.nblk, P.c.Hp);
+  if (grid.x == 0) return;
+  kernel<<<grid, C::kThreads, C::kSmemBytes, stream>>>(P);
+  FLASHMSA_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace flashmsa::cuda::attn_bwd
