@@ -52,8 +52,10 @@ def _backward(ctx, dout, dlse, _didx, _dplse, dkl):
         dlse = _dense(dlse)
     if dkl is not None:
         dkl = dkl.reshape(())
+    # torch.use_deterministic_algorithms(True) selects the bitwise reproducible backward
+    deterministic = torch.are_deterministic_algorithms_enabled()
     dq, dk, dv, dqp, dkp = bwd_op(dout, dlse, dkl, q, k, v, qp, kp, cu, sel, out, lse, plse,
-                                  ctx.max_seqlen, ctx.mode, ctx.softmax_scale, ctx.proxy_scale, False)
+                                  ctx.max_seqlen, ctx.mode, ctx.softmax_scale, ctx.proxy_scale, deterministic)
     has_proxy = qp is not None
     grads = [dq, dk, dv, dqp if has_proxy else None, dkp if has_proxy else None]
     return tuple(grads + [None] * (len(FWD_ARGS) - len(grads)))

@@ -186,7 +186,6 @@ void bwd_features(const flashmsa_bwd_args_t& a, const Geometry& g) {
                           std::to_string(g.Hkv) + ", Hp = " + std::to_string(g.Hp) + " (use the CPU backend)");
     if (g.Hq / g.Hp > 64) unsupported(fn, "the proxy gradient supports at most 64 query heads per proxy head");
   }
-  if (a.deterministic) unsupported(fn, "deterministic mode is not implemented yet on CUDA");
 }
 
 size_t select_workspace(const flashmsa_select_args_t&, const Geometry&) { return 0; }
@@ -242,6 +241,8 @@ attn_bwd::InversionArgs inversion_args(const flashmsa_bwd_args_t& a, const Geome
 struct BwdLayout {
   size_t lse2 = 0, dsum = 0, dq = 0, dk = 0, dv = 0, dqp = 0, dkp = 0, inv = 0, plse = 0, kl = 0, teach = 0,
          total = 0;
+  size_t turn_q = 0, turn_kv = 0, turn_qp = 0, turn_kp = 0;  // deterministic mode's turn counters
+  bool deterministic = false;
   int64_t padded = 0;
   bool has_teacher = false;
 };
@@ -259,6 +260,13 @@ BwdLayout bwd_layout(const flashmsa_bwd_args_t& a, const Geometry& g) {
   if (g.has_proxy) {
     l.dqp = take(size_t(g.total) * g.Hp * kHeadDim * 4);
     l.dkp = take(size_t(g.total) * g.Hpk * kHeadDim * 4);
+  }
+  if (a.deterministic) {  // zeroed with the accumulators (the range [dq, inv))
+    l.deterministic = true;
+    l.turn_q = take(size_t(g.total) * size_t(g.Hq / bwd_unit_heads(g)) * 4);
+    l.turn_kv = take(size_t(global_blocks_bound(g)) * g.Hkv * 4);
+    l.turn_qp = take(size_t(g.total) * g.Hp * 4);
+    l.turn_kp = take(size_t(global_blocks_bound(g)) * g.Hpk * 4);
   }
   l.inv = take(a.mode == FLASHMSA_MODE_DENSE ? attn_bwd::blk_off_workspace(g.batch)
                                              : attn_bwd::inversion_workspace(inversion_args(a, g)));
@@ -378,7 +386,7 @@ namespace {
 attn_bwd::Common common_base(const Geometry& g, const flashmsa_tensor_t& q, const flashmsa_tensor_t& k,
                              const flashmsa_tensor_t& cu, float* lse2, int64_t padded, bool dense,
                              const int32_t* idx, int64_t idx_head, int64_t idx_tok, char* inv_ws,
-                             cudaStream_t st) {
+                             cudaStream_t st, bool ranks = false) {
   attn_bwd::Common c;
   c.q = token_tensor<const void>(q, g);
   c.k = token_tensor<const void>(k, g);
@@ -391,7 +399,9 @@ attn_bwd::Common common_base(const Geometry& g, const flashmsa_tensor_t& q, cons
     c.inv.blk_off = attn_bwd::build_blk_off(c.seqs, inv_ws, st);
     c.inv.nblk = global_blocks_bound(g);
   } else {
-    c.inv = attn_bwd::build_inversion(inversion_args(idx, idx_head, idx_tok, cu, g), inv_ws, st);
+    attn_bwd::InversionArgs ia = inversion_args(idx, idx_head, idx_tok, cu, g);
+    ia.ranks = ranks;
+    c.inv = attn_bwd::build_inversion(ia, inv_ws, st);
   }
   c.Hq = g.Hq;
   c.Hkv = g.Hkv;
@@ -515,7 +525,7 @@ void run_bwd(const flashmsa_bwd_args_t& a, const Geometry& g, char* ws, const Bw
   attn_bwd::Common& c = mp.c;
   c = common_base(g, a.q, a.k, a.cu_seqlens, pa.lse2, l.padded, a.mode == FLASHMSA_MODE_DENSE,
                   static_cast<const int32_t*>(a.indices.data), a.indices.strides[0], a.indices.strides[1],
-                  ws + l.inv, st);
+                  ws + l.inv, st, l.deterministic);
   c.v = token_tensor<const void>(a.v, g);
   c.dout = token_tensor<const void>(a.dout, g);
   c.dsum.ptr = pa.dsum;
@@ -525,6 +535,10 @@ void run_bwd(const flashmsa_bwd_args_t& a, const Geometry& g, char* ws, const Bw
   c.dq_acc = dq_acc;
   c.dk_acc = dk_acc;
   c.dv_acc = dv_acc;
+  if (l.deterministic) {
+    c.turn_rows = reinterpret_cast<int32_t*>(ws + l.turn_q);
+    c.turn_keys = reinterpret_cast<int32_t*>(ws + l.turn_kv);
+  }
   const auto tk = make_block_load<Element, typename P::StageLayout>(c.k, g.Hkv, g.batched, g.seqlen, g.batch, g.total);
   const auto tv = make_block_load<Element, typename P::StageLayout>(c.v, g.Hkv, g.batched, g.seqlen, g.batch, g.total);
   mp.tma_k = tk.copy;
@@ -555,8 +569,11 @@ void run_bwd(const flashmsa_bwd_args_t& a, const Geometry& g, char* ws, const Bw
       r.kl_acc = reinterpret_cast<float*>(ws + l.kl);
       r.dkl = static_cast<const float*>(a.dkl.data);
       r.grads = true;
-      if (l.has_teacher) run_kl<Element>(g, c, mp.teacher, r, st);
-      else run_proxy<Element>(g, c, mp.tma_k, mp.tma_shape, r, st);
+      attn_bwd::Common cp = c;  // the proxy side's own turn counters
+      cp.turn_rows = l.deterministic ? reinterpret_cast<int32_t*>(ws + l.turn_qp) : nullptr;
+      cp.turn_keys = l.deterministic ? reinterpret_cast<int32_t*>(ws + l.turn_kp) : nullptr;
+      if (l.has_teacher) run_kl<Element>(g, cp, mp.teacher, r, st);
+      else run_proxy<Element>(g, cp, mp.tma_k, mp.tma_shape, r, st);
     }
     attn_bwd::launch_convert<Element>(reinterpret_cast<float*>(ws + l.dqp), token_tensor<void>(a.dqp, g), seqs,
                                       g.max_seqlen, g.Hp, pscale, st);

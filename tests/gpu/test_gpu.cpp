@@ -292,8 +292,10 @@ TEST(Given, SmallOdd) { run_given(make(8, 4, 2, 1, 3, {0, 300, 127}), true); }
 // Runs the CUDA forward then the CUDA backward (no kl gradient) with the outputs and the whole
 // workspace poisoned (NaN bytes), and checks dq, dk, dv against the fp64 reference fed the
 // kernel's own indices, at the accuracy bar; the proxy gradients must be exactly zero.
+// deterministic: the ordered backward, run twice on freshly poisoned outputs and workspace; the
+// two results must be bitwise equal (and each within the accuracy bar).
 void run_bwd_case(const Problem& pb0, flashmsa_mode_t mode, bool with_dlse, double dkl = NAN,
-                  bool pass_proxy_lse = false) {
+                  bool pass_proxy_lse = false, bool deterministic = false) {
   PoolScope scope;
   std::mt19937_64 rng(fresh_seed());
   Problem pb = pb0;
@@ -346,12 +348,34 @@ void run_bwd_case(const Problem& pb0, flashmsa_mode_t mode, bool with_dlse, doub
   }
   if (pass_proxy_lse) a.proxy_lse = dev_view(f.proxy_lse);
   a.dq = dev_view(dq); a.dk = dev_view(dk); a.dv = dev_view(dv); a.dqp = dev_view(dqp); a.dkp = dev_view(dkp);
+  a.deterministic = deterministic ? 1 : 0;
   const size_t ws_bytes = flashmsa::workspace_size(a);
   void* ws = Pool::get().take(ws_bytes);
   cudaMemset(ws, 0xff, ws_bytes);  // NaN everywhere: every buffer the backward reads must be written by it
   flashmsa::bwd(a, ws, ws_bytes);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   for (Tensor* t : {&dq, &dk, &dv, &dqp, &dkp}) download(*t);
+  if (deterministic) {
+    std::vector<std::vector<double>> first;
+    for (Tensor* t : {&dq, &dk, &dv, &dqp, &dkp}) {
+      first.push_back(t->host);
+      ASSERT_EQ(cudaMemset(t->dev, 0xff, t->bytes()), cudaSuccess);
+    }
+    cudaMemset(ws, 0xff, ws_bytes);
+    flashmsa::bwd(a, ws, ws_bytes);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const char* names[] = {"dq", "dk", "dv", "dqp", "dkp"};
+    int i = 0;
+    for (Tensor* t : {&dq, &dk, &dv, &dqp, &dkp}) {
+      download(*t);
+      size_t differ = 0;
+      for (size_t e = 0; e < t->host.size(); ++e)
+        differ += std::memcmp(&t->host[e], &first[size_t(i)][e], sizeof(double)) != 0;
+      EXPECT_EQ(differ, 0u) << names[i] << ": the deterministic backward differs between two runs";
+      ++i;
+    }
+    std::printf("    deterministic: two runs bitwise equal\n");
+  }
   const std::vector<int32_t> idx = mode == FLASHMSA_MODE_DENSE ? std::vector<int32_t>{} : as_int(f.indices);
   const auto ref_mode = mode == FLASHMSA_MODE_DENSE ? FLASHMSA_MODE_DENSE : FLASHMSA_MODE_GIVEN;
   const std::vector<int32_t>* ip = idx.empty() ? nullptr : &idx;
@@ -389,6 +413,17 @@ TEST(Proxy, Gcd3PaddedHeadSlots) { run_bwd_case(make(12, 2, 4, 2, 8, {1000, 77})
 TEST(Proxy, G8) { run_bwd_case(make(16, 2, 2, 1, 8, {900}), FLASHMSA_MODE_SPARSE, false, 1.0); }
 TEST(Proxy, G32) { run_bwd_case(make(64, 2, 2, 1, 8, {700}), FLASHMSA_MODE_SPARSE, true, 1.0); }
 TEST(Proxy, G64Given) { run_bwd_case(make(64, 1, 1, 1, 4, {500, 130}), FLASHMSA_MODE_GIVEN, false, 1.0); }
+// The deterministic backward: bitwise equal across two runs. m3 (16 blocks per token's dq, four
+// proxy heads per proxy key head), fmsa varlen (two units per kv head), four units per kv head
+// (Hq 12, Hkv 1, Hp 4: R = 3 in 4 head slots), given indices with empty rows, dense warmup.
+TEST(Deterministic, M3Sparse) { run_bwd_case(make(64, 4, 4, 1, 16, {1300}), FLASHMSA_MODE_SPARSE, true, 0.7, false, true); }
+TEST(Deterministic, FmsaVarlen) {
+  run_bwd_case(make(16, 2, 4, 1, 8, {0, 1, 127, 129, 1000}), FLASHMSA_MODE_SPARSE, false, 1.0, false, true);
+}
+TEST(Deterministic, FourUnitsPerKvHead) { run_bwd_case(make(12, 1, 4, 1, 8, {900}), FLASHMSA_MODE_SPARSE, false, 1.0, false, true); }
+TEST(Deterministic, GivenWithEmptyRows) { run_bwd_case(make(16, 2, 4, 1, 5, {900, 3}), FLASHMSA_MODE_GIVEN, false, 2.0, false, true); }
+TEST(Deterministic, DenseWarmup) { run_bwd_case(make(16, 2, 4, 1, 1, {300, 57, 0, 130}), FLASHMSA_MODE_DENSE, true, 1.0, false, true); }
+TEST(Deterministic, SmallSparse) { run_bwd_case(make(8, 2, 4, 1, 2, {130, 5, 300}), FLASHMSA_MODE_SPARSE, true, 1.0, false, true); }
 TEST(Proxy, SmallDense) { run_bwd_case(make(8, 2, 2, 1, 1, {200, 1}), FLASHMSA_MODE_DENSE, false, 1.0); }
 
 TEST(Bwd, M3SparseDlse) { run_bwd_case(make(64, 4, 4, 1, 16, {1300}), FLASHMSA_MODE_SPARSE, true); }

@@ -224,6 +224,35 @@ def test_numerics_follow_requires_grad(monkeypatch):
     assert seen == [1, 0, 1, 1]  # INFER, TRAIN (kp requires grad), INFER (no_grad), explicit
 
 
+def test_deterministic_follows_torch_setting(monkeypatch):
+    """torch.use_deterministic_algorithms(True) reaches the library's bwd call as deterministic=1;
+    the gradients are those of the default backward (the CPU backend is deterministic anyway)."""
+    from flashmsa import _kernels as K
+
+    seen = []
+    orig = K.bwd
+
+    def spy(*a):
+        seen.append(a[-1])  # deterministic
+        return orig(*a)
+
+    monkeypatch.setattr(K, "bwd", spy)
+    x = make_inputs(lengths=[300, 40], requires_grad=True, seed=15)
+    args = [x[n] for n in MAIN + PROXY]
+    grads = []
+    before = torch.are_deterministic_algorithms_enabled()
+    for det in (False, True):
+        torch.use_deterministic_algorithms(det)
+        try:
+            out, kl = flashmsa.msa_attention(*args, 2, cu_seqlens=x["cu_seqlens"], max_seqlen=x["max_seqlen"])
+            grads.append(torch.autograd.grad(out.square().sum() + kl, args))
+        finally:
+            torch.use_deterministic_algorithms(before)
+    assert seen == [False, True]
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_low_precision_inputs_on_cpu(dtype):
     """bf16/fp16/fp32 inputs: the CPU backend computes in fp64 and rounds once."""

@@ -28,6 +28,7 @@
 #include "cuda/bwd/bwd_params.cuh"
 #include "cuda/common/utils.cuh"
 #include "cuda/ptx/cp_async.cuh"
+#include "cuda/ptx/order.cuh"
 
 #ifndef FLASHMSA_BWD_STAGES
 #define FLASHMSA_BWD_STAGES 3  // pipeline stages of the chunk rows (a build knob for measurements)
@@ -85,6 +86,7 @@ struct MainConfig {
     alignas(16) int32_t pos[kStages][kRows];  // in-sequence position of each row's token; -1: padding row
     int32_t tok[kStages][kRows];   // global token of each row; -1: padding row
     int32_t slot[kStages][kRows];  // global token of each token slot; -1: past the list
+    int32_t rank[kStages][kRows];  // deterministic mode: the block's turn in each slot token's dq sum
     typename Pipeline::SharedStorage pipe;
     cutlass::arch::ClusterTransactionBarrier kv_bar;
   };
@@ -199,9 +201,16 @@ __global__ void __launch_bounds__(384, 1) bwd_main_kernel(const __grid_constant_
     n = p.inv.offsets[k + 1] - p.inv.offsets[k];
     list = p.inv.tokens + p.inv.offsets[k];
   }
-  if (n <= 0) return;
-  const int nchunks = (n + NTc - 1) / NTc;
   const int tid = threadIdx.x, role_wg = tid / 128;
+  if (n <= 0) {
+    if (p.turn_keys && tid == 0) {  // deterministic mode, nothing to add: pass the dK/dV turn on
+      const int upk = (p.Hq / p.Hkv) / p.R;
+      ptx::wait_turn(p.turn_keys + int64_t(gb) * p.Hkv + kvh, unit % upk);
+      ptx::st_release_gpu(p.turn_keys + int64_t(gb) * p.Hkv + kvh, unit % upk + 1);
+    }
+    return;
+  }
+  const int nchunks = (n + NTc - 1) / NTc;
 
   typename Pipeline::Params pp;
   pp.role = role_wg == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
@@ -244,13 +253,20 @@ __global__ void __launch_bounds__(384, 1) bwd_main_kernel(const __grid_constant_
       if (tid >= NTc || li >= n) return -1;
       return p.dense ? int32_t(dense_first + li) : list[li];
     };
-    int32_t next = slot_token(0);
+    // the block's turn in the slot token's dq sum (dense: every block up to the token's own)
+    const int32_t* ranks = (p.turn_rows && !p.dense) ? p.inv.rank + (list - p.inv.tokens) : nullptr;
+    auto slot_rank = [&](int c) -> int32_t {
+      const int li = c * NTc + tid;
+      if (!p.turn_rows || tid >= NTc || li >= n) return 0;
+      return ranks ? ranks[li] : j;
+    };
+    int32_t next = slot_token(0), next_rank = slot_rank(0);
     auto state = cutlass::make_producer_start_state<Pipeline>();
     for (int c = 0; c < nchunks; ++c) {
       pipeline.producer_acquire(state);
       const int st = state.index();
-      if (tid < NTc) S.slot[st][tid] = next;
-      if (c + 1 < nchunks) next = slot_token(c + 1);  // in flight while this chunk is issued
+      if (tid < NTc) S.slot[st][tid] = next, S.rank[st][tid] = next_rank;
+      if (c + 1 < nchunks) next = slot_token(c + 1), next_rank = slot_rank(c + 1);  // in flight meanwhile
       ptx::named_barrier_sync(int(NamedBarrier::kProducer), C::kProducers);
       // rows of this chunk: row r = slot r / Rp, head h0 + r % Rp (padding heads >= R: zero rows)
       for (int x = tid; x < C::kRows * 16; x += 128) {
@@ -397,10 +413,19 @@ __global__ void __launch_bounds__(384, 1) bwd_main_kernel(const __grid_constant_
     for (int x = 0; x < size(accdP); ++x) sdS(64 * w + get<0>(cS(x)), get<1>(cS(x)), buf) = rdS(x);
     // the tokens of this thread's dQ rows, read before the stage goes back to the producer
     const int32_t tok_a = S.tok[st][rq0], tok_b = S.tok[st][rq0 + 8];
-    pipeline.consumer_release(state);
+    // (deterministic mode keeps the stage until its dQ adds are done: it reads the slots' turns)
+    if (!p.turn_rows) pipeline.consumer_release(state);
     ptx::fence_proxy_async_smem();
     ptx::named_barrier_sync(int(NamedBarrier::kConsumers), C::kConsumers);  // dS^T staged by both
     wg_gemm<true>(mma_dq, tQrdS(_, _, _, buf), tQrK, accdQ);
+    int32_t* q_turn = nullptr;
+    if (p.turn_rows) {  // the first NTc threads of warpgroup 0 wait for their token's lower blocks
+      if (w == 0 && wtid < NTc && S.slot[st][wtid] >= 0) {
+        q_turn = p.turn_rows + int64_t(S.slot[st][wtid]) * gridDim.y + unit;
+        ptx::wait_turn(q_turn, S.rank[st][wtid]);
+      }
+      ptx::named_barrier_sync(int(NamedBarrier::kConsumers), C::kConsumers);
+    }
     // dQ rows of this chunk (unscaled: the convert kernel applies the softmax scale)
     const int dq0 = 64 * w + get<1>(cdQ(0));
 #pragma unroll
@@ -412,11 +437,24 @@ __global__ void __launch_bounds__(384, 1) bwd_main_kernel(const __grid_constant_
       for (int i = 0; i < 8; ++i)
         atomicAdd(reinterpret_cast<float2*>(dst + 8 * i), make_float2(accdQ(4 * i + 2 * e1), accdQ(4 * i + 2 * e1 + 1)));
     }
+    if (p.turn_rows) {  // every thread's adds visible, then the next block's turn
+      __threadfence();
+      ptx::named_barrier_sync(int(NamedBarrier::kConsumers), C::kConsumers);
+      if (q_turn) ptx::st_release_gpu(q_turn, S.rank[st][wtid] + 1);
+      pipeline.consumer_release(state);
+    }
     ++state;
   }
 
   if (P.teacher_only) return;
-  // dK_j, dV_j of this unit: fp32 atomics (several units may share a kv head)
+  // dK_j, dV_j of this unit: fp32 atomics (several units may share a kv head), in unit order in
+  // deterministic mode (this unit's turn among the units of the kv head)
+  const int upk = (p.Hq / p.Hkv) / p.R;
+  int32_t* kv_turn = p.turn_keys ? p.turn_keys + int64_t(gb) * p.Hkv + kvh : nullptr;
+  if (kv_turn) {
+    if (tid == 128) ptx::wait_turn(kv_turn, unit % upk);
+    ptx::named_barrier_sync(int(NamedBarrier::kConsumers), C::kConsumers);
+  }
   Tensor cKV = thr_dkv.partition_C(make_identity_tensor(Shape<_64, Int<C::kHeadDim>>{}));
 #pragma unroll
   for (int x = 0; x < size(accdK); x += 2) {
@@ -425,6 +463,11 @@ __global__ void __launch_bounds__(384, 1) bwd_main_kernel(const __grid_constant_
     const int64_t row = ((s0 + pos) * p.Hkv + kvh) * C::kHeadDim + get<1>(cKV(x));
     atomicAdd(reinterpret_cast<float2*>(p.dk_acc + row), make_float2(accdK(x), accdK(x + 1)));
     atomicAdd(reinterpret_cast<float2*>(p.dv_acc + row), make_float2(accdV(x), accdV(x + 1)));
+  }
+  if (kv_turn) {
+    __threadfence();
+    ptx::named_barrier_sync(int(NamedBarrier::kConsumers), C::kConsumers);
+    if (tid == 128) ptx::st_release_gpu(kv_turn, unit % upk + 1);
   }
 }
 

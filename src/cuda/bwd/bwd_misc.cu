@@ -77,6 +77,32 @@ __global__ void inversion_keys_kernel(const InversionArgs a, const int32_t* blk_
   vals[e] = int32_t(t);
 }
 
+// Deterministic mode: the rank of each sorted entry's block among the valid blocks of its
+// (proxy head, token) row, i.e. the entry's turn in that token's dq / dqp sum.
+__global__ void inversion_ranks_kernel(const InversionArgs a, const uint32_t* keys, const int32_t* vals,
+                                       const int32_t* blk_off, int64_t n, int32_t* ranks) {
+  const int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (e >= n) return;
+  const uint32_t key = keys[e];
+  if (int64_t(key) >= int64_t(a.Hp) * a.nblk) {  // sentinel (empty slot)
+    ranks[e] = 0;
+    return;
+  }
+  const int p = int(key / uint32_t(a.nblk)), gb = int(key % uint32_t(a.nblk));
+  const int64_t t = vals[e];
+  const int b = seq_of_token(a.seqs, t);
+  int64_t s0, L;
+  a.seqs.get(b, s0, L);
+  const int64_t j = gb - blk_off[b], own = (t - s0) / 128;
+  const int32_t* row = a.indices.at(p, t);
+  int r = 0;
+  for (int s = 0; s < a.topk; ++s) {
+    const int64_t v = row[s];
+    r += (v >= 0 && v <= own && v < j) ? 1 : 0;
+  }
+  ranks[e] = r;
+}
+
 // offsets[k] = first position of key >= k in the sorted keys, k in [0, Hp * nblk]
 __global__ void inversion_offsets_kernel(const uint32_t* keys, int64_t n, int64_t nkeys, int32_t* offsets) {
   const int64_t k = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -215,6 +241,14 @@ Inversion build_inversion(const InversionArgs& a, void* ws, cudaStream_t st) {
   inv.offsets = offsets;
   inv.blk_off = blk_off;
   inv.nblk = a.nblk;
+  if (a.ranks) {  // into keys_in, free once sorted
+    auto* ranks = reinterpret_cast<int32_t*>(keys_in);
+    if (n > 0) {
+      inversion_ranks_kernel<<<unsigned((n + 255) / 256), 256, 0, st>>>(a, keys_out, vals_out, blk_off, n, ranks);
+      FLASHMSA_CUDA_CHECK(cudaGetLastError());
+    }
+    inv.rank = ranks;
+  }
   return inv;
 }
 

@@ -33,6 +33,7 @@ struct InversionArgs {
   int Hp = 0, topk = 0;
   int64_t total = 0;
   int nblk = 0;  // upper bound of global blocks: total / 128 + B + 1
+  bool ranks = false;  // deterministic mode: also each entry's rank (Inversion::rank)
 };
 size_t inversion_workspace(const InversionArgs& a);
 // Builds into ws (inversion_workspace bytes); returns the views.

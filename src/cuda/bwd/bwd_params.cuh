@@ -21,6 +21,8 @@ struct Inversion {
   const int32_t* tokens = nullptr;
   const int32_t* offsets = nullptr;   // [Hp * nblk + 1]
   const int32_t* blk_off = nullptr;   // [B + 1]
+  const int32_t* rank = nullptr;      // deterministic mode: per entry, the block's rank among the
+                                      // token's selected blocks (its turn in the token's dq sum)
   int nblk = 0;                       // total global blocks
 };
 
@@ -42,6 +44,11 @@ struct Common {
   float* kl_acc = nullptr;   // [num CTAs of the proxy kernel] partial kl sums, or null
   const float* dkl = nullptr;  // device scalar g (null: 0)
   int64_t total = 0;
+  // deterministic mode (ptx/order.cuh): turn counters, zeroed before the launch, of the per-token
+  // rows (dq: [total, units]; dqp: [total, Hp]) and of the per-block rows (dk/dv: [nblk, Hkv];
+  // dkp: [nblk, Hpk]); null: atomics in any order
+  int32_t* turn_rows = nullptr;
+  int32_t* turn_keys = nullptr;
 };
 
 }  // namespace flashmsa::cuda::attn_bwd

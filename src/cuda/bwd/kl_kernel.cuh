@@ -19,6 +19,7 @@
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
 #include "cuda/bwd/bwd_kernel.cuh"
+#include "cuda/ptx/order.cuh"
 
 namespace flashmsa::cuda::attn_bwd {
 
@@ -66,6 +67,7 @@ struct KlConfig {
     alignas(16) float teach[kStages][kTok][kTeachStride];
     float plse[kStages][kTok];
     int32_t tok[kStages][kTok];  // global token of each row; -1: past the list
+    int32_t rank[kStages][kTok];  // deterministic mode: the block's turn in each token's dqp sum
     typename Pipeline::SharedStorage pipe;
     cutlass::arch::ClusterTransactionBarrier kp_bar;
     float kl_warp[8];
@@ -108,8 +110,15 @@ __global__ void __launch_bounds__(384, 1) bwd_kl_kernel(const __grid_constant__ 
   const int64_t entry0 = p.inv.offsets[int64_t(grp) * p.inv.nblk + gb];
   const int n = p.inv.offsets[int64_t(grp) * p.inv.nblk + gb + 1] - int(entry0);
   const int32_t* list = p.inv.tokens + entry0;
+  // deterministic mode: this proxy head's turn among those adding into the same dKp_j rows
+  const int ppk = p.Hp / p.Hpk;
+  int32_t* kp_turn = (P.grads && p.turn_keys) ? p.turn_keys + int64_t(gb) * p.Hpk + pk : nullptr;
   if (n <= 0) {
     if (tid == 0 && p.kl_acc) p.kl_acc[kl_slot] = 0.f;
+    if (tid == 0 && kp_turn) {  // nothing to add: pass the turn on
+      ptx::wait_turn(kp_turn, grp % ppk);
+      ptx::st_release_gpu(kp_turn, grp % ppk + 1);
+    }
     return;
   }
   const int nchunks = (n + C::kTok - 1) / C::kTok;
@@ -143,13 +152,18 @@ __global__ void __launch_bounds__(384, 1) bwd_kl_kernel(const __grid_constant__ 
       const int li = c * C::kTok + tid;
       return (tid < C::kTok && li < n) ? list[li] : -1;
     };
-    int32_t next = row_token(0);
+    const bool det = P.grads && p.turn_rows;
+    auto row_rank = [&](int c) -> int32_t {
+      const int li = c * C::kTok + tid;
+      return (det && tid < C::kTok && li < n) ? p.inv.rank[entry0 + li] : 0;
+    };
+    int32_t next = row_token(0), next_rank = row_rank(0);
     auto state = cutlass::make_producer_start_state<Pipeline>();
     for (int c = 0; c < nchunks; ++c) {
       pipeline.producer_acquire(state);
       const int st = state.index();
-      if (tid < C::kTok) S.tok[st][tid] = next;
-      if (c + 1 < nchunks) next = row_token(c + 1);
+      if (tid < C::kTok) S.tok[st][tid] = next, S.rank[st][tid] = next_rank;
+      if (c + 1 < nchunks) next = row_token(c + 1), next_rank = row_rank(c + 1);
       ptx::named_barrier_sync(int(NamedBarrier::kProducer), C::kProducers);
       for (int x = tid; x < C::kTok * 16; x += 128) {  // Qp rows, zero past the list
         const int r = x / 16, col = (x % 16) * 8;
@@ -230,6 +244,13 @@ __global__ void __launch_bounds__(384, 1) bwd_kl_kernel(const __grid_constant__ 
 #pragma unroll
     for (int x = 0; x < size(accZ); ++x) rDz(x) = Element(accZ(x));
     const int32_t tok_a = S.tok[st][get<0>(cQp(0))], tok_b = S.tok[st][get<0>(cQp(0)) + 8];
+    // deterministic mode: threads 0..63 of warpgroup 0 each hold one token's turn
+    int32_t* q_turn = nullptr;
+    int32_t q_rank = 0;
+    if (P.grads && p.turn_rows && w == 0 && wtid < C::kTok && S.tok[st][wtid] >= 0) {
+      q_turn = p.turn_rows + int64_t(S.tok[st][wtid]) * p.Hp + grp;
+      q_rank = S.rank[st][wtid];
+    }
     if (P.grads) {
       wg_gemm<false>(mma_dkp, make_tensor(rDz.data(), acc_to_a_regs(rDz.layout())), tKprQpT(_, _, _, st), accdKp);
 #pragma unroll
@@ -240,6 +261,10 @@ __global__ void __launch_bounds__(384, 1) bwd_kl_kernel(const __grid_constant__ 
       ptx::fence_proxy_async_smem();
       ptx::named_barrier_sync(int(NamedBarrier::kConsumers), C::kConsumers);  // dz^T staged by both
       wg_gemm<true>(mma_dqp, tQprDz, tQprKp, accdQp);
+      if (p.turn_rows) {  // wait for the token's lower blocks to have added
+        if (q_turn) ptx::wait_turn(q_turn, q_rank);
+        ptx::named_barrier_sync(int(NamedBarrier::kConsumers), C::kConsumers);
+      }
 #pragma unroll
       for (int x = 0; x < size(accdQp); x += 2) {
         const int r = get<0>(cQp(x)), d = 64 * w + get<1>(cQp(x));
@@ -248,13 +273,20 @@ __global__ void __launch_bounds__(384, 1) bwd_kl_kernel(const __grid_constant__ 
         atomicAdd(reinterpret_cast<float2*>(p.dqp_acc + (int64_t(t) * p.Hp + grp) * C::kHeadDim + d),
                   make_float2(accdQp(x), accdQp(x + 1)));
       }
+      if (p.turn_rows) __threadfence();  // the adds visible before the turn passes on
       // dz^T is rewritten next chunk: both warpgroups must be past their dQp GEMM
       ptx::named_barrier_sync(int(NamedBarrier::kConsumers), C::kConsumers);
+      if (q_turn) ptx::st_release_gpu(q_turn, q_rank + 1);
     }
     ++state;
   }
 
-  if (P.grads) {  // dKp_j: fp32 atomics (several proxy heads may share a proxy key head)
+  if (P.grads) {  // dKp_j: fp32 atomics (several proxy heads may share a proxy key head), in
+                  // proxy-head order in deterministic mode
+    if (kp_turn) {
+      if (tid == 128) ptx::wait_turn(kp_turn, grp % ppk);
+      ptx::named_barrier_sync(int(NamedBarrier::kConsumers), C::kConsumers);
+    }
     Tensor cKp = thr_dkp.partition_C(make_identity_tensor(Shape<_64, Int<C::kHeadDim>>{}));
 #pragma unroll
     for (int x = 0; x < size(accdKp); x += 2) {
@@ -262,6 +294,11 @@ __global__ void __launch_bounds__(384, 1) bwd_kl_kernel(const __grid_constant__ 
       if (pos >= L) continue;
       const int64_t row = ((s0 + pos) * p.Hpk + pk) * C::kHeadDim + get<1>(cKp(x));
       atomicAdd(reinterpret_cast<float2*>(p.dkp_acc + row), make_float2(accdKp(x), accdKp(x + 1)));
+    }
+    if (kp_turn) {
+      __threadfence();
+      ptx::named_barrier_sync(int(NamedBarrier::kConsumers), C::kConsumers);
+      if (tid == 128) ptx::st_release_gpu(kp_turn, grp % ppk + 1);
     }
   }
   if (p.kl_acc) {  // kl partial of this CTA, in a fixed order

@@ -18,6 +18,7 @@
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
 #include "cuda/bwd/bwd_kernel.cuh"
+#include "cuda/ptx/order.cuh"
 
 namespace flashmsa::cuda::attn_bwd {
 
@@ -120,8 +121,15 @@ __global__ void __launch_bounds__(384, 1) bwd_proxy_kernel(const __grid_constant
     n = p.inv.offsets[k + 1] - p.inv.offsets[k];
     list = p.inv.tokens + p.inv.offsets[k];
   }
+  // deterministic mode: this proxy head's turn among those adding into the same dKp_j rows
+  const int ppk = p.Hp / p.Hpk;
+  int32_t* kp_turn = (P.grads && p.turn_keys) ? p.turn_keys + int64_t(gb) * p.Hpk + pk : nullptr;
   if (n <= 0) {
     if (tid == 0 && p.kl_acc) p.kl_acc[kl_slot] = 0.f;
+    if (tid == 0 && kp_turn) {  // nothing to add: pass the turn on
+      ptx::wait_turn(kp_turn, grp % ppk);
+      ptx::st_release_gpu(kp_turn, grp % ppk + 1);
+    }
     return;
   }
   const int nchunks = (n + NTc - 1) / NTc;
@@ -285,11 +293,20 @@ __global__ void __launch_bounds__(384, 1) bwd_proxy_kernel(const __grid_constant
     int32_t my_tok[kTok];
 #pragma unroll
     for (int tc = 0; tc < kTok; ++tc) my_tok[tc] = S.tok[st][tc];
+    // deterministic mode (dense: block j is the token's j-th): threads < NTc of warpgroup 0 each
+    // hold one token's turn in its dqp sum
+    int32_t* q_turn = nullptr;
+    if (P.grads && p.turn_rows && w == 0 && wtid < NTc && S.tok[st][wtid] >= 0)
+      q_turn = p.turn_rows + int64_t(S.tok[st][wtid]) * p.Hp + grp;
     pipeline.consumer_release(state);
     ptx::fence_proxy_async_smem();
     ptx::named_barrier_sync(int(NamedBarrier::kConsumers), C::kConsumers);
     if (P.grads) {
       wg_gemm<true>(mma_dqp, tQprKpT, tQprDz, accdQp);
+      if (p.turn_rows) {  // wait for the token's lower blocks to have added
+        if (q_turn) ptx::wait_turn(q_turn, j);
+        ptx::named_barrier_sync(int(NamedBarrier::kConsumers), C::kConsumers);
+      }
 #pragma unroll
       for (int x = 0; x < size(accdQp); ++x) {
         const int d = 64 * w + get<0>(cQp(x)), tc = get<1>(cQp(x));
@@ -298,12 +315,19 @@ __global__ void __launch_bounds__(384, 1) bwd_proxy_kernel(const __grid_constant
         atomicAdd(p.dqp_acc + (int64_t(t) * p.Hp + grp) * C::kHeadDim + d, accdQp(x));
       }
     }
+    if (P.grads && p.turn_rows) __threadfence();  // the adds visible before the turn passes on
     // sDz and S.pt are rewritten next chunk: every consumer must be past its reads
     ptx::named_barrier_sync(int(NamedBarrier::kConsumers), C::kConsumers);
+    if (q_turn) ptx::st_release_gpu(q_turn, j + 1);
     ++state;
   }
 
-  // dKp_j: fp32 atomics (several proxy heads may share a proxy key head)
+  // dKp_j: fp32 atomics (several proxy heads may share a proxy key head), in proxy-head order in
+  // deterministic mode
+  if (kp_turn) {
+    if (tid == 128) ptx::wait_turn(kp_turn, grp % ppk);
+    ptx::named_barrier_sync(int(NamedBarrier::kConsumers), C::kConsumers);
+  }
   Tensor cKp = thr_dkp.partition_C(make_identity_tensor(Shape<_64, Int<C::kHeadDim>>{}));
 #pragma unroll
   for (int x = 0; x < size(accdKp) * int(P.grads); x += 2) {
@@ -311,6 +335,11 @@ __global__ void __launch_bounds__(384, 1) bwd_proxy_kernel(const __grid_constant
     if (pos >= L) continue;
     const int64_t row = ((s0 + pos) * p.Hpk + pk) * C::kHeadDim + get<1>(cKp(x));
     atomicAdd(reinterpret_cast<float2*>(p.dkp_acc + row), make_float2(accdKp(x), accdKp(x + 1)));
+  }
+  if (kp_turn) {
+    __threadfence();
+    ptx::named_barrier_sync(int(NamedBarrier::kConsumers), C::kConsumers);
+    if (tid == 128) ptx::st_release_gpu(kp_turn, grp % ppk + 1);
   }
   // kl partial of this CTA, in a fixed order
   if (p.kl_acc) {
