@@ -120,6 +120,8 @@ typedef struct flashmsa_fwd_args {
   int32_t validate;              /* opt-in data checks (synchronises on the GPU) */
   flashmsa_tensor_t indices;     /* SPARSE: out (optional), GIVEN: in, DENSE: absent */
   flashmsa_tensor_t out;         /* [total, Hq, D], dtype of q */
+  flashmsa_tensor_t out_lo;      /* optional, like out: the low part out_lo = dtype(O - dtype(O)) of the
+                                    unrounded output O, for the backward's precise dpsum */
   flashmsa_tensor_t lse;         /* [Hq, total] fp32 (fp64 allowed for fp64 inputs) */
   flashmsa_tensor_t proxy_lse;   /* optional, [Hp, total] fp32 (needs qp, kp) */
   flashmsa_tensor_t kl;          /* optional, scalar ([] or [1]) fp32 (fp64 for fp64 inputs) */
@@ -139,6 +141,7 @@ typedef struct flashmsa_bwd_args {
   int32_t validate;
   flashmsa_tensor_t indices;     /* [Hp, total, topk] int32 (SPARSE / GIVEN) */
   flashmsa_tensor_t out;         /* [total, Hq, D] forward output */
+  flashmsa_tensor_t out_lo;      /* optional: the forward's out_lo; dpsum then uses out + out_lo */
   flashmsa_tensor_t lse;         /* [Hq, total] forward lse */
   flashmsa_tensor_t proxy_lse;   /* optional [Hp, total]; recomputed when absent */
   flashmsa_tensor_t dout;        /* [total, Hq, D] */
@@ -181,7 +184,7 @@ FLASHMSA_API const char* flashmsa_version(void);
 
 /* ABI of this header: bindings compare it (and the struct sizes) with what they were written
  * against before their first call. Bumped whenever a struct or an enum changes. */
-#define FLASHMSA_ABI_VERSION 1
+#define FLASHMSA_ABI_VERSION 2
 typedef enum flashmsa_struct {
   FLASHMSA_STRUCT_TENSOR = 0,
   FLASHMSA_STRUCT_SELECT_ARGS = 1,

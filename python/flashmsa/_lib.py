@@ -110,6 +110,7 @@ class FwdArgs(ctypes.Structure):
         ("validate", ctypes.c_int32),
         ("indices", Tensor),
         ("out", Tensor),
+        ("out_lo", Tensor),
         ("lse", Tensor),
         ("proxy_lse", Tensor),
         ("kl", Tensor),
@@ -133,6 +134,7 @@ class BwdArgs(ctypes.Structure):
         ("validate", ctypes.c_int32),
         ("indices", Tensor),
         ("out", Tensor),
+        ("out_lo", Tensor),
         ("lse", Tensor),
         ("proxy_lse", Tensor),
         ("dout", Tensor),
@@ -187,7 +189,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
-ABI_VERSION = 1  # FLASHMSA_ABI_VERSION of the header these structs mirror
+ABI_VERSION = 2  # FLASHMSA_ABI_VERSION of the header these structs mirror
 
 
 def _check_abi(lib: ctypes.CDLL) -> None:

@@ -147,6 +147,12 @@ void fwd(const flashmsa_fwd_args_t& a, const Geometry& g) {
   ref::forward(pb, q.data(), k.data(), v.data(), g.has_proxy ? qp.data() : nullptr,
                g.has_proxy ? kp.data() : nullptr, idx.empty() ? nullptr : idx.data(), o);
   // all computation done: write the outputs
+  if (present(a.out_lo)) {  // the low part of the fp64 output in out's dtype
+    std::vector<double> lo(out.size());
+    for (size_t i = 0; i < out.size(); ++i)
+      lo[i] = round_to(a.out.dtype, out[i] - round_to(a.out.dtype, out[i]));
+    scatter_tokens(a.out_lo, g, pb, lo);
+  }
   scatter_tokens(a.out, g, pb, out);
   scatter_heads(a.lse, g, lse);
   if (present(a.proxy_lse)) scatter_heads(a.proxy_lse, g, plse);

@@ -349,6 +349,7 @@ Geometry validate_fwd(const flashmsa_fwd_args_t& a) {
   }
   // outputs
   v.tokens("out", a.out, v.g.Hq, v.g.D, "Hq", "D");
+  if (present(a.out_lo)) v.tokens("out_lo", a.out_lo, v.g.Hq, v.g.D, "Hq", "D");
   v.heads("lse", a.lse, v.g.Hq, -1);
   v.stat_dtype("lse", a.lse);
   if (present(a.proxy_lse)) {
@@ -385,6 +386,7 @@ Geometry validate_bwd(const flashmsa_bwd_args_t& a) {
     v.dtype_is("indices", a.indices, FLASHMSA_DTYPE_INT32, "block ids");
   }
   v.tokens("out", a.out, v.g.Hq, v.g.D, "Hq", "D");
+  if (present(a.out_lo)) v.tokens("out_lo", a.out_lo, v.g.Hq, v.g.D, "Hq", "D");
   v.heads("lse", a.lse, v.g.Hq, -1);
   v.stat_dtype("lse", a.lse);
   v.tokens("dout", a.dout, v.g.Hq, v.g.D, "Hq", "D");

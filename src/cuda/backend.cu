@@ -156,7 +156,7 @@ void check_supported(const Geometry& g, const char* fn) {
 void fwd_features(const flashmsa_fwd_args_t& a, const Geometry& g) {
   const char* fn = "flashmsa_fwd";
   for (auto [name, t] : {std::pair{"q", &a.q}, {"k", &a.k}, {"v", &a.v}, {"qp", &a.qp}, {"kp", &a.kp},
-                         {"out", &a.out}})
+                         {"out", &a.out}, {"out_lo", &a.out_lo}})
     check_aligned(fn, name, *t);
   if (present(a.lse) && a.lse.dtype != FLASHMSA_DTYPE_FP32) unsupported(fn, "lse must be fp32");
   if (present(a.proxy_lse) && a.proxy_lse.dtype != FLASHMSA_DTYPE_FP32)
@@ -173,7 +173,7 @@ void fwd_features(const flashmsa_fwd_args_t& a, const Geometry& g) {
 void bwd_features(const flashmsa_bwd_args_t& a, const Geometry& g) {
   const char* fn = "flashmsa_bwd";
   for (auto [name, t] : {std::pair{"q", &a.q}, {"k", &a.k}, {"v", &a.v}, {"qp", &a.qp}, {"kp", &a.kp},
-                         {"out", &a.out}, {"dout", &a.dout}, {"dq", &a.dq}, {"dk", &a.dk}, {"dv", &a.dv},
+                         {"out", &a.out}, {"out_lo", &a.out_lo}, {"dout", &a.dout}, {"dq", &a.dq}, {"dk", &a.dk}, {"dv", &a.dv},
                          {"dqp", &a.dqp}, {"dkp", &a.dkp}})
     check_aligned(fn, name, *t);
   if (a.lse.dtype != FLASHMSA_DTYPE_FP32) unsupported(fn, "lse must be fp32");
@@ -347,6 +347,7 @@ void run_fwd(const flashmsa_fwd_args_t& a, const Geometry& g, const int32_t* idx
   p.tma_shape_k = tk.shape;
   p.batched = g.batched;
   p.out = token_tensor<void>(a.out, g);
+  if (present(a.out_lo)) p.out_lo = token_tensor<void>(a.out_lo, g);
   p.lse = head_tensor<float>(a.lse);
   p.indices.ptr = idx;
   p.indices.head = idx_head;
@@ -509,6 +510,7 @@ void run_bwd(const flashmsa_bwd_args_t& a, const Geometry& g, char* ws, const Bw
 
   attn_bwd::PreprocessArgs pa;
   pa.out = token_tensor<const void>(a.out, g);
+  if (present(a.out_lo)) pa.out_lo = token_tensor<const void>(a.out_lo, g);
   pa.dout = token_tensor<const void>(a.dout, g);
   pa.lse = head_tensor<const float>(a.lse);
   pa.dlse = head_tensor<const float>(a.dlse);

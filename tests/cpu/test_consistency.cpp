@@ -434,5 +434,43 @@ TEST_F(Consistency, LowPrecisionEqualsRoundedFp64) {
     }
 }
 
+// out_lo (the precise-dpsum input): the low part of the fp64 output in the output dtype, so
+// out + out_lo carries ~16 more bits than out; the backward accepts it (the CPU backend's dpsum
+// uses the exact fp64 output either way, so the gradients are unchanged).
+TEST_F(Consistency, OutLoIsTheLowPartOfTheOutput) {
+  Config c64;
+  c64.lens = {300, 129};
+  Inputs in64 = make_inputs(c64, rng);
+  round_inputs_to(in64, FLASHMSA_DTYPE_BF16);
+  Config c = c64;
+  c.dtype = FLASHMSA_DTYPE_BF16;
+  const Inputs in = relayout(in64, c);
+  const FwdResult ref = run_fwd(c64, in64);
+  FwdResult f;
+  flashmsa_fwd_args_t a = fwd_args(c, in, f);
+  Tensor lo = c.tokens(c.Hq, c.D);
+  a.out_lo = lo.view();
+  ASSERT_EQ(flashmsa_fwd(&a, nullptr, 0), FLASHMSA_SUCCESS) << flashmsa_last_error();
+  const auto o64 = ref.out.values(), hi = f.out.values(), low = lo.values();
+  double e_hi = 0, e_two = 0, n = 0;
+  for (size_t i = 0; i < o64.size(); ++i) {
+    const double want_lo = flashmsa::round_to(FLASHMSA_DTYPE_BF16, o64[i] - hi[i]);
+    ASSERT_EQ(low[i], want_lo) << "element " << i;
+    e_hi += (hi[i] - o64[i]) * (hi[i] - o64[i]);
+    e_two += (hi[i] + low[i] - o64[i]) * (hi[i] + low[i] - o64[i]);
+    n += o64[i] * o64[i];
+  }
+  std::printf("    rel-L2 vs fp64: out %.3e, out + out_lo %.3e\n", std::sqrt(e_hi / n), std::sqrt(e_two / n));
+  EXPECT_LT(std::sqrt(e_two / n), std::sqrt(e_hi / n) / 64);
+  // the backward takes it
+  BwdResult b0, b1;
+  Tensor dkl0, dkl1;
+  flashmsa_bwd_args_t ba0 = bwd_args(c, in, f, b0, dkl0), ba1 = bwd_args(c, in, f, b1, dkl1);
+  ba1.out_lo = lo.view();
+  ASSERT_EQ(flashmsa_bwd(&ba0, nullptr, 0), FLASHMSA_SUCCESS) << flashmsa_last_error();
+  ASSERT_EQ(flashmsa_bwd(&ba1, nullptr, 0), FLASHMSA_SUCCESS) << flashmsa_last_error();
+  EXPECT_TRUE(all_equal(b0.dq.values(), b1.dq.values()));
+}
+
 }  // namespace
 }  // namespace fmtest

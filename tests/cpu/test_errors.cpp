@@ -250,6 +250,9 @@ std::vector<ErrorCase> error_cases() {
       {"FwdProxyScaleNaN", E::Fwd, [nan](ValidCall& s) { s.fa.proxy_scale = nan; }, {"proxy_scale", "nan"}},
       {"FwdOutMissing", E::Fwd, [](ValidCall& s) { s.fa.out = flashmsa::none(); }, {"out", "required"}},
       {"FwdLseMissing", E::Fwd, [](ValidCall& s) { s.fa.lse = flashmsa::none(); }, {"lse", "required"}},
+      {"FwdOutLoWrongShape", E::Fwd, [](ValidCall& s) { s.fa.out_lo = s.make(F64, {300, 2, 8}); },
+       {"out_lo", "expected Hq = 4, got 2"}},
+      {"FwdOutLoDtype", E::Fwd, [](ValidCall& s) { s.fa.out_lo = s.make(F32, {300, 4, 8}); }, {"out_lo", "fp32"}},
       {"FwdLseWrongShape", E::Fwd, [](ValidCall& s) { s.fa.lse = s.make(F64, {2, 300}); },
        {"lse", "expected shape [4, 300]", "got [2, 300]"}},
       {"FwdLseInt32", E::Fwd, [](ValidCall& s) { s.fa.lse = s.make(I32, {4, 300}); }, {"lse", "got int32"}},
@@ -314,6 +317,8 @@ std::vector<ErrorCase> error_cases() {
        {"indices", "value -7", "outside [0, 2)"}},
       {"BwdDklNotScalar", E::Bwd, [](ValidCall& s) { s.ba.dkl = s.make(F64, {2}); }, {"dkl", "scalar", "got [2]"}},
       {"BwdDklNaN", E::Bwd, [nan](ValidCall& s) { s.ba.dkl = s.make_values(F64, {1}, {nan}); }, {"dkl", "finite"}},
+      {"BwdOutLoWrongShape", E::Bwd, [](ValidCall& s) { s.ba.out_lo = s.make(F64, {300, 4, 4}); },
+       {"out_lo", "expected D = 8, got 4"}},
       {"BwdDeterministicNotFlag", E::Bwd, [](ValidCall& s) { s.ba.deterministic = -1; }, {"deterministic", "got -1"}},
       {"BwdKOnCuda", E::Bwd,
        [](ValidCall& s) {

@@ -407,6 +407,64 @@ inline RefBwd straightforward_bwd(const Problem& pb, const Tensor& q, const Tens
   return r;
 }
 
+// The ideal low-precision backward of SPEC section 3's precise-dpsum bar: fp64 math (the fp64
+// forward's lse and exact output for dpsum) with P and dS rounded to the dtype once, and the
+// gradients rounded at the end. dv is not part of that bar and is left empty.
+inline RefBwd ideal_bwd(const Problem& pb, const Tensor& q, const Tensor& k, const Tensor& v,
+                        const std::vector<double>& dout, const RefFwd& f64, const std::vector<int32_t>* indices,
+                        int topk, flashmsa_mode_t mode) {
+  using flashmsa::round_to;
+  const auto dt = pb.dtype;
+  const flashmsa::ref::Problem rp = ref_problem(pb, topk, mode);
+  const double scale = 1.0 / std::sqrt(double(pb.D));
+  const int64_t n = int64_t(pb.Hq) * rp.total;
+  const int T = int(std::min<int64_t>(flashmsa::ref::num_threads(), std::max<int64_t>(n, 1)));
+  const size_t kv_elems = k.host.size();
+  std::vector<std::vector<double>> dkb(static_cast<size_t>(T));
+  RefBwd r;
+  r.dq.assign(q.host.size(), 0.0);
+  flashmsa::ref::parallel_for(n, [&](int64_t first, int64_t, int tid) {
+    auto& dk = dkb[size_t(tid)];
+    dk.assign(kv_elems, 0.0);
+    std::vector<int64_t> keys;
+    for (int64_t item = first; item < n; item += T) {
+      const int h = int(item / rp.total);
+      const int64_t t = item % rp.total;
+      flashmsa::ref::key_set(rp, indices ? indices->data() : nullptr, rp.group_of(h), t, keys);
+      if (keys.empty()) continue;
+      const int c = rp.kv_of(h);
+      const size_t qo = (size_t(t) * pb.Hq + h) * pb.D;
+      const double lse = f64.lse[size_t(h) * rp.total + t];
+      double Dh = 0;
+      for (int d = 0; d < pb.D; ++d) Dh += dout[qo + d] * f64.out[qo + d];
+      std::vector<double> dq(size_t(pb.D), 0.0);
+      for (size_t j = 0; j < keys.size(); ++j) {
+        const size_t ko = (size_t(keys[j]) * pb.Hkv + c) * pb.D;
+        double sc = 0, dp = 0;
+        for (int d = 0; d < pb.D; ++d) {
+          sc += q.host[qo + d] * k.host[ko + d];
+          dp += dout[qo + d] * v.host[ko + d];
+        }
+        const double p = std::exp(sc * scale - lse);
+        const double ds = round_to(dt, p * (dp - Dh));
+        for (int d = 0; d < pb.D; ++d) {
+          dq[size_t(d)] += ds * k.host[ko + d];
+          dk[ko + d] += ds * q.host[qo + d];
+        }
+      }
+      for (int d = 0; d < pb.D; ++d) r.dq[qo + d] = round_to(dt, dq[size_t(d)] * scale);
+    }
+  });
+  r.dk.assign(kv_elems, 0.0);
+  for (size_t e = 0; e < kv_elems; ++e) {
+    double a = 0;
+    for (int tt = 0; tt < T; ++tt)
+      if (!dkb[size_t(tt)].empty()) a += dkb[size_t(tt)][e];
+    r.dk[e] = round_to(dt, a * scale);
+  }
+  return r;
+}
+
 // Straightforward same-dtype proxy gradient: P of the group's heads from the straightforward
 // forward (rounded), the teacher as their fp32 mean, proxy logits rounded, the student softmax in
 // fp32, dz rounded once, dqp and dkp accumulated in fp32 and rounded.

@@ -27,7 +27,12 @@ __global__ void preprocess_kernel(const PreprocessArgs a) {
   if (a.dout.ptr) {  // without dout (the forward's kl), only lse2
     const Element* o = a.out.template row<const Element>(b, t, h);
     const Element* g = a.dout.template row<const Element>(b, t, h);
-    for (int e = 0; e < 4; ++e) acc += to_f(o[lane * 4 + e]) * to_f(g[lane * 4 + e]);
+    if (a.out_lo.ptr) {
+      const Element* lo = a.out_lo.template row<const Element>(b, t, h);
+      for (int e = 0; e < 4; ++e) acc += (to_f(o[lane * 4 + e]) + to_f(lo[lane * 4 + e])) * to_f(g[lane * 4 + e]);
+    } else {
+      for (int e = 0; e < 4; ++e) acc += to_f(o[lane * 4 + e]) * to_f(g[lane * 4 + e]);
+    }
   }
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffff, acc, off);

@@ -14,6 +14,7 @@ namespace flashmsa::cuda::attn_bwd {
 
 struct PreprocessArgs {
   TokenTensor<const void> out, dout;
+  TokenTensor<const void> out_lo;  // optional: dpsum from out + out_lo (precise dpsum)
   HeadTensor<const float> lse;   // [Hq, total] natural log
   HeadTensor<const float> dlse;  // optional
   Seqs seqs;

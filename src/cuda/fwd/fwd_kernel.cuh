@@ -38,6 +38,7 @@ struct Params {
   bool batched = false;
   TokenTensor<const void> q, k, v;
   TokenTensor<void> out;
+  TokenTensor<void> out_lo;  // optional: Element(O - Element(O)) of the fp32 output O
   HeadTensor<float> lse;              // [Hq, total]
   HeadTensor<const int32_t> indices;  // [Hp, total, topk]; ptr null in dense mode
   Seqs seqs;
@@ -335,6 +336,24 @@ __global__ void __launch_bounds__(384, 1) fwd_kernel(const __grid_constant__ Par
     const int h = h0 + row % p.R;
     Element* dst = optr + b * p.out.batch_corr + (s0 + i0 + tok) * p.out.tok + h * p.out.head + col;
     *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(&sQ(row, col));
+  }
+  if (p.out_lo.ptr) {  // the low part, staged through the same rows once they are stored
+    ptx::named_barrier_sync(int(NamedBarrier::kWarpGroup0) + wg, 128);
+#pragma unroll
+    for (int x = 0; x < size(accO); ++x) {
+      const int row = wg * 64 + get<0>(cO(x));
+      sQ(row, get<1>(cO(x))) = Element(accO(x) - float(Element(accO(x))));
+    }
+    ptx::named_barrier_sync(int(NamedBarrier::kWarpGroup0) + wg, 128);
+    Element* lptr = static_cast<Element*>(p.out_lo.ptr);
+    for (int c = tid % 128; c < 64 * 16; c += 128) {
+      const int row = wg * 64 + c / 16, col = (c % 16) * 8;
+      const int tok = row / p.R;
+      if (tok >= ntok) continue;
+      const int h = h0 + row % p.R;
+      Element* dst = lptr + b * p.out_lo.batch_corr + (s0 + i0 + tok) * p.out_lo.tok + h * p.out_lo.head + col;
+      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(&sQ(row, col));
+    }
   }
   if ((lane & 3) == 0) {
 #pragma unroll
