@@ -22,18 +22,19 @@ HAS_CUSTOM_OP = hasattr(torch.library, "custom_op") and hasattr(torch.library, "
 # Positions of the forward's inputs (the op's schema order).
 FWD_ARGS = ("q", "k", "v", "qp", "kp", "cu_seqlens", "indices", "max_seqlen", "mode", "numerics",
             "topk", "softmax_scale", "proxy_scale", "compute_kl", "want_indices", "want_proxy_lse",
-            "validate")
+            "validate", "want_out_lo")
 
 
 def _setup_context(ctx, inputs, output):
     a = dict(zip(FWD_ARGS, inputs))
-    out, lse, idx, plse, kl = output
+    out, lse, idx, plse, kl, out_lo = output
     mode = a["mode"]
     sel = idx if mode == L.MODE_SPARSE else a["indices"] if mode == L.MODE_GIVEN else None
-    ctx.save_for_backward(a["q"], a["k"], a["v"], a["qp"], a["kp"], a["cu_seqlens"], sel, out, lse, plse)
+    ctx.save_for_backward(a["q"], a["k"], a["v"], a["qp"], a["kp"], a["cu_seqlens"], sel, out, lse, plse,
+                          out_lo if a["want_out_lo"] else None)
     ctx.max_seqlen, ctx.mode = a["max_seqlen"], mode
     ctx.softmax_scale, ctx.proxy_scale = a["softmax_scale"], a["proxy_scale"]
-    ctx.mark_non_differentiable(idx, plse)
+    ctx.mark_non_differentiable(idx, plse, out_lo)
     ctx.set_materialize_grads(False)
 
 
@@ -45,8 +46,8 @@ def _dense(g: Tensor) -> Tensor:
     return g.new_empty(g.shape).copy_(g)
 
 
-def _backward(ctx, dout, dlse, _didx, _dplse, dkl):
-    q, k, v, qp, kp, cu, sel, out, lse, plse = ctx.saved_tensors
+def _backward(ctx, dout, dlse, _didx, _dplse, dkl, _dout_lo):
+    q, k, v, qp, kp, cu, sel, out, lse, plse, out_lo = ctx.saved_tensors
     dout = torch.zeros_like(out) if dout is None else _dense(dout)
     if dlse is not None:
         dlse = _dense(dlse)
@@ -55,7 +56,8 @@ def _backward(ctx, dout, dlse, _didx, _dplse, dkl):
     # torch.use_deterministic_algorithms(True) selects the bitwise reproducible backward
     deterministic = torch.are_deterministic_algorithms_enabled()
     dq, dk, dv, dqp, dkp = bwd_op(dout, dlse, dkl, q, k, v, qp, kp, cu, sel, out, lse, plse,
-                                  ctx.max_seqlen, ctx.mode, ctx.softmax_scale, ctx.proxy_scale, deterministic)
+                                  ctx.max_seqlen, ctx.mode, ctx.softmax_scale, ctx.proxy_scale, deterministic,
+                                  out_lo)
     has_proxy = qp is not None
     grads = [dq, dk, dv, dqp if has_proxy else None, dkp if has_proxy else None]
     return tuple(grads + [None] * (len(FWD_ARGS) - len(grads)))
@@ -67,24 +69,25 @@ if HAS_CUSTOM_OP:
     def fwd_op(q: Tensor, k: Tensor, v: Tensor, qp: Optional[Tensor], kp: Optional[Tensor],
                cu_seqlens: Optional[Tensor], indices: Optional[Tensor], max_seqlen: int, mode: int,
                numerics: int, topk: int, softmax_scale: float, proxy_scale: float, compute_kl: int,
-               want_indices: bool, want_proxy_lse: bool, validate: bool
-               ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+               want_indices: bool, want_proxy_lse: bool, validate: bool, want_out_lo: bool
+               ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
         return K.fwd(q, k, v, qp, kp, cu_seqlens, indices, max_seqlen, mode, numerics, topk,
-                     softmax_scale, proxy_scale, compute_kl, want_indices, want_proxy_lse, validate)
+                     softmax_scale, proxy_scale, compute_kl, want_indices, want_proxy_lse, validate,
+                     want_out_lo)
 
     @fwd_op.register_fake
     def _(q, k, v, qp, kp, cu_seqlens, indices, max_seqlen, mode, numerics, topk, softmax_scale,
-          proxy_scale, compute_kl, want_indices, want_proxy_lse, validate):
-        return K.fwd_outputs(q, qp, indices, mode, topk, want_indices, want_proxy_lse)
+          proxy_scale, compute_kl, want_indices, want_proxy_lse, validate, want_out_lo):
+        return K.fwd_outputs(q, qp, indices, mode, topk, want_indices, want_proxy_lse, want_out_lo)
 
     @torch.library.custom_op("flashmsa::bwd", mutates_args=())
     def bwd_op(dout: Tensor, dlse: Optional[Tensor], dkl: Optional[Tensor], q: Tensor, k: Tensor,
                v: Tensor, qp: Optional[Tensor], kp: Optional[Tensor], cu_seqlens: Optional[Tensor],
                indices: Optional[Tensor], out: Tensor, lse: Tensor, proxy_lse: Optional[Tensor],
                max_seqlen: int, mode: int, softmax_scale: float, proxy_scale: float,
-               deterministic: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+               deterministic: bool, out_lo: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         return K.bwd(dout, dlse, dkl, q, k, v, qp, kp, cu_seqlens, indices, out, lse, proxy_lse,
-                     max_seqlen, mode, softmax_scale, proxy_scale, deterministic)
+                     max_seqlen, mode, softmax_scale, proxy_scale, deterministic, out_lo)
 
     @bwd_op.register_fake
     def _(dout, dlse, dkl, q, k, v, qp, kp, *rest):

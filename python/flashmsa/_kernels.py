@@ -53,8 +53,8 @@ def proxy_heads(q: Tensor, qp: Optional[Tensor], indices: Optional[Tensor], mode
 
 
 # ---- forward --------------------------------------------------------------------------------
-def fwd_outputs(q, qp, indices, mode, topk, want_indices, want_proxy_lse):
-    """(out, lse, indices_out, proxy_lse, kl); unused outputs are empty tensors."""
+def fwd_outputs(q, qp, indices, mode, topk, want_indices, want_proxy_lse, want_out_lo=False):
+    """(out, lse, indices_out, proxy_lse, kl, out_lo); unused outputs are empty tensors."""
     total, Hq, sd = num_tokens(q), q.shape[-2], stat_dtype(q)
     Hp = proxy_heads(q, qp, indices, mode)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -65,16 +65,18 @@ def fwd_outputs(q, qp, indices, mode, topk, want_indices, want_proxy_lse):
         idx = _empty(q, torch.int32)
     plse = torch.empty((Hp, total), dtype=sd, device=q.device) if want_proxy_lse and qp is not None else _empty(q, sd)
     kl = torch.empty((), dtype=sd, device=q.device)
-    return out, lse, idx, plse, kl
+    out_lo = torch.empty(q.shape, dtype=q.dtype, device=q.device) if want_out_lo else _empty(q)
+    return out, lse, idx, plse, kl, out_lo
 
 
 def fwd(q, k, v, qp, kp, cu_seqlens, indices, max_seqlen: int, mode: int, numerics: int, topk: int,
         softmax_scale: float, proxy_scale: float, compute_kl: int, want_indices: bool,
-        want_proxy_lse: bool, validate: bool):
+        want_proxy_lse: bool, validate: bool, want_out_lo: bool = False):
     """flashmsa_fwd. compute_kl: 1 the value, 0 a zero placeholder, -1 the value where the
-    backend computes it (else the placeholder). want_proxy_lse is a hint for the backward."""
-    outs = fwd_outputs(q, qp, indices, mode, topk, want_indices, want_proxy_lse)
-    out, lse, idx, plse, kl = outs
+    backend computes it (else the placeholder). want_proxy_lse is a hint for the backward;
+    want_out_lo asks for the output's low part (the backward's precise dpsum)."""
+    outs = fwd_outputs(q, qp, indices, mode, topk, want_indices, want_proxy_lse, want_out_lo)
+    out, lse, idx, plse, kl, out_lo = outs
     a = L.new_args(L.FwdArgs)
     a.q, a.k, a.v, a.qp, a.kp = L.view(q), L.view(k), L.view(v), L.view(qp), L.view(kp)
     a.cu_seqlens = L.view(cu_seqlens)
@@ -84,6 +86,7 @@ def fwd(q, k, v, qp, kp, cu_seqlens, indices, max_seqlen: int, mode: int, numeri
     a.validate = int(validate)
     a.indices = L.view(indices if mode == L.MODE_GIVEN else idx if idx.numel() else None)
     a.out, a.lse, a.kl = L.view(out), L.view(lse), L.view(kl)
+    a.out_lo = L.view(out_lo if want_out_lo else None)
     a.stream = L.stream_of(q.device)
 
     optional = []
@@ -139,8 +142,10 @@ def bwd_outputs(q, k, v, qp, kp):
 
 
 def bwd(dout, dlse, dkl, q, k, v, qp, kp, cu_seqlens, indices, out, lse, proxy_lse,
-        max_seqlen: int, mode: int, softmax_scale: float, proxy_scale: float, deterministic: bool):
-    """flashmsa_bwd -> (dq, dk, dv, dqp, dkp); dqp, dkp are empty without qp, kp."""
+        max_seqlen: int, mode: int, softmax_scale: float, proxy_scale: float, deterministic: bool,
+        out_lo=None):
+    """flashmsa_bwd -> (dq, dk, dv, dqp, dkp); dqp, dkp are empty without qp, kp. out_lo: the
+    forward's low output part, or None."""
     outs = bwd_outputs(q, k, v, qp, kp)
     dq, dk, dv, dqp, dkp = outs
     a = L.new_args(L.BwdArgs)
@@ -152,6 +157,7 @@ def bwd(dout, dlse, dkl, q, k, v, qp, kp, cu_seqlens, indices, out, lse, proxy_l
     a.deterministic = int(deterministic)
     a.indices = L.view(indices if mode != L.MODE_DENSE else None)
     a.out, a.lse = L.view(out), L.view(lse)
+    a.out_lo = L.view(out_lo)
     usable = (proxy_lse is not None and proxy_lse.numel() > 0
               and proxy_lse_usable(feature_key(q, k, qp, kp, indices, mode)))
     a.proxy_lse = L.view(proxy_lse if usable else None)

@@ -101,7 +101,7 @@ def msa_attention(q: Tensor, k: Tensor, v: Tensor, qp: Optional[Tensor] = None,
                   softmax_scale: Optional[float] = None, proxy_scale: Optional[float] = None,
                   compute_kl: Optional[bool] = None, return_lse: bool = False,
                   return_indices: bool = False, numerics: Optional[str] = None,
-                  validate: bool = False):
+                  precise_dpsum: bool = False, validate: bool = False):
     """MiniMax Sparse Attention: proxy selection of topk 128-token blocks, then causal GQA
     attention over them, plus the proxy's KL term.
 
@@ -117,6 +117,10 @@ def msa_attention(q: Tensor, k: Tensor, v: Tensor, qp: Optional[Tensor] = None,
     (dz = g/N (s - t)): add it to the loss.
 
     numerics: None picks "train" (exact running max) when an input requires grad, else "infer".
+
+    precise_dpsum: when training, the forward also keeps the low part of its fp32 output
+    (out_lo, one more activation of out's size) and the backward computes dpsum from
+    out + out_lo: more accurate dq and dk on peaked rows (SPEC section 3, docs/numerics.md).
 
     Returns (out, kl), then lse [Hq, total] fp32 if return_lse (differentiable), then indices
     [Hp, total, topk] int32 if return_indices (None in warmup mode).
@@ -150,10 +154,12 @@ def msa_attention(q: Tensor, k: Tensor, v: Tensor, qp: Optional[Tensor] = None,
     else:
         raise TypeError(f"flashmsa: compute_kl: expected a bool or None, got {type(compute_kl).__name__}")
 
-    out, lse, idx, _plse, kl = A.msa_fn(
+    if not isinstance(precise_dpsum, bool):
+        raise TypeError(f"flashmsa: precise_dpsum: expected a bool, got {type(precise_dpsum).__name__}")
+    out, lse, idx, _plse, kl, _out_lo = A.msa_fn(
         q, k, v, qp, kp, cu_seqlens, indices, max_seqlen, mode, num, topk,
         _scale("softmax_scale", softmax_scale), _scale("proxy_scale", proxy_scale), kl_mode,
-        return_indices or grad, grad and has_proxy, bool(validate))
+        return_indices or grad, grad and has_proxy, bool(validate), precise_dpsum and grad)
     result = [out, kl]
     if return_lse:
         result.append(lse)

@@ -17,7 +17,7 @@ from flashmsa.testing import make_inputs, rel_l2  # noqa: E402
 needs_custom_op = pytest.mark.skipif(not A.HAS_CUSTOM_OP, reason="torch < 2.4: no torch.library.custom_op")
 
 
-def fwd_args(mode, batched=False, grad=True):
+def fwd_args(mode, batched=False, grad=True, out_lo=False):
     """Positional arguments of flashmsa::fwd for a small fp64 case."""
     if batched:
         x = make_inputs(batch=2, seqlen=150, D=8, Dp=8, requires_grad=grad, seed=21)
@@ -29,7 +29,7 @@ def fwd_args(mode, batched=False, grad=True):
     if mode == L.MODE_GIVEN:
         idx = flashmsa.msa_select(x["qp"].detach(), x["kp"].detach(), 2, cu_seqlens=cu, max_seqlen=ms)
     return (x["q"], x["k"], x["v"], x["qp"], x["kp"], cu, idx, ms, mode, L.NUMERICS_TRAIN, 2, 0.0, 0.0, 1,
-            True, True, False)
+            True, True, False, out_lo)
 
 
 @needs_custom_op
@@ -49,14 +49,20 @@ def test_opcheck_fwd(mode, batched):
 
 
 @needs_custom_op
+def test_opcheck_fwd_with_out_lo():
+    torch.library.opcheck(torch.ops.flashmsa.fwd.default, fwd_args(L.MODE_SPARSE, out_lo=True))
+
+
+@needs_custom_op
 def test_opcheck_bwd_and_select():
     args = fwd_args(L.MODE_SPARSE, grad=False)
     q, k, v, qp, kp, cu = args[:6]
-    out, lse, idx, plse, kl = torch.ops.flashmsa.fwd(*args)
+    out, lse, idx, plse, kl, _ = torch.ops.flashmsa.fwd(*args)
     dout, dlse, dkl = torch.randn_like(out), torch.randn_like(lse), torch.tensor(2.0, dtype=torch.float64)
-    torch.library.opcheck(torch.ops.flashmsa.bwd.default,
-                          (dout, dlse, dkl, q, k, v, qp, kp, cu, idx, out, lse, plse, 260, L.MODE_SPARSE, 0.0,
-                           0.0, False))
+    for out_lo in (None, torch.zeros_like(out)):
+        torch.library.opcheck(torch.ops.flashmsa.bwd.default,
+                              (dout, dlse, dkl, q, k, v, qp, kp, cu, idx, out, lse, plse, 260, L.MODE_SPARSE, 0.0,
+                               0.0, False, out_lo))
     torch.library.opcheck(torch.ops.flashmsa.select.default, (qp, kp, cu, 260, 3, 0.0, True))
 
 
@@ -113,7 +119,7 @@ def test_autograd_function_matches_custom_op():
     args = fwd_args(L.MODE_SPARSE)
     outs = [A.MSAFunction.apply(*args), A.msa_fn(*args)]
     grads = []
-    for out, lse, idx, plse, kl in outs:
+    for out, lse, idx, plse, kl, _out_lo in outs:
         fin = torch.isfinite(lse)
         loss = out.square().sum() + torch.where(fin, lse, 0).sum() + 2 * kl
         grads.append(torch.autograd.grad(loss, args[:5]))

@@ -113,8 +113,9 @@ def _backward_available() -> bool:
 
 
 @cuda
+@pytest.mark.parametrize("precise", [False, True], ids=["dpsum", "precise_dpsum"])
 @pytest.mark.parametrize("config", ["m3", "fmsa"])
-def test_cuda_backward_matches_reference(config):
+def test_cuda_backward_matches_reference(config, precise):
     if not _backward_available():
         pytest.skip("the CUDA backward has not landed (flashmsa_bwd answers NOT_SUPPORTED)")
     cfg = CONFIGS[config]
@@ -122,7 +123,7 @@ def test_cuda_backward_matches_reference(config):
     x64 = {n: x[n].detach().double().requires_grad_() for n in MAIN_PROXY}
     kw = _seq_kw(x)
     out, kl, lse, idx = flashmsa.msa_attention(*(x[n] for n in MAIN_PROXY), cfg["topk"], return_lse=True,
-                                               return_indices=True, **kw)
+                                               return_indices=True, precise_dpsum=precise, **kw)
     rout, rkl, rlse = R.msa_attention(*(x64[n] for n in MAIN_PROXY), indices=idx, return_lse=True,
                                       compute_kl=False, **kw)
     g = torch.Generator(device="cuda").manual_seed(1)

@@ -224,6 +224,42 @@ def test_numerics_follow_requires_grad(monkeypatch):
     assert seen == [1, 0, 1, 1]  # INFER, TRAIN (kp requires grad), INFER (no_grad), explicit
 
 
+def test_precise_dpsum_passes_out_lo(monkeypatch):
+    """precise_dpsum=True (training): the forward asks for out_lo and the backward receives it;
+    the CPU backend's dpsum uses its exact fp64 output, so the gradients are unchanged."""
+    from flashmsa import _kernels as K
+
+    seen = []
+    orig_fwd, orig_bwd = K.fwd, K.bwd
+
+    def spy_fwd(*a):
+        seen.append(("fwd", a[-1]))  # want_out_lo
+        return orig_fwd(*a)
+
+    def spy_bwd(*a):
+        seen.append(("bwd", a[-1] is not None and a[-1].numel() > 0))  # out_lo
+        return orig_bwd(*a)
+
+    monkeypatch.setattr(K, "fwd", spy_fwd)
+    monkeypatch.setattr(K, "bwd", spy_bwd)
+    x = make_inputs(lengths=[300, 40], dtype=torch.bfloat16, requires_grad=True, seed=16)
+    args = [x[n] for n in MAIN + PROXY]
+    kw = dict(cu_seqlens=x["cu_seqlens"], max_seqlen=x["max_seqlen"])
+    grads = []
+    for precise in (False, True):
+        out, kl = flashmsa.msa_attention(*args, 2, precise_dpsum=precise, **kw)
+        grads.append(torch.autograd.grad(out.float().square().sum() + kl, args))
+    assert seen == [("fwd", False), ("bwd", False), ("fwd", True), ("bwd", True)]
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+    with torch.no_grad():  # inference: nothing to keep
+        seen.clear()
+        flashmsa.msa_attention(*args, 2, precise_dpsum=True, **kw)
+        assert seen == [("fwd", False)]
+    with pytest.raises(TypeError, match="precise_dpsum"):
+        flashmsa.msa_attention(*args, 2, precise_dpsum=1, **kw)
+
+
 def test_deterministic_follows_torch_setting(monkeypatch):
     """torch.use_deterministic_algorithms(True) reaches the library's bwd call as deterministic=1;
     the gradients are those of the default backward (the CPU backend is deterministic anyway)."""
@@ -233,7 +269,7 @@ def test_deterministic_follows_torch_setting(monkeypatch):
     orig = K.bwd
 
     def spy(*a):
-        seen.append(a[-1])  # deterministic
+        seen.append(a[17])  # deterministic
         return orig(*a)
 
     monkeypatch.setattr(K, "bwd", spy)
