@@ -185,6 +185,30 @@ int main(int argc, char** argv) {
       void* wsb;
       CK(cudaMalloc(&wsb, std::max<size_t>(bws, 256)));
       const double t_bwd = median_ms([&] { flashmsa::bwd(bw, wsb, bws); }, iters);
+      // the deterministic backward, and the precise dpsum (forward writing out_lo, backward reading it)
+      double t_bwd_det = NAN, t_fwd_lo = NAN, t_bwd_lo = NAN;
+      {
+        BwdArgs bd = bw;
+        bd.deterministic = 1;
+        const size_t wd = workspace_size(bd);
+        void* wsd;
+        CK(cudaMalloc(&wsd, std::max<size_t>(wd, 256)));
+        t_bwd_det = median_ms([&] { flashmsa::bwd(bd, wsd, wd); }, std::max(3, iters / 2));
+        cudaFree(wsd);
+        void* lo;
+        CK(cudaMalloc(&lo, size_t(T) * c.Hq * D * 2));
+        FwdArgs fl = f;
+        fl.out_lo = dv(lo, FLASHMSA_DTYPE_BF16, {T, c.Hq, D});
+        const size_t wl = workspace_size(fl);
+        void* wsl;
+        CK(cudaMalloc(&wsl, std::max<size_t>(wl, 256)));
+        t_fwd_lo = median_ms([&] { flashmsa::fwd(fl, wsl, wl); }, iters);
+        BwdArgs bl = bw;
+        bl.out_lo = fl.out_lo;
+        t_bwd_lo = median_ms([&] { flashmsa::bwd(bl, wsb, bws); }, iters);
+        cudaFree(wsl);
+        cudaFree(lo);
+      }
       // step: forward with selection (SPARSE) + backward
       FwdArgs fs = f;
       fs.mode = FLASHMSA_MODE_SPARSE;
@@ -239,12 +263,14 @@ int main(int argc, char** argv) {
           "\"union_factor_128\": %.3f, \"select_ms\": %.4f, \"select_tflops\": %.1f, "
           "\"fwd_train_ms\": %.4f, \"fwd_train_tflops\": %.1f, \"fwd_infer_ms\": %.4f, \"fwd_infer_tflops\": %.1f, "
           "\"dense_fwd_ms\": %.4f, \"dense_fwd_tflops\": %.1f, \"bwd_ms\": %.4f, \"bwd_tflops\": %.1f, "
-          "\"step_ms\": %.4f, \"step_tflops\": %.1f, \"step_gb\": %.2f}\n",
+          "\"step_ms\": %.4f, \"step_tflops\": %.1f, \"step_gb\": %.2f, \"bwd_deterministic_ms\": %.4f, "
+          "\"fwd_train_out_lo_ms\": %.4f, \"bwd_out_lo_ms\": %.4f}\n",
           prop.name, c.name.c_str(), (long long)T, pat_s.c_str(), c.topk, uf, t_sel,
           tf(2.0 * D * pc.proxy_pairs, t_sel), t_fwd, tf(4.0 * D * pc.main_pairs, t_fwd), t_fwd_inf,
           tf(4.0 * D * pc.main_pairs, t_fwd_inf), t_dense, tf(4.0 * D * dense_pairs, t_dense), t_bwd,
           tf(2.5 * 4.0 * D * pc.main_pairs, t_bwd), t_step,
-          tf(3.5 * 4.0 * D * pc.main_pairs + 2.0 * D * pc.proxy_pairs, t_step), step_gb);
+          tf(3.5 * 4.0 * D * pc.main_pairs + 2.0 * D * pc.proxy_pairs, t_step), step_gb, t_bwd_det, t_fwd_lo,
+          t_bwd_lo);
       std::fflush(stdout);
       for (void* p : {q, k, v, qp, kp, dcu, idx, plse, out, lse}) cudaFree(p);
     }

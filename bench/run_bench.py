@@ -207,6 +207,17 @@ def markdown(meta):
             f"{fmt(cu.get('step_ms'), 1)} | {fmt(fa.get('step_ms'), 1)} | {fmt(fl.get('step_ms'), 1)} | "
             f"{fmt(cu['step_ms'] / r['step_ms'] if cu.get('step_ms') and r.get('step_ms') else None, 2)}x | "
             f"{fmt(r.get('step_gb'), 2)} / {fmt(cu.get('peak_gb'), 2)} |")
+    extra = [r for r in meta["rows"] if r.get("bwd_deterministic_ms") is not None]
+    if extra:
+        out += ["", "Costs of the options (same run): the deterministic backward, and the precise dpsum "
+                "(forward writing out_lo, backward reading it).", "",
+                "| config | T | pattern | bwd ms | deterministic bwd ms (x) | fwd train ms | fwd + out_lo ms | "
+                "bwd + out_lo ms |", "|---|---|---|---|---|---|---|---|"]
+        for r in extra:
+            out.append(
+                f"| {r['config']} | {r['seqlen']} | {r['pattern']} | {fmt(r['bwd_ms'], 2)} | "
+                f"{fmt(r['bwd_deterministic_ms'], 2)} ({fmt(r['bwd_deterministic_ms'] / r['bwd_ms'], 2)}x) | "
+                f"{fmt(r['fwd_train_ms'], 2)} | {fmt(r['fwd_train_out_lo_ms'], 2)} | {fmt(r['bwd_out_lo_ms'], 2)} |")
     return "\n".join(out) + "\n"
 
 
