@@ -46,6 +46,7 @@ class MSAttention(nn.Module):
     proxy over the full causal set; False selects topk blocks. detach_proxy_input feeds the proxy
     projections x.detach(), so the kl term trains the proxy alone (as DeepSeek's indexer does).
     backend: "flashmsa" (libflashmsa) or "reference" (flashmsa.reference, eager torch).
+    precise_dpsum: msa_attention's option (keep the output's low part for the backward's dpsum).
     """
 
     def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: Optional[int] = None,
@@ -54,7 +55,7 @@ class MSAttention(nn.Module):
                  topk: int = 16, kl_coef: float = 1.0, warmup: bool = False, rotary: bool = True,
                  rotary_proxy: bool = True, rope_base: float = 10000.0, bias: bool = False,
                  detach_proxy_input: bool = True, backend: str = "flashmsa",
-                 device=None, dtype=None):
+                 precise_dpsum: bool = False, device=None, dtype=None):
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads or num_heads
@@ -72,6 +73,7 @@ class MSAttention(nn.Module):
         self.topk, self.kl_coef, self.warmup = topk, kl_coef, warmup
         self.rotary, self.rotary_proxy, self.rope_base = rotary, rotary_proxy, rope_base
         self.detach_proxy_input, self.backend = detach_proxy_input, backend
+        self.precise_dpsum = precise_dpsum
         kw = dict(bias=bias, device=device, dtype=dtype)
         D, Dp = self.head_dim, self.proxy_head_dim
         self.q_proj = nn.Linear(embed_dim, num_heads * D, **kw)
@@ -119,9 +121,13 @@ class MSAttention(nn.Module):
         if x.dim() not in (2, 3):
             raise ValueError(f"MSAttention: expected x [B, S, E] or [total, E], got {list(x.shape)}")
         q, k, v, qp, kp = self.project(x, cu_seqlens)
-        attn = ops.msa_attention if self.backend == "flashmsa" else reference.msa_attention
-        res = attn(q, k, v, qp, kp, self.topk, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
-                   warmup=self.warmup, return_indices=self.record_indices)
+        if self.backend == "flashmsa":
+            res = ops.msa_attention(q, k, v, qp, kp, self.topk, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                                    warmup=self.warmup, return_indices=self.record_indices,
+                                    precise_dpsum=self.precise_dpsum)
+        else:
+            res = reference.msa_attention(q, k, v, qp, kp, self.topk, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                                          warmup=self.warmup, return_indices=self.record_indices)
         out, kl = res[0], res[1]
         if self.record_indices:
             self.last_indices = res[2]

@@ -48,6 +48,19 @@ def test_flashmsa_backend_matches_reference_backend(warmup):
         assert rel_l2(g1[n], g2[n]) < 1e-10, n
 
 
+def test_precise_dpsum_option():
+    """precise_dpsum=True reaches msa_attention; on the CPU (exact fp64 dpsum) the gradients stay equal."""
+    x = torch.randn(2, 300, 32, dtype=torch.float64)
+    grads = []
+    for precise in (False, True):
+        m = layer(precise_dpsum=precise)
+        y, kl = m(x)
+        (y.square().mean() + kl).backward()
+        grads.append({n: p.grad.clone() for n, p in m.named_parameters()})
+    for n in grads[0]:
+        assert torch.equal(grads[0][n], grads[1][n]), n
+
+
 def test_warmup_switch_and_kl_routing():
     m = layer()
     x = torch.randn(1, 400, 32, dtype=torch.float64, requires_grad=True)
