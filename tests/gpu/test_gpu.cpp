@@ -449,6 +449,29 @@ TEST(Bwd, SmallDense) { run_bwd_case(make(8, 2, 2, 1, 1, {200, 1}), FLASHMSA_MOD
 // are then seen after every other fully visible block). The selected set of every query of the
 // last block is blocks 0..8 in both cases, so the exact results are identical and the two outputs
 // differ only by rounding.
+// dq, dk, dv of a GIVEN-mode forward f (no proxy), optionally with its out_lo.
+struct MainGrads {
+  Tensor dq, dk, dv;
+};
+MainGrads run_given_bwd(const Problem& pb, Inputs& in, FwdRun& f, Tensor& dout, const Tensor* out_lo = nullptr) {
+  MainGrads g{output(token_shape(pb, pb.Hq, pb.D), pb.dtype), output(token_shape(pb, pb.Hkv, pb.D), pb.dtype),
+              output(token_shape(pb, pb.Hkv, pb.D), pb.dtype)};
+  flashmsa::BwdArgs a;
+  a.q = dev_view(in.q); a.k = dev_view(in.k); a.v = dev_view(in.v);
+  a.cu_seqlens = dev_view(in.cu);
+  a.max_seqlen = pb.max_len();
+  a.mode = FLASHMSA_MODE_GIVEN;
+  a.indices = dev_view(f.indices);
+  a.out = dev_view(f.out); a.lse = dev_view(f.lse); a.dout = dev_view(dout);
+  if (out_lo) a.out_lo = dev_view(*out_lo);
+  a.dq = dev_view(g.dq); a.dk = dev_view(g.dk); a.dv = dev_view(g.dv);
+  const size_t ws_bytes = flashmsa::workspace_size(a);
+  flashmsa::bwd(a, Pool::get().take(ws_bytes), ws_bytes);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  for (Tensor* x : {&g.dq, &g.dk, &g.dv}) download(*x);
+  return g;
+}
+
 struct OrderStats {
   double gain_first = 0, gain_last = 0, gain_diff = 0, gain_bf16 = 0, noise_floor = 0, self_weight = 0;
   bool bitwise_equal = true;
@@ -505,26 +528,12 @@ OrderStats run_order_case(flashmsa_numerics_t num, bool grads) {
       st.self_weight = w / double((T - q0) * pb.Hq);
     }
     if (!grads) continue;
-    Tensor dq = output(token_shape(pb, pb.Hq, D), pb.dtype), dk = output(token_shape(pb, pb.Hkv, D), pb.dtype),
-           dv = output(token_shape(pb, pb.Hkv, D), pb.dtype);
-    flashmsa::BwdArgs a;
-    a.q = dev_view(in.q); a.k = dev_view(in.k); a.v = dev_view(in.v);
-    a.cu_seqlens = dev_view(in.cu);
-    a.max_seqlen = pb.max_len();
-    a.mode = FLASHMSA_MODE_GIVEN;
-    a.indices = dev_view(f.indices);
-    a.out = dev_view(f.out); a.lse = dev_view(f.lse); a.dout = dev_view(dout);
-    a.dq = dev_view(dq); a.dk = dev_view(dk); a.dv = dev_view(dv);
-    const size_t ws_bytes = flashmsa::workspace_size(a);
-    void* ws = Pool::get().take(ws_bytes);
-    flashmsa::bwd(a, ws, ws_bytes);
-    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    for (Tensor* x : {&dq, &dk, &dv}) download(*x);
+    const MainGrads g = run_given_bwd(pb, in, f, dout);
     RefBwd r = reference_bwd(pb, in.q, in.k, in.v, nullptr, nullptr, &given, K, FLASHMSA_MODE_GIVEN, dout.host,
                              nullptr, 0.0);
-    st.grad_err[cs][0] = rel_l2(dq.host, r.dq);
-    st.grad_err[cs][1] = rel_l2(dk.host, r.dk);
-    st.grad_err[cs][2] = rel_l2(dv.host, r.dv);
+    st.grad_err[cs][0] = rel_l2(g.dq.host, r.dq);
+    st.grad_err[cs][1] = rel_l2(g.dk.host, r.dk);
+    st.grad_err[cs][2] = rel_l2(g.dv.host, r.dv);
   }
   // row gains over the checked rows: <x - ref, ref> / <ref, ref>
   std::vector<double> g_first, g_last, g_diff, g_bf16, noise;
@@ -655,28 +664,13 @@ TEST(Numerics, PreciseDpsumWithOutLo) {
     EXPECT_LT(std::sqrt(e / nn), 1e-4);
   }
   Tensor dout = random_input(token_shape(pb, pb.Hq, D), pb.dtype, rng);
+  RefBwd r = reference_bwd(pb, in.q, in.k, in.v, nullptr, nullptr, &idx, pb.topk, FLASHMSA_MODE_GIVEN, dout.host,
+                           nullptr, 0.0);
   double err[2][2];  // [without, with out_lo][dq, dk]
   for (int with = 0; with < 2; ++with) {
-    Tensor dq = output(token_shape(pb, pb.Hq, D), pb.dtype), dk = output(token_shape(pb, pb.Hkv, D), pb.dtype),
-           dv = output(token_shape(pb, pb.Hkv, D), pb.dtype);
-    flashmsa::BwdArgs a;
-    a.q = dev_view(in.q); a.k = dev_view(in.k); a.v = dev_view(in.v);
-    a.cu_seqlens = dev_view(in.cu);
-    a.max_seqlen = pb.max_len();
-    a.mode = FLASHMSA_MODE_GIVEN;
-    a.indices = dev_view(f.indices);
-    a.out = dev_view(f.out); a.lse = dev_view(f.lse); a.dout = dev_view(dout);
-    if (with) a.out_lo = dev_view(lo);
-    a.dq = dev_view(dq); a.dk = dev_view(dk); a.dv = dev_view(dv);
-    const size_t ws_bytes = flashmsa::workspace_size(a);
-    flashmsa::bwd(a, Pool::get().take(ws_bytes), ws_bytes);
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    download(dq);
-    download(dk);
-    RefBwd r = reference_bwd(pb, in.q, in.k, in.v, nullptr, nullptr, &idx, pb.topk, FLASHMSA_MODE_GIVEN, dout.host,
-                             nullptr, 0.0);
-    err[with][0] = rel_l2(dq.host, r.dq);
-    err[with][1] = rel_l2(dk.host, r.dk);
+    const MainGrads g = run_given_bwd(pb, in, f, dout, with ? &lo : nullptr);
+    err[with][0] = rel_l2(g.dq.host, r.dq);
+    err[with][1] = rel_l2(g.dk.host, r.dk);
     if (with) {
       RefBwd ideal = ideal_bwd(pb, in.q, in.k, in.v, dout.host, f64, &idx, pb.topk, FLASHMSA_MODE_GIVEN);
       const double ei_q = rel_l2(ideal.dq, r.dq), ei_k = rel_l2(ideal.dk, r.dk);

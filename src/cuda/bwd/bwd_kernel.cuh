@@ -113,6 +113,34 @@ struct MainParams {
   bool teacher_only = false;   // the forward's kl: S, P and the teacher only
 };
 
+// ---- pieces shared by the backward kernels (main, kl, recomputing proxy) ----
+
+// The CTA's chunk pipeline: warpgroup 0 produces, the two others consume.
+template <class Pipeline>
+__device__ __forceinline__ Pipeline make_chunk_pipeline(typename Pipeline::SharedStorage& storage, int role_wg,
+                                                        int producers, int consumers) {
+  typename Pipeline::Params pp;
+  pp.role = role_wg == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
+  pp.producer_arv_count = producers;
+  pp.consumer_arv_count = consumers;
+  return Pipeline(storage, pp);
+}
+
+// The kl partial of a CTA: its consumer warps' sums (2 warpgroups, 8 warps) added in a fixed
+// order into kl_acc[slot] (the final reduction adds the partials in a fixed order too).
+__device__ __forceinline__ void store_kl_partial(float kl_sum, float (&warp_sums)[8], float* kl_acc, int64_t slot) {
+  const int tid = threadIdx.x;
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) kl_sum += __shfl_xor_sync(0xffffffff, kl_sum, off);
+  if (tid % 32 == 0) warp_sums[(tid - 128) / 32] = kl_sum;
+  ptx::named_barrier_sync(int(NamedBarrier::kConsumers), 256);
+  if (tid == 128) {
+    float total = 0.f;
+    for (int x = 0; x < 8; ++x) total += warp_sums[x];
+    kl_acc[slot] = total;
+  }
+}
+
 // Sequence of global block gb (blk_off[b] <= gb < blk_off[b+1]); -1 past the last.
 __device__ __forceinline__ int seq_of_block(const int32_t* blk_off, int batch, int gb) {
   if (gb >= blk_off[batch]) return -1;
@@ -219,11 +247,7 @@ __global__ void __launch_bounds__(384, 1) bwd_main_kernel(const __grid_constant_
   }
   const int nchunks = (n + NTc - 1) / NTc;
 
-  typename Pipeline::Params pp;
-  pp.role = role_wg == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
-  pp.producer_arv_count = C::kProducers;
-  pp.consumer_arv_count = C::kConsumers;
-  Pipeline pipeline(S.pipe, pp);
+  Pipeline pipeline = make_chunk_pipeline<Pipeline>(S.pipe, role_wg, C::kProducers, C::kConsumers);
   if (tid == 0) S.kv_bar.init(1);
   cutlass::arch::fence_barrier_init();
   __syncthreads();

@@ -135,11 +135,7 @@ __global__ void __launch_bounds__(384, 1) bwd_proxy_kernel(const __grid_constant
   const int nchunks = (n + NTc - 1) / NTc;
   const int role_wg = tid / 128;
 
-  typename Pipeline::Params pp;
-  pp.role = role_wg == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
-  pp.producer_arv_count = C::kProducers;
-  pp.consumer_arv_count = C::kConsumers;
-  Pipeline pipeline(S.pipe, pp);
+  Pipeline pipeline = make_chunk_pipeline<Pipeline>(S.pipe, role_wg, C::kProducers, C::kConsumers);
   if (tid == 0) S.kv_bar.init(1);
   cutlass::arch::fence_barrier_init();
   __syncthreads();
@@ -341,18 +337,7 @@ __global__ void __launch_bounds__(384, 1) bwd_proxy_kernel(const __grid_constant
     ptx::named_barrier_sync(int(NamedBarrier::kConsumers), C::kConsumers);
     if (tid == 128) ptx::st_release_gpu(kp_turn, grp % ppk + 1);
   }
-  // kl partial of this CTA, in a fixed order
-  if (p.kl_acc) {
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) kl_sum += __shfl_xor_sync(0xffffffff, kl_sum, off);
-    if (tid % 32 == 0) S.kl_warp[(tid - 128) / 32] = kl_sum;
-    ptx::named_barrier_sync(int(NamedBarrier::kConsumers), C::kConsumers);
-    if (tid == 128) {
-      float total = 0.f;
-      for (int x = 0; x < 8; ++x) total += S.kl_warp[x];
-      p.kl_acc[kl_slot] = total;
-    }
-  }
+  if (p.kl_acc) store_kl_partial(kl_sum, S.kl_warp, p.kl_acc, kl_slot);  // in a fixed order
 }
 
 template <class Element, int kTok>
