@@ -41,46 +41,26 @@ struct MainConfig {
   static constexpr int kBlockN = 128, kRows = 64, kHeadDim = 128;
   static constexpr int kThreads = 384, kStages = FLASHMSA_BWD_STAGES, kConsumers = 256, kProducers = 128;
   using Pipeline = cutlass::PipelineAsync<kStages>;
-  using AtomK = cute::GMMA::Layout_K_SW128_Atom<Element>;
-  // K, V resident: (keys, d), d contiguous
-  using SmemLayoutKV = decltype(cute::tile_to_shape(AtomK{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>{}));
-  // K^T view (d, keys) for dQ = dS K
-  using SmemLayoutKt = decltype(cute::composition(
-      SmemLayoutKV{}, cute::make_ordered_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>>{},
-                                                cute::Step<cute::_2, cute::_1>{})));
+  using Major = cute::GMMA::Major;
+  // K, V resident: (keys, d), d contiguous; the K^T view (d, keys) for dQ = dS K
+  using SmemLayoutKV = SwizzledTile<Element, kBlockN, kHeadDim>;
+  using SmemLayoutKt = TransposedView<SmemLayoutKV, kBlockN, kHeadDim>;
   // chunk rows (rows, d) per stage, and their (d, rows) views for dV += P^T dO, dK += dS^T Q
-  using SmemLayoutRows = decltype(cute::tile_to_shape(
-      AtomK{}, cute::Shape<cute::Int<kRows>, cute::Int<kHeadDim>, cute::Int<kStages>>{}));
-  using SmemLayoutRowsT = decltype(cute::composition(
-      SmemLayoutRows{}, cute::make_ordered_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kRows>, cute::Int<kStages>>{},
-                                                  cute::Step<cute::_2, cute::_1, cute::_3>{})));
+  using SmemLayoutRows = SwizzledTiles<Element, kRows, kHeadDim, kStages>;
+  using SmemLayoutRowsT = TransposedViews<SmemLayoutRows, kRows, kHeadDim, kStages>;
   // dS^T staging (keys, rows), rows contiguous; double-buffered; and its (rows, keys) view
-  using SmemLayoutdS = decltype(cute::tile_to_shape(
-      AtomK{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kRows>, cute::_2>{}));
-  using SmemLayoutdSt = decltype(cute::composition(
-      SmemLayoutdS{}, cute::make_ordered_layout(cute::Shape<cute::Int<kRows>, cute::Int<kBlockN>, cute::_2>{},
-                                                cute::Step<cute::_2, cute::_1, cute::_3>{})));
+  using SmemLayoutdS = SwizzledTiles<Element, kBlockN, kRows, 2>;
+  using SmemLayoutdSt = TransposedViews<SmemLayoutdS, kBlockN, kRows, 2>;
   // S^T = K Q^T and dP^T = V dO^T: (64 keys) x (64 rows) x d
-  using MmaSdp = decltype(cute::make_tiled_mma(
-      cute::GMMA::ss_op_selector<Element, Element, float, cute::Shape<cute::_64, cute::Int<kRows>, cute::Int<kHeadDim>>>(),
-      cute::Layout<cute::Shape<cute::_1, cute::_1, cute::_1>>{}));
+  using MmaSdp = SsMma<Element, 64, kRows, kHeadDim>;
   // dV += P^T dO and dK += dS^T Q: (64 keys) x d x (64 rows), A from registers
-  using MmadKV = decltype(cute::make_tiled_mma(
-      cute::GMMA::rs_op_selector<Element, Element, float, cute::Shape<cute::_64, cute::Int<kHeadDim>, cute::Int<kRows>>,
-                                 cute::GMMA::Major::K, cute::GMMA::Major::MN>(),
-      cute::Layout<cute::Shape<cute::_1, cute::_1, cute::_1>>{}));
+  using MmadKV = RsMma<Element, 64, kHeadDim, kRows, Major::K, Major::MN>;
   // dQ = dS K: (64 rows) x (64 d, one half per warpgroup) x (128 keys)
+  using MmadQ = SsMma<Element, 64, 64, kBlockN, Major::MN, Major::MN>;
   // FLASHMSA_BWD_DQ_PER_WG (a measurement knob): each warpgroup adds its own 64 keys' share of
   // dQ = dS K, (64 rows) x (64 d) x (64 keys) twice, so the two warpgroups need no barrier per
   // chunk (they may drift apart and overlap math with the other's GEMMs) at twice the atomics
-  using MmadQw = decltype(cute::make_tiled_mma(
-      cute::GMMA::ss_op_selector<Element, Element, float, cute::Shape<cute::_64, cute::_64, cute::_64>,
-                                 cute::GMMA::Major::MN, cute::GMMA::Major::MN>(),
-      cute::Layout<cute::Shape<cute::_1, cute::_1, cute::_1>>{}));
-  using MmadQ = decltype(cute::make_tiled_mma(
-      cute::GMMA::ss_op_selector<Element, Element, float, cute::Shape<cute::_64, cute::_64, cute::Int<kBlockN>>,
-                                 cute::GMMA::Major::MN, cute::GMMA::Major::MN>(),
-      cute::Layout<cute::Shape<cute::_1, cute::_1, cute::_1>>{}));
+  using MmadQw = SsMma<Element, 64, 64, 64, Major::MN, Major::MN>;
 
   struct Smem {
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>, 1024> k;

@@ -28,37 +28,22 @@ struct KlConfig {
   static constexpr int kBlockN = 128, kTok = 64, kHeadDim = 128, kTeachStride = 132;  // 132: no bank conflicts
   static constexpr int kThreads = 384, kStages = 2, kConsumers = 256, kProducers = 128;
   using Pipeline = cutlass::PipelineAsync<kStages>;
-  using AtomK = cute::GMMA::Layout_K_SW128_Atom<Element>;
-  using SmemLayoutKp = decltype(cute::tile_to_shape(AtomK{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>{}));
-  // Kp^T view (dp, keys): the B operand of dQp = dz Kp
-  using SmemLayoutKpt = decltype(cute::composition(
-      SmemLayoutKp{}, cute::make_ordered_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>>{},
-                                                cute::Step<cute::_2, cute::_1>{})));
+  using Major = cute::GMMA::Major;
+  // Kp (keys, dp), and its (dp, keys) view: the B operand of dQp = dz Kp
+  using SmemLayoutKp = SwizzledTile<Element, kBlockN, kHeadDim>;
+  using SmemLayoutKpt = TransposedView<SmemLayoutKp, kBlockN, kHeadDim>;
   // proxy query rows (tokens, dp) per stage, and the (dp, tokens) view for dKp += dz^T Qp
-  using SmemLayoutQp = decltype(cute::tile_to_shape(
-      AtomK{}, cute::Shape<cute::Int<kTok>, cute::Int<kHeadDim>, cute::Int<kStages>>{}));
-  using SmemLayoutQpT = decltype(cute::composition(
-      SmemLayoutQp{}, cute::make_ordered_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kTok>, cute::Int<kStages>>{},
-                                                cute::Step<cute::_2, cute::_1, cute::_3>{})));
+  using SmemLayoutQp = SwizzledTiles<Element, kTok, kHeadDim, kStages>;
+  using SmemLayoutQpT = TransposedViews<SmemLayoutQp, kTok, kHeadDim, kStages>;
   // dz^T staged as (keys, tokens), tokens contiguous, and its (tokens, keys) view (A of dQp)
-  using SmemLayoutDz = decltype(cute::tile_to_shape(AtomK{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kTok>>{}));
-  using SmemLayoutDzT = decltype(cute::composition(
-      SmemLayoutDz{}, cute::make_ordered_layout(cute::Shape<cute::Int<kTok>, cute::Int<kBlockN>>{},
-                                                cute::Step<cute::_2, cute::_1>{})));
+  using SmemLayoutDz = SwizzledTile<Element, kBlockN, kTok>;
+  using SmemLayoutDzT = TransposedView<SmemLayoutDz, kBlockN, kTok>;
   // z^T = Kp Qp^T: (64 keys) x (64 tokens) x dp
-  using MmaZ = decltype(cute::make_tiled_mma(
-      cute::GMMA::ss_op_selector<Element, Element, float, cute::Shape<cute::_64, cute::Int<kTok>, cute::Int<kHeadDim>>>(),
-      cute::Layout<cute::Shape<cute::_1, cute::_1, cute::_1>>{}));
+  using MmaZ = SsMma<Element, 64, kTok, kHeadDim>;
   // dKp += dz^T Qp: (64 keys) x dp x (64 tokens), A from registers
-  using MmadKp = decltype(cute::make_tiled_mma(
-      cute::GMMA::rs_op_selector<Element, Element, float, cute::Shape<cute::_64, cute::Int<kHeadDim>, cute::Int<kTok>>,
-                                 cute::GMMA::Major::K, cute::GMMA::Major::MN>(),
-      cute::Layout<cute::Shape<cute::_1, cute::_1, cute::_1>>{}));
+  using MmadKp = RsMma<Element, 64, kHeadDim, kTok, Major::K, Major::MN>;
   // dQp = dz Kp: (64 tokens) x (64 dp, one half per warpgroup) x (128 keys)
-  using MmadQp = decltype(cute::make_tiled_mma(
-      cute::GMMA::ss_op_selector<Element, Element, float, cute::Shape<cute::_64, cute::_64, cute::Int<kBlockN>>,
-                                 cute::GMMA::Major::MN, cute::GMMA::Major::MN>(),
-      cute::Layout<cute::Shape<cute::_1, cute::_1, cute::_1>>{}));
+  using MmadQp = SsMma<Element, 64, 64, kBlockN, Major::MN, Major::MN>;
 
   struct Smem {
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutKp>, 1024> kp;

@@ -27,36 +27,20 @@ struct ProxyConfig {
   static constexpr int kBlockN = 128, kRows = 64, kHeadDim = 128;
   static constexpr int kThreads = 384, kStages = 2, kConsumers = 256, kProducers = 128;
   using Pipeline = cutlass::PipelineAsync<kStages>;
-  using AtomK = cute::GMMA::Layout_K_SW128_Atom<Element>;
-  using SmemLayoutKV = decltype(cute::tile_to_shape(AtomK{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>{}));
-  // Kp^T view (dp, keys) for dQp^T... as the A operand of dQp^T = Kp^T dz^T
-  using SmemLayoutKt = decltype(cute::composition(
-      SmemLayoutKV{}, cute::make_ordered_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>>{},
-                                                cute::Step<cute::_2, cute::_1>{})));
-  using SmemLayoutRows = decltype(cute::tile_to_shape(
-      AtomK{}, cute::Shape<cute::Int<kRows>, cute::Int<kHeadDim>, cute::Int<kStages>>{}));
+  using Major = cute::GMMA::Major;
+  // K and Kp (keys, d); the Kp^T view (dp, keys): the A operand of dQp^T = Kp^T dz^T
+  using SmemLayoutKV = SwizzledTile<Element, kBlockN, kHeadDim>;
+  using SmemLayoutKt = TransposedView<SmemLayoutKV, kBlockN, kHeadDim>;
+  using SmemLayoutRows = SwizzledTiles<Element, kRows, kHeadDim, kStages>;
   // proxy query rows (tokens, dp) per stage and the (dp, tokens) view
-  using SmemLayoutTok = decltype(cute::tile_to_shape(
-      AtomK{}, cute::Shape<cute::Int<kTok>, cute::Int<kHeadDim>, cute::Int<kStages>>{}));
-  using SmemLayoutTokT = decltype(cute::composition(
-      SmemLayoutTok{}, cute::make_ordered_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kTok>, cute::Int<kStages>>{},
-                                                 cute::Step<cute::_2, cute::_1, cute::_3>{})));
+  using SmemLayoutTok = SwizzledTiles<Element, kTok, kHeadDim, kStages>;
+  using SmemLayoutTokT = TransposedViews<SmemLayoutTok, kTok, kHeadDim, kStages>;
   // dz staged as (tokens, keys), keys contiguous: the B operand (N = tokens, K = keys) of dQp^T
-  using SmemLayoutDz = decltype(cute::tile_to_shape(AtomK{}, cute::Shape<cute::Int<kTok>, cute::Int<kBlockN>>{}));
-  using MmaS = decltype(cute::make_tiled_mma(
-      cute::GMMA::ss_op_selector<Element, Element, float, cute::Shape<cute::_64, cute::Int<kRows>, cute::Int<kHeadDim>>>(),
-      cute::Layout<cute::Shape<cute::_1, cute::_1, cute::_1>>{}));
-  using MmaZ = decltype(cute::make_tiled_mma(
-      cute::GMMA::ss_op_selector<Element, Element, float, cute::Shape<cute::_64, cute::Int<kTok>, cute::Int<kHeadDim>>>(),
-      cute::Layout<cute::Shape<cute::_1, cute::_1, cute::_1>>{}));
-  using MmadKp = decltype(cute::make_tiled_mma(
-      cute::GMMA::rs_op_selector<Element, Element, float, cute::Shape<cute::_64, cute::Int<kHeadDim>, cute::Int<kTok>>,
-                                 cute::GMMA::Major::K, cute::GMMA::Major::MN>(),
-      cute::Layout<cute::Shape<cute::_1, cute::_1, cute::_1>>{}));
-  using MmadQp = decltype(cute::make_tiled_mma(
-      cute::GMMA::ss_op_selector<Element, Element, float, cute::Shape<cute::_64, cute::Int<kTok>, cute::Int<kBlockN>>,
-                                 cute::GMMA::Major::MN, cute::GMMA::Major::K>(),
-      cute::Layout<cute::Shape<cute::_1, cute::_1, cute::_1>>{}));
+  using SmemLayoutDz = SwizzledTile<Element, kTok, kBlockN>;
+  using MmaS = SsMma<Element, 64, kRows, kHeadDim>;
+  using MmaZ = SsMma<Element, 64, kTok, kHeadDim>;
+  using MmadKp = RsMma<Element, 64, kHeadDim, kTok, Major::K, Major::MN>;
+  using MmadQp = SsMma<Element, 64, kTok, kBlockN, Major::MN, Major::K>;
 
   struct Smem {
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>, 1024> k;

@@ -31,6 +31,34 @@ __device__ __forceinline__ T& smem_struct(char* raw) {
   return *reinterpret_cast<T*>(raw + ((1024u - (a & 1023u)) & 1023u));
 }
 
+// ---- shared-memory layouts and warpgroup MMAs of the kernels' configs ----
+// (R, C) tile of the 128-byte-swizzled K-major atom (C contiguous), and with a stage mode S.
+template <class E, int R, int C>
+using SwizzledTile =
+    decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<E>{}, cute::Shape<cute::Int<R>, cute::Int<C>>{}));
+template <class E, int R, int C, int S>
+using SwizzledTiles = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<E>{},
+                                                   cute::Shape<cute::Int<R>, cute::Int<C>, cute::Int<S>>{}));
+// The (C, R) view of an (R, C) layout L, and the (C, R, S) view of an (R, C, S) one.
+template <class L, int R, int C>
+using TransposedView = decltype(cute::composition(
+    L{}, cute::make_ordered_layout(cute::Shape<cute::Int<C>, cute::Int<R>>{}, cute::Step<cute::_2, cute::_1>{})));
+template <class L, int R, int C, int S>
+using TransposedViews = decltype(cute::composition(
+    L{}, cute::make_ordered_layout(cute::Shape<cute::Int<C>, cute::Int<R>, cute::Int<S>>{},
+                                   cute::Step<cute::_2, cute::_1, cute::_3>{})));
+// One warpgroup's M x N x K MMA with fp32 accumulators: both operands in shared memory (K-major
+// unless said), or A in registers.
+template <class E, int M, int N, int K, cute::GMMA::Major MA = cute::GMMA::Major::K,
+          cute::GMMA::Major MB = cute::GMMA::Major::K>
+using SsMma = decltype(cute::make_tiled_mma(
+    cute::GMMA::ss_op_selector<E, E, float, cute::Shape<cute::Int<M>, cute::Int<N>, cute::Int<K>>, MA, MB>(),
+    cute::Layout<cute::Shape<cute::_1, cute::_1, cute::_1>>{}));
+template <class E, int M, int N, int K, cute::GMMA::Major MA, cute::GMMA::Major MB>
+using RsMma = decltype(cute::make_tiled_mma(
+    cute::GMMA::rs_op_selector<E, E, float, cute::Shape<cute::Int<M>, cute::Int<N>, cute::Int<K>>, MA, MB>(),
+    cute::Layout<cute::Shape<cute::_1, cute::_1, cute::_1>>{}));
+
 // Named barrier ids (bar.sync), one enum so that no two users collide.
 enum class NamedBarrier : int {
   kSync = 0,      // __syncthreads

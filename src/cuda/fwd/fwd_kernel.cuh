@@ -54,25 +54,12 @@ struct Config {
   static constexpr int kThreads = 384, kStages = 2;  // producer warpgroup + 2 consumer warpgroups
   static constexpr int kConsumers = 256;
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
-  using Atom = cute::GMMA::Layout_K_SW128_Atom<Element>;
-  using SmemLayoutQ =
-      decltype(cute::tile_to_shape(Atom{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}));
-  using SmemLayoutKV = decltype(cute::tile_to_shape(
-      Atom{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>, cute::Int<kStages>>{}));
+  using SmemLayoutQ = SwizzledTile<Element, kBlockM, kHeadDim>;
+  using SmemLayoutKV = SwizzledTiles<Element, kBlockN, kHeadDim, kStages>;
   // V^T view (d, keys, stage) of the same memory, for the B operand of O += P V.
-  using SmemLayoutVt = decltype(cute::composition(
-      SmemLayoutKV{},
-      cute::make_ordered_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>, cute::Int<kStages>>{},
-                                cute::Step<cute::_2, cute::_1, cute::_3>{})));
-  using MmaQK = decltype(cute::make_tiled_mma(
-      cute::GMMA::ss_op_selector<Element, Element, float,
-                                 cute::Shape<cute::_64, cute::Int<kBlockN>, cute::Int<kHeadDim>>>(),
-      cute::Layout<cute::Shape<cute::_1, cute::_1, cute::_1>>{}));
-  using MmaPV = decltype(cute::make_tiled_mma(
-      cute::GMMA::rs_op_selector<Element, Element, float,
-                                 cute::Shape<cute::_64, cute::Int<kHeadDim>, cute::Int<kBlockN>>,
-                                 cute::GMMA::Major::K, cute::GMMA::Major::MN>(),
-      cute::Layout<cute::Shape<cute::_1, cute::_1, cute::_1>>{}));
+  using SmemLayoutVt = TransposedViews<SmemLayoutKV, kBlockN, kHeadDim, kStages>;
+  using MmaQK = SsMma<Element, 64, kBlockN, kHeadDim>;
+  using MmaPV = RsMma<Element, 64, kHeadDim, kBlockN, cute::GMMA::Major::K, cute::GMMA::Major::MN>;
   struct Smem {
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>, 1024> q;  // reused for O
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>, 1024> k;

@@ -53,15 +53,9 @@ struct Config {
   static constexpr int kThreads = 384, kStages = 3;  // producer warpgroup + 2 consumer warpgroups
   static constexpr int kConsumers = 256;
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
-  using Atom = cute::GMMA::Layout_K_SW128_Atom<Element>;
-  using SmemLayoutQ =
-      decltype(cute::tile_to_shape(Atom{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}));
-  using SmemLayoutK = decltype(cute::tile_to_shape(
-      Atom{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>, cute::Int<kStages>>{}));
-  using Mma = decltype(cute::make_tiled_mma(
-      cute::GMMA::ss_op_selector<Element, Element, float,
-                                 cute::Shape<cute::_64, cute::Int<kBlockN>, cute::Int<kHeadDim>>>(),
-      cute::Layout<cute::Shape<cute::_1, cute::_1, cute::_1>>{}));
+  using SmemLayoutQ = SwizzledTile<Element, kBlockM, kHeadDim>;
+  using SmemLayoutK = SwizzledTiles<Element, kBlockN, kHeadDim, kStages>;
+  using Mma = SsMma<Element, 64, kBlockN, kHeadDim>;
   struct Smem {
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>, 1024> q;
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutK>, 1024> k;
