@@ -121,6 +121,46 @@ __device__ __forceinline__ void store_kl_partial(float kl_sum, float (&warp_sums
   }
 }
 
+// Deterministic mode (ptx/order.cuh): the consumers wait for their turn on a shared counter (one
+// thread polls) and pass it on once every consumer thread's adds are visible. No-ops without a
+// counter.
+__device__ __forceinline__ void take_turn(const int32_t* turn, int32_t mine) {
+  if (!turn) return;
+  if (threadIdx.x == 128) ptx::wait_turn(turn, mine);
+  ptx::named_barrier_sync(int(NamedBarrier::kConsumers), 256);
+}
+__device__ __forceinline__ void pass_turn(int32_t* turn, int32_t mine) {
+  if (!turn) return;
+  __threadfence();
+  ptx::named_barrier_sync(int(NamedBarrier::kConsumers), 256);
+  if (threadIdx.x == 128) ptx::st_release_gpu(turn, mine + 1);
+}
+
+// A CTA with nothing to add: its kl partial (if any) is 0, and in deterministic mode it still
+// takes its turn on the key rows and passes it on.
+__device__ __forceinline__ void finish_empty_cta(float* kl_acc, int64_t kl_slot, int32_t* turn, int32_t mine) {
+  if (threadIdx.x != 0) return;
+  if (kl_acc) kl_acc[kl_slot] = 0.f;
+  if (turn) {
+    ptx::wait_turn(turn, mine);
+    ptx::st_release_gpu(turn, mine + 1);
+  }
+}
+
+// This warpgroup's 64 keys x 128 of a key block's gradient (fp32 accumulator fragment, coords
+// (key, d)) added to out [total, H, 128] at head h; keys past the sequence are skipped.
+template <class Acc, class Coord>
+__device__ __forceinline__ void add_key_rows(const Acc& acc, const Coord& c, int64_t key_base, int64_t L, int64_t s0,
+                                             int H, int h, float* out) {
+#pragma unroll
+  for (int x = 0; x < cute::size(acc); x += 2) {
+    const int64_t pos = key_base + cute::get<0>(c(x));
+    if (pos >= L) continue;
+    const int64_t row = ((s0 + pos) * H + h) * 128 + cute::get<1>(c(x));
+    atomicAdd(reinterpret_cast<float2*>(out + row), make_float2(acc(x), acc(x + 1)));
+  }
+}
+
 // Sequence of global block gb (blk_off[b] <= gb < blk_off[b+1]); -1 past the last.
 __device__ __forceinline__ int seq_of_block(const int32_t* blk_off, int batch, int gb) {
   if (gb >= blk_off[batch]) return -1;
@@ -217,12 +257,10 @@ __global__ void __launch_bounds__(384, 1) bwd_main_kernel(const __grid_constant_
     list = p.inv.tokens + p.inv.offsets[k];
   }
   const int tid = threadIdx.x, role_wg = tid / 128;
+  // deterministic mode: this unit's turn among the units adding into the same dK_j / dV_j rows
+  const int kv_order = unit % ((p.Hq / p.Hkv) / p.R);
   if (n <= 0) {
-    if (p.turn_keys && tid == 0) {  // deterministic mode, nothing to add: pass the dK/dV turn on
-      const int upk = (p.Hq / p.Hkv) / p.R;
-      ptx::wait_turn(p.turn_keys + int64_t(gb) * p.Hkv + kvh, unit % upk);
-      ptx::st_release_gpu(p.turn_keys + int64_t(gb) * p.Hkv + kvh, unit % upk + 1);
-    }
+    finish_empty_cta(nullptr, 0, p.turn_keys ? p.turn_keys + int64_t(gb) * p.Hkv + kvh : nullptr, kv_order);
     return;
   }
   const int nchunks = (n + NTc - 1) / NTc;
@@ -481,27 +519,13 @@ __global__ void __launch_bounds__(384, 1) bwd_main_kernel(const __grid_constant_
 
   if (P.teacher_only) return;
   // dK_j, dV_j of this unit: fp32 atomics (several units may share a kv head), in unit order in
-  // deterministic mode (this unit's turn among the units of the kv head)
-  const int upk = (p.Hq / p.Hkv) / p.R;
+  // deterministic mode
   int32_t* kv_turn = p.turn_keys ? p.turn_keys + int64_t(gb) * p.Hkv + kvh : nullptr;
-  if (kv_turn) {
-    if (tid == 128) ptx::wait_turn(kv_turn, unit % upk);
-    ptx::named_barrier_sync(int(NamedBarrier::kConsumers), C::kConsumers);
-  }
-  Tensor cKV = thr_dkv.partition_C(make_identity_tensor(Shape<_64, Int<C::kHeadDim>>{}));
-#pragma unroll
-  for (int x = 0; x < size(accdK); x += 2) {
-    const int64_t pos = key_base + get<0>(cKV(x));
-    if (pos >= L) continue;
-    const int64_t row = ((s0 + pos) * p.Hkv + kvh) * C::kHeadDim + get<1>(cKV(x));
-    atomicAdd(reinterpret_cast<float2*>(p.dk_acc + row), make_float2(accdK(x), accdK(x + 1)));
-    atomicAdd(reinterpret_cast<float2*>(p.dv_acc + row), make_float2(accdV(x), accdV(x + 1)));
-  }
-  if (kv_turn) {
-    __threadfence();
-    ptx::named_barrier_sync(int(NamedBarrier::kConsumers), C::kConsumers);
-    if (tid == 128) ptx::st_release_gpu(kv_turn, unit % upk + 1);
-  }
+  take_turn(kv_turn, kv_order);
+  const auto cKV = thr_dkv.partition_C(make_identity_tensor(Shape<_64, Int<C::kHeadDim>>{}));
+  add_key_rows(accdK, cKV, key_base, L, s0, p.Hkv, kvh, p.dk_acc);
+  add_key_rows(accdV, cKV, key_base, L, s0, p.Hkv, kvh, p.dv_acc);
+  pass_turn(kv_turn, kv_order);
 }
 
 template <class Element>

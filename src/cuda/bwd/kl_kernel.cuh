@@ -85,7 +85,7 @@ __global__ void __launch_bounds__(384, 1) bwd_kl_kernel(const __grid_constant__ 
   const int b = seq_of_block(p.inv.blk_off, p.seqs.batch, gb);
   const int tid = threadIdx.x;
   if (b < 0) {
-    if (tid == 0 && p.kl_acc) p.kl_acc[kl_slot] = 0.f;
+    finish_empty_cta(p.kl_acc, kl_slot, nullptr, 0);
     return;
   }
   int64_t s0, L;
@@ -99,11 +99,7 @@ __global__ void __launch_bounds__(384, 1) bwd_kl_kernel(const __grid_constant__ 
   const int ppk = p.Hp / p.Hpk;
   int32_t* kp_turn = (P.grads && p.turn_keys) ? p.turn_keys + int64_t(gb) * p.Hpk + pk : nullptr;
   if (n <= 0) {
-    if (tid == 0 && p.kl_acc) p.kl_acc[kl_slot] = 0.f;
-    if (tid == 0 && kp_turn) {  // nothing to add: pass the turn on
-      ptx::wait_turn(kp_turn, grp % ppk);
-      ptx::st_release_gpu(kp_turn, grp % ppk + 1);
-    }
+    finish_empty_cta(p.kl_acc, kl_slot, kp_turn, grp % ppk);
     return;
   }
   const int nchunks = (n + C::kTok - 1) / C::kTok;
@@ -264,23 +260,10 @@ __global__ void __launch_bounds__(384, 1) bwd_kl_kernel(const __grid_constant__ 
 
   if (P.grads) {  // dKp_j: fp32 atomics (several proxy heads may share a proxy key head), in
                   // proxy-head order in deterministic mode
-    if (kp_turn) {
-      if (tid == 128) ptx::wait_turn(kp_turn, grp % ppk);
-      ptx::named_barrier_sync(int(NamedBarrier::kConsumers), C::kConsumers);
-    }
-    Tensor cKp = thr_dkp.partition_C(make_identity_tensor(Shape<_64, Int<C::kHeadDim>>{}));
-#pragma unroll
-    for (int x = 0; x < size(accdKp); x += 2) {
-      const int64_t pos = key_base + get<0>(cKp(x));
-      if (pos >= L) continue;
-      const int64_t row = ((s0 + pos) * p.Hpk + pk) * C::kHeadDim + get<1>(cKp(x));
-      atomicAdd(reinterpret_cast<float2*>(p.dkp_acc + row), make_float2(accdKp(x), accdKp(x + 1)));
-    }
-    if (kp_turn) {
-      __threadfence();
-      ptx::named_barrier_sync(int(NamedBarrier::kConsumers), C::kConsumers);
-      if (tid == 128) ptx::st_release_gpu(kp_turn, grp % ppk + 1);
-    }
+    take_turn(kp_turn, grp % ppk);
+    add_key_rows(accdKp, thr_dkp.partition_C(make_identity_tensor(Shape<_64, Int<C::kHeadDim>>{})), key_base, L,
+                 s0, p.Hpk, pk, p.dkp_acc);
+    pass_turn(kp_turn, grp % ppk);
   }
   if (p.kl_acc) store_kl_partial(kl_sum, S.kl_warp, p.kl_acc, kl_slot);  // in a fixed order
 }
