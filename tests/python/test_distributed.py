@@ -229,6 +229,22 @@ def _gpus() -> int:
         return 0
 
 
+@pytest.mark.skipif(_gpus() < 1, reason="needs a CUDA device and libflashmsa built with CUDA")
+def test_nccl_one_gpu_path(tmp_path):
+    """The NCCL harness with a world of one GPU (m3 heads, 7096 tokens): the process group, the
+    harness and its timed NCCL all-to-all on one rank, against msa_attention on the same GPU.
+    msa_attention_cp with P = 1 is msa_attention itself, so the sharded path still needs 2 GPUs:
+    this is what a single-GPU machine can check of the multi-GPU run."""
+    procs = _launch(1, ["--gpu", "--lengths", "4096,3000"], tmp_path)
+    ranks, log = _collect(procs, tmp_path, time.monotonic() + 300)
+    assert ranks is not None, log
+    for res in ranks:
+        print(f"P = 1 over NCCL, {res['total']} tokens: single {res['t_single_ms']:.1f} ms, "
+              f"CP {res['t_cp_ms']:.1f} ms; rel-L2 vs single GPU {res['err']}")
+        bad = {k: v for k, v in res["err"].items() if not v <= GPU_TOL[k]}
+        assert not bad, bad
+
+
 @pytest.mark.skipif(_gpus() < 2, reason="needs 2 CUDA devices and libflashmsa built with CUDA")
 def test_nccl_two_gpus_m3(tmp_path):
     """m3 heads (64/4/4/1), D = 128, bf16, topk 16, P = 2 over NCCL against the single-GPU result
