@@ -82,6 +82,8 @@ const char* kRunUsage =
     "                         warmup: dense causal fwd+bwd, kl over the full causal set\n"
     "  --kl-grad X            upstream gradient of kl (default 1)\n"
     "  --dlse                 also feed a seeded random gradient of lse to the backward\n"
+    "  --deterministic        the bitwise reproducible backward (ordered adds on CUDA)\n"
+    "  --precise-dpsum        the forward keeps out_lo, the backward's dpsum uses out + out_lo\n"
     "  --backend auto|cpu|cuda       auto (default): CUDA when available and supported, else CPU\n"
     "  --threads N            CPU worker threads (sets FLASHMSA_NUM_THREADS)\n"
     "output\n"
@@ -118,6 +120,7 @@ struct Config {
   Backend backend = Backend::Auto;
   double kl_grad = 1.0;
   bool dlse = false;
+  bool deterministic = false, precise_dpsum = false;
   int threads = 0;
   bool check = false;
   bool quiet = false;
@@ -251,6 +254,8 @@ bool parse_run_args(const std::vector<std::string>& args, Config& c) {
       else throw UsageError("--backend: expected auto, cpu or cuda, got '" + s + "'");
     } else if (flag == "--kl-grad") c.kl_grad = parse_double(flag, val());
     else if (flag == "--dlse") { no_value(); c.dlse = true; }
+    else if (flag == "--deterministic") { no_value(); c.deterministic = true; }
+    else if (flag == "--precise-dpsum") { no_value(); c.precise_dpsum = true; }
     else if (flag == "--threads") c.threads = int(parse_int(flag, val(), 1, 4096));
     else if (flag == "--check") { no_value(); c.check = true; }
     else if (flag == "--quiet") { no_value(); c.quiet = true; }
@@ -444,12 +449,12 @@ struct Buf {
 
 struct Tensors {
   Buf q, k, v, qp, kp, cu, dout, dlse, dkl;  // inputs
-  Buf out, lse, indices, proxy_lse, kl;      // forward (and selection) outputs
+  Buf out, lse, indices, proxy_lse, kl, out_lo;  // forward (and selection) outputs
   Buf dq, dk, dv, dqp, dkp;                  // backward outputs
 
   std::vector<Buf*> all() {
     return {&q, &k, &v, &qp, &kp, &cu, &dout, &dlse, &dkl, &out, &lse, &indices, &proxy_lse,
-            &kl, &dq, &dk, &dv, &dqp, &dkp};
+            &kl, &out_lo, &dq, &dk, &dv, &dqp, &dkp};
   }
   std::vector<const Buf*> all() const {
     std::vector<const Buf*> r;
@@ -474,6 +479,7 @@ void declare(const Config& c, Tensors& t) {
   if (c.sparse()) t.indices.declare("indices", FLASHMSA_DTYPE_INT32, {c.Hp, T, c.topk}, Buf::kOther, true);
   t.proxy_lse.declare("proxy_lse", st, {c.Hp, T}, Buf::kOther, true);
   t.kl.declare("kl", st, {}, Buf::kOther, true);
+  if (c.has_bwd() && c.precise_dpsum) t.out_lo.declare("out_lo", dt, {T, c.Hq, c.D}, Buf::kTokens, true);
   if (c.has_bwd()) {
     t.dout.declare("dout", dt, {T, c.Hq, c.D}, Buf::kTokens, false);
     if (c.dlse) t.dlse.declare("dlse", st, {c.Hq, T}, Buf::kOther, false);
@@ -582,6 +588,7 @@ StageArgs make_args(const Config& c, Tensors& t, const Views& V) {
   a.fwd.lse = V(t.lse);
   a.fwd.proxy_lse = V(t.proxy_lse);
   a.fwd.kl = V(t.kl);
+  a.fwd.out_lo = V(t.out_lo);
 
   a.bwd.q = V(t.q);
   a.bwd.k = V(t.k);
@@ -593,6 +600,8 @@ StageArgs make_args(const Config& c, Tensors& t, const Views& V) {
   a.bwd.mode = lib_mode;
   a.bwd.indices = V(t.indices);
   a.bwd.out = V(t.out);
+  a.bwd.out_lo = V(t.out_lo);
+  a.bwd.deterministic = c.deterministic ? 1 : 0;
   a.bwd.lse = V(t.lse);
   a.bwd.proxy_lse = V(t.proxy_lse);
   a.bwd.dout = V(t.dout);
@@ -1250,6 +1259,8 @@ void save_all(const Config& c, const Tensors& t) {
   field("compute_kl", "true");
   field("kl_grad", c.has_bwd() ? json_num(c.kl_grad) : "null");
   field("dlse", c.has_bwd() && c.dlse ? "true" : "false");
+  field("deterministic", c.has_bwd() && c.deterministic ? "true" : "false");
+  field("precise_dpsum", c.has_bwd() && c.precise_dpsum ? "true" : "false");
   field("seed", std::to_string(c.seed));
   field("pattern", str(pattern_name(c.pattern)));
   field("dtype", str(flashmsa_dtype_name(c.dtype)));
@@ -1311,7 +1322,8 @@ void print_config(const Config& c) {
   row("backend", c.on_cuda ? "cuda" : fmt("cpu (fp64 reference backend), %d threads", ref::num_threads()));
   row("seed", std::to_string(c.seed));
   if (c.has_bwd())
-    row("backward inputs", fmt("dout ~ N(0,1), dkl = %g%s", c.kl_grad, c.dlse ? ", dlse ~ N(0,1)" : ""));
+    row("backward inputs", fmt("dout ~ N(0,1), dkl = %g%s%s%s", c.kl_grad, c.dlse ? ", dlse ~ N(0,1)" : "",
+                               c.deterministic ? ", deterministic" : "", c.precise_dpsum ? ", precise dpsum (out_lo)" : ""));
   if (!c.defaulted.empty()) {
     std::string d;
     for (const auto& s : c.defaulted) d += (d.empty() ? "" : ", ") + s;

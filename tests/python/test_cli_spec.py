@@ -49,3 +49,21 @@ def test_saved_fp64_run_matches_numpy_spec(build_dir, tmp_path, args):
     assert abs(float(t["kl"]) - want["kl"]) <= 1e-9 * abs(want["kl"]), "kl"
     if mode != "warmup":
         assert np.array_equal(t["indices"], want["indices"]), "indices"
+
+
+def test_precise_dpsum_and_deterministic_flags(build_dir, tmp_path):
+    """--precise-dpsum saves out_lo, the low part of the output: against the spec's fp64 output of
+    the run's own (bf16-rounded) inputs, out + out_lo is ~2^-8 closer than out alone;
+    --deterministic reaches the backward; --check passes."""
+    out = tmp_path / "run"
+    cmd = [str(build_dir / "flashmsa"), "run", "--backend", "cpu", "--dtype", "bf16", "--seed", "3",
+           "--seqlen", "400", "--topk", "2", "--config", "fmsa", "--save", str(out), "--quiet",
+           "--precise-dpsum", "--deterministic", "--check"]
+    subprocess.run(cmd, check=True, timeout=600)
+    t = {p.stem: np.load(p).astype(np.float64) for p in out.glob("*.npy")}
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["precise_dpsum"] and cfg["deterministic"]
+    want = spec_numpy.msa(t["q"], t["k"], t["v"], t["qp"], t["kp"], t["cu_seqlens"].astype(np.int64),
+                          int(cfg["topk"]), "train", t["dout"], kl_grad=float(cfg["kl_grad"]))
+    hi, lo = t["out"], t["out_lo"]
+    assert rel(hi + lo, want["out"]) < rel(hi, want["out"]) / 64
