@@ -34,6 +34,7 @@ if has run; then
   stamp "main job"
   timeout 200 ./.gpu/flashmsa run > "$OUT/run_default.log" 2>&1; echo "run rc=$?"; tail -25 "$OUT/run_default.log"
   timeout 200 ./.gpu/flashmsa run --config fmsa --seqlen 3000 --topk 8 --check > "$OUT/run_check.log" 2>&1; echo "check rc=$?"; tail -14 "$OUT/run_check.log"
+  timeout 200 ./.gpu/flashmsa run --config fmsa --seqlen 3000 --topk 8 --check --deterministic --precise-dpsum > "$OUT/run_check_det_lo.log" 2>&1; echo "check (deterministic, precise dpsum) rc=$?"; tail -14 "$OUT/run_check_det_lo.log"
 fi
 if has profile; then
   stamp "profile"
