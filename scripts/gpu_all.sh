@@ -19,6 +19,8 @@ if has suite; then
   stamp "GPU suite"
   timeout 400 ./.gpu/flashmsa_gpu_tests > "$OUT/gpu_suite.log" 2>&1; echo "suite rc=$?"
   grep -E "^\[  (PASSED|FAILED)|FAILED  \]|tests? from .* ran" "$OUT/gpu_suite.log" | tail -8
+  # the numbers the numerics docs and the deterministic mode need
+  awk '/^\[ RUN      \] (Numerics|Deterministic)\./{p=1} /^\[       OK \]|^\[  FAILED  \]/{if(p)print; p=0} p' "$OUT/gpu_suite.log"
 fi
 if has sanitize; then
   stamp "sanitizers"
