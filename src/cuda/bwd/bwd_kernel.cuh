@@ -383,6 +383,9 @@ __global__ void __launch_bounds__(384, 1) bwd_main_kernel(const __grid_constant_
   Tensor sKtw = local_tile(sKt, Shape<_64, Int<C::kBlockN>>{}, make_coord(w, _0{}));  // d half w
   Tensor tQrK = thr_dq.partition_fragment_B(sKtw);
 #ifdef FLASHMSA_BWD_DQ_PER_WG
+  // both warpgroups add into the same dQ addresses in one turn, in no fixed order: this
+  // measurement build has no deterministic mode
+  if (p.turn_rows) ptx::trap_out_of_line();
   typename C::MmadQw mma_dqw;
   auto thr_dqw = mma_dqw.get_thread_slice(wtid);
   // this warpgroup's keys of dS (rows, keys, buf) and of K^T (d, keys), one d half at a time

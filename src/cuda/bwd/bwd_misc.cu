@@ -64,7 +64,9 @@ __device__ __forceinline__ int seq_of_token(const Seqs& seqs, int64_t t) {
 }
 
 // keys[(p * total + t) * topk + s] = p * nblk + blk_off[b] + j for a slot that contributes keys
-// (0 <= j <= l(t)), else the sentinel Hp * nblk; values = t.
+// (0 <= j <= l(t), and the first slot of the row holding j), else the sentinel Hp * nblk;
+// values = t. A repeated block (SPEC forbids them; only the opt-in validation reports them on the
+// GPU) thus counts once, as in the forward, which walks the row's set of blocks.
 __global__ void inversion_keys_kernel(const InversionArgs a, const int32_t* blk_off, uint32_t* keys,
                                       int32_t* vals) {
   const int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -76,8 +78,10 @@ __global__ void inversion_keys_kernel(const InversionArgs a, const int32_t* blk_
   const int b = seq_of_token(a.seqs, t);
   int64_t s0, L;
   a.seqs.get(b, s0, L);
-  const int64_t j = a.indices.at(p, t)[s];
-  const bool ok = j >= 0 && j <= (t - s0) / 128;
+  const int32_t* row = a.indices.at(p, t);
+  const int64_t j = row[s];
+  bool ok = j >= 0 && j <= (t - s0) / 128;
+  for (int s2 = 0; ok && s2 < s; ++s2) ok = row[s2] != j;
   keys[e] = ok ? uint32_t(int64_t(p) * a.nblk + blk_off[b] + j) : uint32_t(int64_t(a.Hp) * a.nblk);
   vals[e] = int32_t(t);
 }
@@ -100,10 +104,12 @@ __global__ void inversion_ranks_kernel(const InversionArgs a, const uint32_t* ke
   a.seqs.get(b, s0, L);
   const int64_t j = gb - blk_off[b], own = (t - s0) / 128;
   const int32_t* row = a.indices.at(p, t);
-  int r = 0;
+  int r = 0;  // distinct valid blocks below j (a repeated block is one entry, see the keys kernel)
   for (int s = 0; s < a.topk; ++s) {
     const int64_t v = row[s];
-    r += (v >= 0 && v <= own && v < j) ? 1 : 0;
+    bool first = v >= 0 && v <= own && v < j;
+    for (int s2 = 0; first && s2 < s; ++s2) first = row[s2] != v;
+    r += first ? 1 : 0;
   }
   ranks[e] = r;
 }

@@ -52,6 +52,7 @@ struct ProxyConfig {
     float lse2[kStages][kRows];
     float plse2[kStages][kTok];
     int32_t tok[kStages][kTok];  // global token of each token column; -1: padding
+    int32_t rank[kStages][kTok];  // deterministic mode: the block's turn in each token's dqp sum
     typename Pipeline::SharedStorage pipe;
     cutlass::arch::ClusterTransactionBarrier kv_bar;
     float kl_warp[8];
@@ -174,6 +175,8 @@ __global__ void __launch_bounds__(384, 1) bwd_proxy_kernel(const __grid_constant
         const bool valid = r < NTc && li < n;
         const int64_t t = valid ? (p.dense ? dense_first + li : int64_t(list[li])) : -1;
         S.tok[st][r] = int32_t(t);
+        // deterministic mode: dense, block j is every token's j-th; else the inversion's rank
+        S.rank[st][r] = (!valid || !p.turn_rows) ? 0 : p.dense ? j : p.inv.rank[(list - p.inv.tokens) + li];
         S.plse2[st][r] = valid ? *p.plse.at(grp, t) * kLog2e : 0.f;
       }
       ptx::cp_async_commit();
@@ -269,18 +272,20 @@ __global__ void __launch_bounds__(384, 1) bwd_proxy_kernel(const __grid_constant
     int32_t my_tok[kTok];
 #pragma unroll
     for (int tc = 0; tc < kTok; ++tc) my_tok[tc] = S.tok[st][tc];
-    // deterministic mode (dense: block j is the token's j-th): threads < NTc of warpgroup 0 each
-    // hold one token's turn in its dqp sum
+    // deterministic mode: threads < NTc of warpgroup 0 each hold one token's turn in its dqp sum
     int32_t* q_turn = nullptr;
-    if (P.grads && p.turn_rows && w == 0 && wtid < NTc && S.tok[st][wtid] >= 0)
+    int32_t q_rank = 0;
+    if (P.grads && p.turn_rows && w == 0 && wtid < NTc && S.tok[st][wtid] >= 0) {
       q_turn = p.turn_rows + int64_t(S.tok[st][wtid]) * p.Hp + grp;
+      q_rank = S.rank[st][wtid];
+    }
     pipeline.consumer_release(state);
     ptx::fence_proxy_async_smem();
     ptx::named_barrier_sync(int(NamedBarrier::kConsumers), C::kConsumers);
     if (P.grads) {
       wg_gemm<true>(mma_dqp, tQprKpT, tQprDz, accdQp);
       if (p.turn_rows) {  // wait for the token's lower blocks to have added
-        if (q_turn) ptx::wait_turn(q_turn, j);
+        if (q_turn) ptx::wait_turn(q_turn, q_rank);
         ptx::named_barrier_sync(int(NamedBarrier::kConsumers), C::kConsumers);
       }
 #pragma unroll
@@ -294,7 +299,7 @@ __global__ void __launch_bounds__(384, 1) bwd_proxy_kernel(const __grid_constant
     if (P.grads && p.turn_rows) __threadfence();  // the adds visible before the turn passes on
     // sDz and S.pt are rewritten next chunk: every consumer must be past its reads
     ptx::named_barrier_sync(int(NamedBarrier::kConsumers), C::kConsumers);
-    if (q_turn) ptx::st_release_gpu(q_turn, j + 1);
+    if (q_turn) ptx::st_release_gpu(q_turn, q_rank + 1);
     ++state;
   }
 
