@@ -294,8 +294,11 @@ TEST(Given, SmallOdd) { run_given(make(8, 4, 2, 1, 3, {0, 300, 127}), true); }
 // kernel's own indices, at the accuracy bar; the proxy gradients must be exactly zero.
 // deterministic: the ordered backward, run twice on freshly poisoned outputs and workspace; the
 // two results must be bitwise equal (and each within the accuracy bar).
+// repeats (GIVEN): some rows repeat a block in a later slot; SPEC forbids that, only the opt-in
+// validation reports it on the GPU, and the kernels must then count the block once (the
+// reference gets the rows without the repeats).
 void run_bwd_case(const Problem& pb0, flashmsa_mode_t mode, bool with_dlse, double dkl = NAN,
-                  bool pass_proxy_lse = false, bool deterministic = false) {
+                  bool pass_proxy_lse = false, bool deterministic = false, bool repeats = false) {
   PoolScope scope;
   std::mt19937_64 rng(fresh_seed());
   Problem pb = pb0;
@@ -316,6 +319,7 @@ void run_bwd_case(const Problem& pb0, flashmsa_mode_t mode, bool with_dlse, doub
           std::shuffle(blocks.begin(), blocks.end(), rng);
           for (int s = 0; s < K && size_t(s) < blocks.size(); ++s)
             given[(size_t(p) * T + t) * K + s] = rng() % 5 == 0 ? -1 : blocks[size_t(s)];
+          if (repeats && K >= 2 && t % 3 == 0) given[(size_t(p) * T + t) * K + K - 1] = given[(size_t(p) * T + t) * K];
         }
   }
   const bool with_dkl = !std::isnan(dkl);
@@ -376,7 +380,12 @@ void run_bwd_case(const Problem& pb0, flashmsa_mode_t mode, bool with_dlse, doub
     }
     std::printf("    deterministic: two runs bitwise equal\n");
   }
-  const std::vector<int32_t> idx = mode == FLASHMSA_MODE_DENSE ? std::vector<int32_t>{} : as_int(f.indices);
+  std::vector<int32_t> idx = mode == FLASHMSA_MODE_DENSE ? std::vector<int32_t>{} : as_int(f.indices);
+  if (repeats)  // the reference takes each row's first slot of a block only
+    for (size_t r = 0; r < idx.size() / size_t(K); ++r)
+      for (int s = 1; s < K; ++s)
+        for (int s2 = 0; s2 < s; ++s2)
+          if (idx[r * K + s] >= 0 && idx[r * K + s] == idx[r * K + s2]) idx[r * K + s] = -1;
   const auto ref_mode = mode == FLASHMSA_MODE_DENSE ? FLASHMSA_MODE_DENSE : FLASHMSA_MODE_GIVEN;
   const std::vector<int32_t>* ip = idx.empty() ? nullptr : &idx;
   RefBwd ref = reference_bwd(pb, in.q, in.k, in.v, nullptr, nullptr, ip, K, ref_mode, dout.host,
@@ -423,6 +432,12 @@ TEST(Deterministic, FmsaVarlen) {
 TEST(Deterministic, FourUnitsPerKvHead) { run_bwd_case(make(12, 1, 4, 1, 8, {900}), FLASHMSA_MODE_SPARSE, false, 1.0, false, true); }
 TEST(Deterministic, GivenWithEmptyRows) { run_bwd_case(make(16, 2, 4, 1, 5, {900, 3}), FLASHMSA_MODE_GIVEN, false, 2.0, false, true); }
 TEST(Deterministic, DenseWarmup) { run_bwd_case(make(16, 2, 4, 1, 1, {300, 57, 0, 130}), FLASHMSA_MODE_DENSE, true, 1.0, false, true); }
+TEST(Bwd, GivenRepeatedBlocksCountOnce) {
+  run_bwd_case(make(16, 2, 4, 1, 5, {900, 3}), FLASHMSA_MODE_GIVEN, false, 1.0, false, false, true);
+}
+TEST(Deterministic, GivenRepeatedBlocksCountOnce) {
+  run_bwd_case(make(16, 2, 4, 1, 5, {900, 3}), FLASHMSA_MODE_GIVEN, false, 1.0, false, true, true);
+}
 TEST(Deterministic, SmallSparse) { run_bwd_case(make(8, 2, 4, 1, 2, {130, 5, 300}), FLASHMSA_MODE_SPARSE, true, 1.0, false, true); }
 TEST(Proxy, SmallDense) { run_bwd_case(make(8, 2, 2, 1, 1, {200, 1}), FLASHMSA_MODE_DENSE, false, 1.0); }
 
