@@ -1,12 +1,26 @@
 #!/usr/bin/env bash
-# Per-kernel durations of one training step (m3 by default) with Nsight Compute: which kernel of
-# the backward (preprocess, inversion sort, main, proxy, convert) takes the time.
-#   CONFIG=m3 SEQLEN=32768 bash scripts/gpu_profile.sh      (binaries in .gpu/, logs in $OUT)
+# Nsight Compute on one training step (m3 by default), binaries in .gpu/, logs in $OUT.
+#   CONFIG=m3 SEQLEN=32768 bash scripts/gpu_profile.sh
+#       per-kernel durations (which kernel of the step takes the time)
+#   KERNEL=bwd_main_kernel BENCH=.gpu/flashmsa_bench bash scripts/gpu_profile.sh
+#       one launch of KERNEL with --set full, plus its SASS page summarised by
+#       scripts/ncu_sass_summary.py (stalls, instruction mix, spills)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
+BENCH=${BENCH:-./.gpu/flashmsa_bench}
 mkdir -p "$OUT"
-timeout 500 ncu --clock-control none --metrics gpu__time_duration.sum --print-summary per-kernel \
-  ./.gpu/flashmsa_bench --config "${CONFIG:-m3}" --seqlens "${SEQLEN:-32768}" --patterns clustered --iters 1 \
-  > "$OUT/ncu_summary.txt" 2>&1
-echo "ncu rc=$?"
-grep -E "^\s+[a-z_]+.*\(|gpu__time_duration|Invocations" "$OUT/ncu_summary.txt" | head -80
+args=(--config "${CONFIG:-m3}" --seqlens "${SEQLEN:-32768}" --patterns clustered --iters 1)
+if [ -z "${KERNEL:-}" ]; then
+  timeout 500 ncu --clock-control none --metrics gpu__time_duration.sum --print-summary per-kernel \
+    "$BENCH" "${args[@]}" > "$OUT/ncu_summary.txt" 2>&1
+  echo "ncu rc=$?"
+  grep -E "^\s+[a-z_]+.*\(|gpu__time_duration|Invocations" "$OUT/ncu_summary.txt" | head -80
+else
+  timeout 400 ncu --set full --import-source no --kernel-name "$KERNEL" --launch-skip 1 --launch-count 1 \
+    -o "$OUT/$KERNEL" "$BENCH" "${args[@]}" > "$OUT/ncu_$KERNEL.log" 2>&1
+  echo "ncu rc=$?"
+  ncu -i "$OUT/$KERNEL.ncu-rep" --page details > "$OUT/${KERNEL}_details.txt" 2>&1
+  ncu -i "$OUT/$KERNEL.ncu-rep" --page source --csv --print-source sass > "$OUT/${KERNEL}_sass.csv" 2>&1
+  grep -E "Duration|Throughput|Spilling|Issued|Warp Cycles" "$OUT/${KERNEL}_details.txt" | head -20
+  python3 scripts/ncu_sass_summary.py "$OUT/${KERNEL}_sass.csv" --top 20
+fi
