@@ -445,23 +445,31 @@ HeadTensor<float> proxy_lse_for_kl(const Geometry& g, const attn_bwd::Common& c,
   return plse;
 }
 
+// The shared parameters plus the proxy side's: qp, kp, the proxy lse (given or recomputed), the
+// dqp/dkp/kl accumulators and the kl gradient.
+template <class Element>
+attn_bwd::Common proxy_common(const Geometry& g, const attn_bwd::Common& c, const ProxyRun& r, cudaStream_t st) {
+  const HeadTensor<float> plse = proxy_lse_for_kl<Element>(g, c, r, st);
+  attn_bwd::Common pc = c;
+  pc.qp = token_tensor<const void>(*r.qp, g);
+  pc.kp = token_tensor<const void>(*r.kp, g);
+  pc.plse.ptr = plse.ptr;
+  pc.plse.head = plse.head;
+  pc.plse.tok = plse.tok;
+  pc.dqp_acc = r.dqp_acc;
+  pc.dkp_acc = r.dkp_acc;
+  pc.kl_acc = r.kl_acc;
+  pc.dkl = r.dkl;
+  return pc;
+}
+
 // The recomputing proxy kernel (DENSE mode): the teacher from the group's S^T, chunk by chunk.
 template <class Element, class TmaK>
 void run_proxy(const Geometry& g, const attn_bwd::Common& c, const TmaK& tma_k, const TmaShape& tma_shape_k,
                const ProxyRun& r, cudaStream_t st) {
-  const HeadTensor<float> plse = proxy_lse_for_kl<Element>(g, c, r, st);
   using PP = attn_bwd::ProxyParams<Element>;
   PP pp;
-  pp.c = c;
-  pp.c.qp = token_tensor<const void>(*r.qp, g);
-  pp.c.kp = token_tensor<const void>(*r.kp, g);
-  pp.c.plse.ptr = plse.ptr;
-  pp.c.plse.head = plse.head;
-  pp.c.plse.tok = plse.tok;
-  pp.c.dqp_acc = r.dqp_acc;
-  pp.c.dkp_acc = r.dkp_acc;
-  pp.c.kl_acc = r.kl_acc;
-  pp.c.dkl = r.dkl;
+  pp.c = proxy_common<Element>(g, c, r, st);
   pp.G = g.Hq / g.Hp;
   pp.grads = r.grads;
   const auto tkp = make_block_load<Element, typename PP::StageLayout>(pp.c.kp, g.Hpk, g.batched, g.seqlen, g.batch, g.total);
@@ -477,18 +485,8 @@ void run_proxy(const Geometry& g, const attn_bwd::Common& c, const TmaK& tma_k, 
 // The kl kernel (SPARSE/GIVEN): the proxy side only, the teacher read from the main backward's buffer.
 template <class Element>
 void run_kl(const Geometry& g, const attn_bwd::Common& c, const float* teacher, const ProxyRun& r, cudaStream_t st) {
-  const HeadTensor<float> plse = proxy_lse_for_kl<Element>(g, c, r, st);
   attn_bwd::KlParams<Element> kp;
-  kp.c = c;
-  kp.c.qp = token_tensor<const void>(*r.qp, g);
-  kp.c.kp = token_tensor<const void>(*r.kp, g);
-  kp.c.plse.ptr = plse.ptr;
-  kp.c.plse.head = plse.head;
-  kp.c.plse.tok = plse.tok;
-  kp.c.dqp_acc = r.dqp_acc;
-  kp.c.dkp_acc = r.dkp_acc;
-  kp.c.kl_acc = r.kl_acc;
-  kp.c.dkl = r.dkl;
+  kp.c = proxy_common<Element>(g, c, r, st);
   kp.teacher = teacher;
   kp.grads = r.grads;
   const auto tkp = make_block_load<Element, typename attn_bwd::KlParams<Element>::StageLayout>(

@@ -395,10 +395,10 @@ struct FwdResult {
   double kl_value() const { return kl.defined() ? kl.get(0) : 0.0; }
 };
 
-// Arguments of a forward of config c on in, writing into r's tensors (allocated if undefined).
-inline flashmsa_fwd_args_t fwd_args(const Config& c, const Inputs& in, FwdResult& r,
-                                    const FwdOptions& o = {}) {
-  flashmsa::FwdArgs a;
+// The inputs, sequences, mode, scales and validation flag that a forward's and a backward's
+// arguments share.
+template <class Args>
+void set_inputs(Args& a, const Config& c, const Inputs& in, int validate) {
   a.q = in.q.view();
   a.k = in.k.view();
   a.v = in.v.view();
@@ -407,11 +407,18 @@ inline flashmsa_fwd_args_t fwd_args(const Config& c, const Inputs& in, FwdResult
   a.cu_seqlens = in.cu.view();
   a.max_seqlen = c.batched ? 0 : c.max_len();
   a.mode = c.mode;
-  a.numerics = o.numerics;
-  a.topk = c.mode == FLASHMSA_MODE_SPARSE ? c.topk : 0;
   a.softmax_scale = c.scale;
   a.proxy_scale = c.proxy_scale;
-  a.validate = o.validate;
+  a.validate = validate;
+}
+
+// Arguments of a forward of config c on in, writing into r's tensors (allocated if undefined).
+inline flashmsa_fwd_args_t fwd_args(const Config& c, const Inputs& in, FwdResult& r,
+                                    const FwdOptions& o = {}) {
+  flashmsa::FwdArgs a;
+  set_inputs(a, c, in, o.validate);
+  a.numerics = o.numerics;
+  a.topk = c.mode == FLASHMSA_MODE_SPARSE ? c.topk : 0;
   if (!r.out.defined()) r.out = c.tokens(c.Hq, c.D);
   if (!r.lse.defined()) r.lse = c.heads(c.Hq, -1, c.stat_dtype());
   a.out = r.out.view();
@@ -460,17 +467,7 @@ struct BwdResult {
 inline flashmsa_bwd_args_t bwd_args(const Config& c, const Inputs& in, const FwdResult& f,
                                     BwdResult& r, Tensor& dkl, const BwdOptions& o = {}) {
   flashmsa::BwdArgs a;
-  a.q = in.q.view();
-  a.k = in.k.view();
-  a.v = in.v.view();
-  a.qp = in.qp.view();
-  a.kp = in.kp.view();
-  a.cu_seqlens = in.cu.view();
-  a.max_seqlen = c.batched ? 0 : c.max_len();
-  a.mode = c.mode;
-  a.softmax_scale = c.scale;
-  a.proxy_scale = c.proxy_scale;
-  a.validate = o.validate;
+  set_inputs(a, c, in, o.validate);
   if (c.mode == FLASHMSA_MODE_GIVEN) a.indices = in.indices.view();
   if (c.mode == FLASHMSA_MODE_SPARSE) a.indices = f.indices.view();
   a.out = f.out.view();

@@ -191,6 +191,19 @@ inline double rel_l2(const std::vector<double>& got, const std::vector<double>& 
   return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
 }
 
+// The sequences, the mode and (GIVEN) a copy of the indices in a reference call's arguments.
+template <class Args>
+void set_key_sets(Args& a, const Problem& pb, std::vector<int32_t>& cu32, flashmsa_mode_t mode,
+                  const std::vector<int32_t>* indices, int topk, std::vector<int32_t>& idx_copy) {
+  a.cu_seqlens = flashmsa::view(cu32.data(), FLASHMSA_DTYPE_INT32, {int64_t(cu32.size())});
+  a.max_seqlen = pb.max_len();
+  a.mode = mode;
+  if (mode == FLASHMSA_MODE_GIVEN) {
+    idx_copy = *indices;
+    a.indices = flashmsa::view(idx_copy.data(), FLASHMSA_DTYPE_INT32, {pb.Hp, pb.total(), topk});
+  }
+}
+
 // The fp64 reference forward over given indices (or dense), through the public API on the CPU.
 struct RefFwd {
   std::vector<double> out, lse, proxy_lse;
@@ -215,14 +228,8 @@ inline RefFwd reference_fwd(const Problem& pb, Tensor& q, Tensor& k, Tensor& v, 
     r.proxy_lse.assign(size_t(pb.Hp) * T, NAN);
     a.proxy_lse = host_view(r.proxy_lse, {pb.Hp, T});
   }
-  a.cu_seqlens = flashmsa::view(cu32.data(), FLASHMSA_DTYPE_INT32, {int64_t(cu32.size())});
-  a.max_seqlen = pb.max_len();
-  a.mode = mode;
   std::vector<int32_t> idx_copy;
-  if (mode == FLASHMSA_MODE_GIVEN) {
-    idx_copy = *indices;
-    a.indices = flashmsa::view(idx_copy.data(), FLASHMSA_DTYPE_INT32, {pb.Hp, T, topk});
-  }
+  set_key_sets(a, pb, cu32, mode, indices, topk, idx_copy);
   a.out = host_view(r.out, q3);
   a.lse = host_view(r.lse, {pb.Hq, T});
   flashmsa::fwd(a);
@@ -319,14 +326,8 @@ inline RefBwd reference_bwd(const Problem& pb, Tensor& q, Tensor& k, Tensor& v, 
     a.dkp = host_view(r.dkp, kp3);
     a.dkl = host_view(dklv, {});
   }
-  a.cu_seqlens = flashmsa::view(cu32.data(), FLASHMSA_DTYPE_INT32, {int64_t(cu32.size())});
-  a.max_seqlen = pb.max_len();
-  a.mode = mode;
   std::vector<int32_t> idx_copy;
-  if (mode == FLASHMSA_MODE_GIVEN) {
-    idx_copy = *indices;
-    a.indices = flashmsa::view(idx_copy.data(), FLASHMSA_DTYPE_INT32, {pb.Hp, T, topk});
-  }
+  set_key_sets(a, pb, cu32, mode, indices, topk, idx_copy);
   a.out = host_view(f.out, q3);
   a.lse = host_view(f.lse, {pb.Hq, T});
   a.dout = host_view(dout, q3);

@@ -792,6 +792,21 @@ TEST(Kl, SparseWithoutProxyLseOutput) { run_kl_case(make(64, 4, 4, 1, 16, {2000}
 TEST(Kl, Gcd3PaddedHeadSlots) { run_kl_case(make(12, 2, 4, 2, 8, {1000, 77}), FLASHMSA_MODE_SPARSE, false); }
 TEST(Kl, SmallSparseG1) { run_kl_case(make(4, 2, 4, 2, 2, {300, 5}), FLASHMSA_MODE_SPARSE); }
 
+// Captures calls() on stream st into a CUDA graph and launches it `launches` times (synchronised).
+template <class Calls>
+void capture_and_replay(cudaStream_t st, Calls calls, int launches) {
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CUDA_OK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+  calls();
+  CUDA_OK(cudaStreamEndCapture(st, &graph));
+  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int r = 0; r < launches; ++r) CUDA_OK(cudaGraphLaunch(exec, st));
+  CUDA_OK(cudaStreamSynchronize(st));
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+}
+
 // A whole training step (forward with selection and kl, backward with dlse and the kl
 // gradient) captured in one CUDA graph and replayed: equal to the eager step up to the
 // order of the fp32 atomics.
@@ -843,15 +858,7 @@ TEST(Graph, TrainingStepCaptureReplay) {
     eager.push_back(t->host);
     cudaMemset(t->dev, 0xff, t->bytes());
   }
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  CUDA_OK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-  flashmsa::fwd(f, wf, fws);
-  flashmsa::bwd(b, wb, bws);
-  CUDA_OK(cudaStreamEndCapture(st, &graph));
-  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
-  for (int rep = 0; rep < 2; ++rep) CUDA_OK(cudaGraphLaunch(exec, st));
-  CUDA_OK(cudaStreamSynchronize(st));
+  capture_and_replay(st, [&] { flashmsa::fwd(f, wf, fws); flashmsa::bwd(b, wb, bws); }, 2);
   const char* names[] = {"out", "lse", "kl", "dq", "dk", "dv", "dqp", "dkp"};
   for (size_t x = 0; x < outs.size(); ++x) {
     download(*outs[x]);
@@ -859,8 +866,6 @@ TEST(Graph, TrainingStepCaptureReplay) {
     EXPECT_LT(rel_l2(outs[x]->host, eager[x]), 1e-3) << names[x];
   }
   EXPECT_EQ(out.host, eager[0]) << "the forward has no atomics: bitwise equal";
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
   cudaStreamDestroy(st);
 }
 
@@ -892,20 +897,11 @@ TEST(Graph, SparseForwardCaptureReplay) {
   CUDA_OK(cudaStreamSynchronize(st));
   cudaMemset(out.dev, 0xff, out.bytes());
   cudaMemset(lse.dev, 0xff, lse.bytes());
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  CUDA_OK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-  flashmsa::fwd(a, ws, ws_bytes);
-  CUDA_OK(cudaStreamEndCapture(st, &graph));
-  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
-  CUDA_OK(cudaGraphLaunch(exec, st));
-  CUDA_OK(cudaStreamSynchronize(st));
+  capture_and_replay(st, [&] { flashmsa::fwd(a, ws, ws_bytes); }, 1);
   download(out);
   download(lse);
   EXPECT_EQ(out.host, eager.out.host);
   EXPECT_EQ(lse.host, eager.lse.host);
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
   cudaStreamDestroy(st);
 }
 

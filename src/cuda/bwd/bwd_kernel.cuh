@@ -95,15 +95,35 @@ struct MainParams {
 
 // ---- pieces shared by the backward kernels (main, kl, recomputing proxy) ----
 
-// The CTA's chunk pipeline: warpgroup 0 produces, the two others consume.
+// The CTA's chunk pipeline (warpgroup 0 produces, the two others consume) and the barrier of
+// its resident block loads, initialised and visible to the whole CTA.
 template <class Pipeline>
 __device__ __forceinline__ Pipeline make_chunk_pipeline(typename Pipeline::SharedStorage& storage, int role_wg,
-                                                        int producers, int consumers) {
+                                                        int producers, int consumers,
+                                                        cutlass::arch::ClusterTransactionBarrier& block_bar) {
   typename Pipeline::Params pp;
   pp.role = role_wg == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
   pp.producer_arv_count = producers;
   pp.consumer_arv_count = consumers;
-  return Pipeline(storage, pp);
+  Pipeline pipeline(storage, pp);
+  if (threadIdx.x == 0) block_bar.init(1);
+  cutlass::arch::fence_barrier_init();
+  __syncthreads();
+  return pipeline;
+}
+
+// Key block j (128 tokens x 128) of head `head` of a per-token tensor, by TMA into `dst`,
+// completing on `bar` (armed by the caller with the bytes of all its loads).
+template <class Tma, class Dst>
+__device__ __forceinline__ void tma_load_block(const Tma& tma, const TmaShape& shape, int head, int b, int64_t s0,
+                                               bool batched, int j, Dst&& dst,
+                                               cutlass::arch::ClusterTransactionBarrier& bar) {
+  using namespace cute;
+  Tensor m = tma.get_tma_tensor(shape)(_, _, head, batched ? b : 0);
+  const int64_t off = batched ? 0 : s0;
+  Tensor g = local_tile(domain_offset(make_coord(off, _0{}), m), Shape<_128, _128>{}, make_coord(j, _0{}));
+  auto t = tma.get_slice(_0{});
+  copy(tma.with(reinterpret_cast<uint64_t&>(bar)), t.partition_S(g), t.partition_D(dst));
 }
 
 // The kl partial of a CTA: its consumer warps' sums (2 warpgroups, 8 warps) added in a fixed
@@ -265,10 +285,7 @@ __global__ void __launch_bounds__(384, 1) bwd_main_kernel(const __grid_constant_
   }
   const int nchunks = (n + NTc - 1) / NTc;
 
-  Pipeline pipeline = make_chunk_pipeline<Pipeline>(S.pipe, role_wg, C::kProducers, C::kConsumers);
-  if (tid == 0) S.kv_bar.init(1);
-  cutlass::arch::fence_barrier_init();
-  __syncthreads();
+  Pipeline pipeline = make_chunk_pipeline<Pipeline>(S.pipe, role_wg, C::kProducers, C::kConsumers, S.kv_bar);
 
   Tensor sK = make_tensor(make_smem_ptr(S.k.data()), typename C::SmemLayoutKV{});
   Tensor sV = make_tensor(make_smem_ptr(S.v.data()), typename C::SmemLayoutKV{});
@@ -278,19 +295,9 @@ __global__ void __launch_bounds__(384, 1) bwd_main_kernel(const __grid_constant_
   if (role_wg == 0) {  // ---- producer ----
     cutlass::arch::warpgroup_reg_dealloc<24>();
     if (tid == 0) {  // K_j (and V_j), once, by TMA
-      const int bidx = P.batched ? b : 0;
-      const int64_t off = P.batched ? 0 : s0;
-      Tensor mK = P.tma_k.get_tma_tensor(P.tma_shape)(_, _, kvh, bidx);
-      Tensor gK = local_tile(domain_offset(make_coord(off, _0{}), mK), Shape<_128, _128>{}, make_coord(j, _0{}));
-      auto tk = P.tma_k.get_slice(_0{});
       S.kv_bar.arrive_and_expect_tx((P.teacher_only ? 1 : 2) * C::kBlockN * C::kHeadDim * sizeof(Element));
-      copy(P.tma_k.with(reinterpret_cast<uint64_t&>(S.kv_bar)), tk.partition_S(gK), tk.partition_D(sK));
-      if (!P.teacher_only) {
-        Tensor mV = P.tma_v.get_tma_tensor(P.tma_shape)(_, _, kvh, bidx);
-        Tensor gV = local_tile(domain_offset(make_coord(off, _0{}), mV), Shape<_128, _128>{}, make_coord(j, _0{}));
-        auto tv = P.tma_v.get_slice(_0{});
-        copy(P.tma_v.with(reinterpret_cast<uint64_t&>(S.kv_bar)), tv.partition_S(gV), tv.partition_D(sV));
-      }
+      tma_load_block(P.tma_k, P.tma_shape, kvh, b, s0, P.batched, j, sK, S.kv_bar);
+      if (!P.teacher_only) tma_load_block(P.tma_v, P.tma_shape, kvh, b, s0, P.batched, j, sV, S.kv_bar);
     }
     const Element* qptr = static_cast<const Element*>(p.q.ptr);
     const Element* doptr = static_cast<const Element*>(p.dout.ptr);

@@ -105,24 +105,16 @@ __global__ void __launch_bounds__(384, 1) bwd_kl_kernel(const __grid_constant__ 
   const int nchunks = (n + C::kTok - 1) / C::kTok;
   const int role_wg = tid / 128;
 
-  Pipeline pipeline = make_chunk_pipeline<Pipeline>(S.pipe, role_wg, C::kProducers, C::kConsumers);
-  if (tid == 0) S.kp_bar.init(1);
-  cutlass::arch::fence_barrier_init();
-  __syncthreads();
+  Pipeline pipeline = make_chunk_pipeline<Pipeline>(S.pipe, role_wg, C::kProducers, C::kConsumers, S.kp_bar);
 
   Tensor sKp = make_tensor(make_smem_ptr(S.kp.data()), typename C::SmemLayoutKp{});
   Tensor sQp = make_tensor(make_smem_ptr(S.qp.data()), typename C::SmemLayoutQp{});
 
   if (role_wg == 0) {  // ---- producer ----
     cutlass::arch::warpgroup_reg_dealloc<24>();
-    if (tid == 0) {
-      const int bidx = P.batched ? b : 0;
-      const int64_t off = P.batched ? 0 : s0;
-      Tensor mKp = P.tma_kp.get_tma_tensor(P.tma_shape_kp)(_, _, pk, bidx);
-      Tensor gKp = local_tile(domain_offset(make_coord(off, _0{}), mKp), Shape<_128, _128>{}, make_coord(j, _0{}));
-      auto tkp = P.tma_kp.get_slice(_0{});
+    if (tid == 0) {  // Kp_j, once, by TMA
       S.kp_bar.arrive_and_expect_tx(C::kBlockN * C::kHeadDim * sizeof(Element));
-      copy(P.tma_kp.with(reinterpret_cast<uint64_t&>(S.kp_bar)), tkp.partition_S(gKp), tkp.partition_D(sKp));
+      tma_load_block(P.tma_kp, P.tma_shape_kp, pk, b, s0, P.batched, j, sKp, S.kp_bar);
     }
     const Element* qpptr = static_cast<const Element*>(p.qp.ptr);
     auto row_token = [&](int c) -> int32_t {  // token of row `tid` of chunk c (threads < 64)

@@ -116,10 +116,7 @@ __global__ void __launch_bounds__(384, 1) bwd_proxy_kernel(const __grid_constant
   const int nchunks = (n + NTc - 1) / NTc;
   const int role_wg = tid / 128;
 
-  Pipeline pipeline = make_chunk_pipeline<Pipeline>(S.pipe, role_wg, C::kProducers, C::kConsumers);
-  if (tid == 0) S.kv_bar.init(1);
-  cutlass::arch::fence_barrier_init();
-  __syncthreads();
+  Pipeline pipeline = make_chunk_pipeline<Pipeline>(S.pipe, role_wg, C::kProducers, C::kConsumers, S.kv_bar);
 
   Tensor sK = make_tensor(make_smem_ptr(S.k.data()), typename C::SmemLayoutKV{});
   Tensor sKp = make_tensor(make_smem_ptr(S.kp.data()), typename C::SmemLayoutKV{});
@@ -128,18 +125,10 @@ __global__ void __launch_bounds__(384, 1) bwd_proxy_kernel(const __grid_constant
 
   if (role_wg == 0) {  // ---- producer ----
     cutlass::arch::warpgroup_reg_dealloc<24>();
-    if (tid == 0) {
-      const int bidx = P.batched ? b : 0;
-      const int64_t off = P.batched ? 0 : s0;
-      Tensor mK = P.tma_k.get_tma_tensor(P.tma_shape_k)(_, _, kvh, bidx);
-      Tensor mKp = P.tma_kp.get_tma_tensor(P.tma_shape_kp)(_, _, pk, bidx);
-      Tensor gK = local_tile(domain_offset(make_coord(off, _0{}), mK), Shape<_128, _128>{}, make_coord(j, _0{}));
-      Tensor gKp = local_tile(domain_offset(make_coord(off, _0{}), mKp), Shape<_128, _128>{}, make_coord(j, _0{}));
-      auto tk = P.tma_k.get_slice(_0{});
-      auto tkp = P.tma_kp.get_slice(_0{});
+    if (tid == 0) {  // K_j and Kp_j, once, by TMA
       S.kv_bar.arrive_and_expect_tx(2 * C::kBlockN * C::kHeadDim * sizeof(Element));
-      copy(P.tma_k.with(reinterpret_cast<uint64_t&>(S.kv_bar)), tk.partition_S(gK), tk.partition_D(sK));
-      copy(P.tma_kp.with(reinterpret_cast<uint64_t&>(S.kv_bar)), tkp.partition_S(gKp), tkp.partition_D(sKp));
+      tma_load_block(P.tma_k, P.tma_shape_k, kvh, b, s0, P.batched, j, sK, S.kv_bar);
+      tma_load_block(P.tma_kp, P.tma_shape_kp, pk, b, s0, P.batched, j, sKp, S.kv_bar);
     }
     const Element* qptr = static_cast<const Element*>(p.q.ptr);
     const Element* qpptr = static_cast<const Element*>(p.qp.ptr);
