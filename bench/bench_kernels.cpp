@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -85,6 +86,7 @@ double median_ms(F&& f, int iters) {
 int main(int argc, char** argv) {
   std::string config = "m3", seqlens = "32768", patterns = "clustered,random", save_dir;
   int iters = 10;
+  bool options = true;  // --options 0: skip the deterministic / out_lo timings (variant builds that refuse them)
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string k = argv[i], v = argv[i + 1];
     if (k == "--config") config = v;
@@ -92,6 +94,7 @@ int main(int argc, char** argv) {
     else if (k == "--patterns") patterns = v;
     else if (k == "--iters") iters = std::atoi(v.c_str());
     else if (k == "--save-indices") save_dir = v;
+    else if (k == "--options") options = v != "0";
     else { std::fprintf(stderr, "unknown flag %s\n", k.c_str()); return 2; }
   }
   Config c = config == "fmsa" ? Config{"fmsa", 16, 2, 4, 1, 16} : Config{"m3", 64, 4, 4, 1, 16};
@@ -187,7 +190,7 @@ int main(int argc, char** argv) {
       const double t_bwd = median_ms([&] { flashmsa::bwd(bw, wsb, bws); }, iters);
       // the deterministic backward, and the precise dpsum (forward writing out_lo, backward reading it)
       double t_bwd_det = NAN, t_fwd_lo = NAN, t_bwd_lo = NAN;
-      {
+      if (options) {
         BwdArgs bd = bw;
         bd.deterministic = 1;
         const size_t wd = workspace_size(bd);
@@ -258,19 +261,24 @@ int main(int argc, char** argv) {
         }
       }
       auto tf = [](double flop, double ms) { return flop / (ms * 1e-3) / 1e12; };
+      auto js = [](double ms) {  // JSON number, null when not measured
+        char b[32];
+        std::snprintf(b, sizeof b, "%.4f", ms);
+        return std::isnan(ms) ? std::string("null") : std::string(b);
+      };
       std::printf(
           "{\"gpu\": \"%s\", \"config\": \"%s\", \"seqlen\": %lld, \"pattern\": \"%s\", \"topk\": %d, "
           "\"union_factor_128\": %.3f, \"select_ms\": %.4f, \"select_tflops\": %.1f, "
           "\"fwd_train_ms\": %.4f, \"fwd_train_tflops\": %.1f, \"fwd_infer_ms\": %.4f, \"fwd_infer_tflops\": %.1f, "
           "\"dense_fwd_ms\": %.4f, \"dense_fwd_tflops\": %.1f, \"bwd_ms\": %.4f, \"bwd_tflops\": %.1f, "
-          "\"step_ms\": %.4f, \"step_tflops\": %.1f, \"step_gb\": %.2f, \"bwd_deterministic_ms\": %.4f, "
-          "\"fwd_train_out_lo_ms\": %.4f, \"bwd_out_lo_ms\": %.4f}\n",
+          "\"step_ms\": %.4f, \"step_tflops\": %.1f, \"step_gb\": %.2f, \"bwd_deterministic_ms\": %s, "
+          "\"fwd_train_out_lo_ms\": %s, \"bwd_out_lo_ms\": %s}\n",
           prop.name, c.name.c_str(), (long long)T, pat_s.c_str(), c.topk, uf, t_sel,
           tf(2.0 * D * pc.proxy_pairs, t_sel), t_fwd, tf(4.0 * D * pc.main_pairs, t_fwd), t_fwd_inf,
           tf(4.0 * D * pc.main_pairs, t_fwd_inf), t_dense, tf(4.0 * D * dense_pairs, t_dense), t_bwd,
           tf(2.5 * 4.0 * D * pc.main_pairs, t_bwd), t_step,
-          tf(3.5 * 4.0 * D * pc.main_pairs + 2.0 * D * pc.proxy_pairs, t_step), step_gb, t_bwd_det, t_fwd_lo,
-          t_bwd_lo);
+          tf(3.5 * 4.0 * D * pc.main_pairs + 2.0 * D * pc.proxy_pairs, t_step), step_gb, js(t_bwd_det).c_str(),
+          js(t_fwd_lo).c_str(), js(t_bwd_lo).c_str());
       std::fflush(stdout);
       for (void* p : {q, k, v, qp, kp, dcu, idx, plse, out, lse}) cudaFree(p);
     }

@@ -24,8 +24,8 @@ if has suite; then
 fi
 if has sanitize; then
   stamp "sanitizers"
-  timeout 200 compute-sanitizer --tool memcheck --error-exitcode 1 ./.gpu/flashmsa_gpu_tests --gtest_filter='*Small*' > "$OUT/memcheck.log" 2>&1; echo "memcheck rc=$?"; tail -1 "$OUT/memcheck.log"
-  timeout 300 compute-sanitizer --tool racecheck --error-exitcode 1 ./.gpu/flashmsa_gpu_tests --gtest_filter='*Small*' > "$OUT/racecheck.log" 2>&1; echo "racecheck rc=$?"; tail -1 "$OUT/racecheck.log"
+  timeout ${MEMCHECK_S:-200} compute-sanitizer --tool memcheck --error-exitcode 1 ./.gpu/flashmsa_gpu_tests --gtest_filter='*Small*' > "$OUT/memcheck.log" 2>&1; echo "memcheck rc=$?"; tail -1 "$OUT/memcheck.log"
+  timeout ${RACECHECK_S:-300} compute-sanitizer --tool racecheck --error-exitcode 1 ./.gpu/flashmsa_gpu_tests --gtest_filter='*Small*' > "$OUT/racecheck.log" 2>&1; echo "racecheck rc=$?"; tail -1 "$OUT/racecheck.log"
 fi
 if has pytest; then
   stamp "pytest (CUDA build)"

@@ -28,14 +28,34 @@ extern template void launch<cutlass::half_t, false>(const Params<cutlass::half_t
 extern template void launch<cutlass::half_t, true>(const Params<cutlass::half_t>&, cudaStream_t);
 }  // namespace attn_fwd
 namespace attn_bwd {
-extern template void launch_main<cutlass::bfloat16_t>(const MainParams<cutlass::bfloat16_t>&, int, cudaStream_t);
-extern template void launch_main<cutlass::half_t>(const MainParams<cutlass::half_t>&, int, cudaStream_t);
-extern template void launch_proxy<cutlass::bfloat16_t, 16>(const ProxyParams<cutlass::bfloat16_t>&, cudaStream_t);
-extern template void launch_proxy<cutlass::bfloat16_t, 64>(const ProxyParams<cutlass::bfloat16_t>&, cudaStream_t);
-extern template void launch_proxy<cutlass::half_t, 16>(const ProxyParams<cutlass::half_t>&, cudaStream_t);
-extern template void launch_proxy<cutlass::half_t, 64>(const ProxyParams<cutlass::half_t>&, cudaStream_t);
-extern template void launch_kl<cutlass::bfloat16_t>(const KlParams<cutlass::bfloat16_t>&, cudaStream_t);
-extern template void launch_kl<cutlass::half_t>(const KlParams<cutlass::half_t>&, cudaStream_t);
+// each kernel in a default and a deterministic (kDet) instantiation, one per translation unit
+#define FLASHMSA_BWD_EXTERN(E, DET)                                                                \
+  extern template void launch_main<E, DET>(const MainParams<E>&, int, cudaStream_t);              \
+  extern template void launch_proxy<E, 16, DET>(const ProxyParams<E>&, cudaStream_t);             \
+  extern template void launch_proxy<E, 64, DET>(const ProxyParams<E>&, cudaStream_t);             \
+  extern template void launch_kl<E, DET>(const KlParams<E>&, cudaStream_t);
+FLASHMSA_BWD_EXTERN(cutlass::bfloat16_t, false)
+FLASHMSA_BWD_EXTERN(cutlass::bfloat16_t, true)
+FLASHMSA_BWD_EXTERN(cutlass::half_t, false)
+FLASHMSA_BWD_EXTERN(cutlass::half_t, true)
+#undef FLASHMSA_BWD_EXTERN
+
+// The default or the deterministic instantiation, by whether the parameters carry turn counters.
+template <class Element>
+void launch_main(const MainParams<Element>& p, int units, cudaStream_t st) {
+  if (p.c.turn_rows) launch_main<Element, true>(p, units, st);
+  else launch_main<Element, false>(p, units, st);
+}
+template <class Element, int kTok>
+void launch_proxy(const ProxyParams<Element>& p, cudaStream_t st) {
+  if (p.c.turn_rows) launch_proxy<Element, kTok, true>(p, st);
+  else launch_proxy<Element, kTok, false>(p, st);
+}
+template <class Element>
+void launch_kl(const KlParams<Element>& p, cudaStream_t st) {
+  if (p.c.turn_rows) launch_kl<Element, true>(p, st);
+  else launch_kl<Element, false>(p, st);
+}
 }  // namespace attn_bwd
 
 namespace {

@@ -246,7 +246,7 @@ __device__ __forceinline__ void store_teacher(const Acc& accS, int key0, int row
   }
 }
 
-template <class Element>
+template <class Element, bool kDet>
 __global__ void __launch_bounds__(384, 1) bwd_main_kernel(const __grid_constant__ MainParams<Element> P) {
   using namespace cute;
   using C = MainConfig<Element>;
@@ -254,6 +254,11 @@ __global__ void __launch_bounds__(384, 1) bwd_main_kernel(const __grid_constant_
   const Common& p = P.c;
   extern __shared__ char smem_raw[];
   auto& S = smem_struct<typename C::Smem>(smem_raw);
+  // deterministic mode exists only in the kDet instantiation: the default one holds no fence and no
+  // turn code (with a __threadfence in the kernel ptxas emits ATOMG, which waits for its reply,
+  // instead of REDG for every gradient add: the main kernel took 37.7 ms instead of 27.3 at m3 32k)
+  int32_t* const turn_rows = kDet ? p.turn_rows : nullptr;
+  int32_t* const turn_keys = kDet ? p.turn_keys : nullptr;
 
   const int gb = blockIdx.x, unit = blockIdx.y;
   const int b = seq_of_block(p.inv.blk_off, p.seqs.batch, gb);
@@ -280,7 +285,7 @@ __global__ void __launch_bounds__(384, 1) bwd_main_kernel(const __grid_constant_
   // deterministic mode: this unit's turn among the units adding into the same dK_j / dV_j rows
   const int kv_order = unit % ((p.Hq / p.Hkv) / p.R);
   if (n <= 0) {
-    finish_empty_cta(nullptr, 0, p.turn_keys ? p.turn_keys + int64_t(gb) * p.Hkv + kvh : nullptr, kv_order);
+    finish_empty_cta(nullptr, 0, turn_keys ? turn_keys + int64_t(gb) * p.Hkv + kvh : nullptr, kv_order);
     return;
   }
   const int nchunks = (n + NTc - 1) / NTc;
@@ -310,10 +315,10 @@ __global__ void __launch_bounds__(384, 1) bwd_main_kernel(const __grid_constant_
       return p.dense ? int32_t(dense_first + li) : list[li];
     };
     // the block's turn in the slot token's dq sum (dense: every block up to the token's own)
-    const int32_t* ranks = (p.turn_rows && !p.dense) ? p.inv.rank + (list - p.inv.tokens) : nullptr;
+    const int32_t* ranks = (turn_rows && !p.dense) ? p.inv.rank + (list - p.inv.tokens) : nullptr;
     auto slot_rank = [&](int c) -> int32_t {
       const int li = c * NTc + tid;
-      if (!p.turn_rows || tid >= NTc || li >= n) return 0;
+      if (!turn_rows || tid >= NTc || li >= n) return 0;
       return ranks ? ranks[li] : j;
     };
     int32_t next = slot_token(0), next_rank = slot_rank(0);
@@ -392,7 +397,7 @@ __global__ void __launch_bounds__(384, 1) bwd_main_kernel(const __grid_constant_
 #ifdef FLASHMSA_BWD_DQ_PER_WG
   // both warpgroups add into the same dQ addresses in one turn, in no fixed order: this
   // measurement build has no deterministic mode
-  if (p.turn_rows) ptx::trap_out_of_line();
+  if (kDet) ptx::trap_out_of_line();
   typename C::MmadQw mma_dqw;
   auto thr_dqw = mma_dqw.get_thread_slice(wtid);
   // this warpgroup's keys of dS (rows, keys, buf) and of K^T (d, keys), one d half at a time
@@ -481,7 +486,7 @@ __global__ void __launch_bounds__(384, 1) bwd_main_kernel(const __grid_constant_
     // the tokens of this thread's dQ rows, read before the stage goes back to the producer
     const int32_t tok_a = S.tok[st][rq0], tok_b = S.tok[st][rq0 + 8];
     // (deterministic mode keeps the stage until its dQ adds are done: it reads the slots' turns)
-    if (!p.turn_rows) pipeline.consumer_release(state);
+    if (!turn_rows) pipeline.consumer_release(state);
     ptx::fence_proxy_async_smem();
 #ifdef FLASHMSA_BWD_DQ_PER_WG
     ptx::named_barrier_sync(int(NamedBarrier::kWarpGroup0) + w, 128);  // this warpgroup's dS^T staged
@@ -491,9 +496,9 @@ __global__ void __launch_bounds__(384, 1) bwd_main_kernel(const __grid_constant_
     wg_gemm<true>(mma_dq, tQrdS(_, _, _, buf), tQrK, accdQ);
 #endif
     int32_t* q_turn = nullptr;
-    if (p.turn_rows) {  // the first NTc threads of warpgroup 0 wait for their token's lower blocks
+    if (turn_rows) {  // the first NTc threads of warpgroup 0 wait for their token's lower blocks
       if (w == 0 && wtid < NTc && S.slot[st][wtid] >= 0) {
-        q_turn = p.turn_rows + int64_t(S.slot[st][wtid]) * gridDim.y + unit;
+        q_turn = turn_rows + int64_t(S.slot[st][wtid]) * gridDim.y + unit;
         ptx::wait_turn(q_turn, S.rank[st][wtid]);
       }
       ptx::named_barrier_sync(int(NamedBarrier::kConsumers), C::kConsumers);
@@ -518,7 +523,7 @@ __global__ void __launch_bounds__(384, 1) bwd_main_kernel(const __grid_constant_
 #else
     add_dq(64 * w);
 #endif
-    if (p.turn_rows) {  // every thread's adds visible, then the next block's turn
+    if (turn_rows) {  // every thread's adds visible, then the next block's turn
       __threadfence();
       ptx::named_barrier_sync(int(NamedBarrier::kConsumers), C::kConsumers);
       if (q_turn) ptx::st_release_gpu(q_turn, S.rank[st][wtid] + 1);
@@ -530,7 +535,7 @@ __global__ void __launch_bounds__(384, 1) bwd_main_kernel(const __grid_constant_
   if (P.teacher_only) return;
   // dK_j, dV_j of this unit: fp32 atomics (several units may share a kv head), in unit order in
   // deterministic mode
-  int32_t* kv_turn = p.turn_keys ? p.turn_keys + int64_t(gb) * p.Hkv + kvh : nullptr;
+  int32_t* kv_turn = turn_keys ? turn_keys + int64_t(gb) * p.Hkv + kvh : nullptr;
   take_turn(kv_turn, kv_order);
   const auto cKV = thr_dkv.partition_C(make_identity_tensor(Shape<_64, Int<C::kHeadDim>>{}));
   add_key_rows(accdK, cKV, key_base, L, s0, p.Hkv, kvh, p.dk_acc);
@@ -538,10 +543,11 @@ __global__ void __launch_bounds__(384, 1) bwd_main_kernel(const __grid_constant_
   pass_turn(kv_turn, kv_order);
 }
 
-template <class Element>
+// kDet: the deterministic instantiation (P.c.turn_rows and turn_keys set), else the default one
+template <class Element, bool kDet>
 void launch_main(const MainParams<Element>& P, int units, cudaStream_t stream) {
   using C = MainConfig<Element>;
-  auto kernel = bwd_main_kernel<Element>;
+  auto kernel = bwd_main_kernel<Element, kDet>;
   FLASHMSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(C::kSmemBytes)));
   dim3 grid(P.c.inv.nblk, units);
   if (grid.x == 0) return;

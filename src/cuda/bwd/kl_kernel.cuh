@@ -71,7 +71,7 @@ struct KlParams {
   bool grads = true;               // false: the kl value only (forward's compute_kl)
 };
 
-template <class Element>
+template <class Element, bool kDet>
 __global__ void __launch_bounds__(384, 1) bwd_kl_kernel(const __grid_constant__ KlParams<Element> P) {
   using namespace cute;
   using C = KlConfig<Element>;
@@ -79,6 +79,10 @@ __global__ void __launch_bounds__(384, 1) bwd_kl_kernel(const __grid_constant__ 
   const Common& p = P.c;
   extern __shared__ char smem_raw[];
   auto& S = smem_struct<typename C::Smem>(smem_raw);
+  // deterministic mode exists only in the kDet instantiation (no fence or turn code in the default
+  // one: a __threadfence makes ptxas emit ATOMG instead of REDG for the gradient adds)
+  int32_t* const turn_rows = kDet ? p.turn_rows : nullptr;
+  int32_t* const turn_keys = kDet ? p.turn_keys : nullptr;
 
   const int gb = blockIdx.x, grp = blockIdx.y;
   const int64_t kl_slot = int64_t(grp) * gridDim.x + gb;
@@ -97,7 +101,7 @@ __global__ void __launch_bounds__(384, 1) bwd_kl_kernel(const __grid_constant__ 
   const int32_t* list = p.inv.tokens + entry0;
   // deterministic mode: this proxy head's turn among those adding into the same dKp_j rows
   const int ppk = p.Hp / p.Hpk;
-  int32_t* kp_turn = (P.grads && p.turn_keys) ? p.turn_keys + int64_t(gb) * p.Hpk + pk : nullptr;
+  int32_t* kp_turn = (P.grads && turn_keys) ? turn_keys + int64_t(gb) * p.Hpk + pk : nullptr;
   if (n <= 0) {
     finish_empty_cta(p.kl_acc, kl_slot, kp_turn, grp % ppk);
     return;
@@ -121,7 +125,7 @@ __global__ void __launch_bounds__(384, 1) bwd_kl_kernel(const __grid_constant__ 
       const int li = c * C::kTok + tid;
       return (tid < C::kTok && li < n) ? list[li] : -1;
     };
-    const bool det = P.grads && p.turn_rows;
+    const bool det = P.grads && turn_rows;
     auto row_rank = [&](int c) -> int32_t {
       const int li = c * C::kTok + tid;
       return (det && tid < C::kTok && li < n) ? p.inv.rank[entry0 + li] : 0;
@@ -216,8 +220,8 @@ __global__ void __launch_bounds__(384, 1) bwd_kl_kernel(const __grid_constant__ 
     // deterministic mode: threads 0..63 of warpgroup 0 each hold one token's turn
     int32_t* q_turn = nullptr;
     int32_t q_rank = 0;
-    if (P.grads && p.turn_rows && w == 0 && wtid < C::kTok && S.tok[st][wtid] >= 0) {
-      q_turn = p.turn_rows + int64_t(S.tok[st][wtid]) * p.Hp + grp;
+    if (P.grads && turn_rows && w == 0 && wtid < C::kTok && S.tok[st][wtid] >= 0) {
+      q_turn = turn_rows + int64_t(S.tok[st][wtid]) * p.Hp + grp;
       q_rank = S.rank[st][wtid];
     }
     if (P.grads) {
@@ -230,7 +234,7 @@ __global__ void __launch_bounds__(384, 1) bwd_kl_kernel(const __grid_constant__ 
       ptx::fence_proxy_async_smem();
       ptx::named_barrier_sync(int(NamedBarrier::kConsumers), C::kConsumers);  // dz^T staged by both
       wg_gemm<true>(mma_dqp, tQprDz, tQprKp, accdQp);
-      if (p.turn_rows) {  // wait for the token's lower blocks to have added
+      if (turn_rows) {  // wait for the token's lower blocks to have added
         if (q_turn) ptx::wait_turn(q_turn, q_rank);
         ptx::named_barrier_sync(int(NamedBarrier::kConsumers), C::kConsumers);
       }
@@ -242,7 +246,7 @@ __global__ void __launch_bounds__(384, 1) bwd_kl_kernel(const __grid_constant__ 
         atomicAdd(reinterpret_cast<float2*>(p.dqp_acc + (int64_t(t) * p.Hp + grp) * C::kHeadDim + d),
                   make_float2(accdQp(x), accdQp(x + 1)));
       }
-      if (p.turn_rows) __threadfence();  // the adds visible before the turn passes on
+      if (turn_rows) __threadfence();  // the adds visible before the turn passes on
       // dz^T is rewritten next chunk: both warpgroups must be past their dQp GEMM
       ptx::named_barrier_sync(int(NamedBarrier::kConsumers), C::kConsumers);
       if (q_turn) ptx::st_release_gpu(q_turn, q_rank + 1);
@@ -260,10 +264,10 @@ __global__ void __launch_bounds__(384, 1) bwd_kl_kernel(const __grid_constant__ 
   if (p.kl_acc) store_kl_partial(kl_sum, S.kl_warp, p.kl_acc, kl_slot);  // in a fixed order
 }
 
-template <class Element>
+template <class Element, bool kDet>
 void launch_kl(const KlParams<Element>& P, cudaStream_t stream) {
   using C = KlConfig<Element>;
-  auto kernel = bwd_kl_kernel<Element>;
+  auto kernel = bwd_kl_kernel<Element, kDet>;
   FLASHMSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(C::kSmemBytes)));
   dim3 grid(P.c.inv.nblk, P.c.Hp);
   if (grid.x == 0) return;

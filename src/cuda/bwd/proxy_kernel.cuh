@@ -71,7 +71,7 @@ struct ProxyParams {
   bool grads = true;   // false: kl value only (forward's compute_kl), no gradients
 };
 
-template <class Element, int kTok>
+template <class Element, int kTok, bool kDet>
 __global__ void __launch_bounds__(384, 1) bwd_proxy_kernel(const __grid_constant__ ProxyParams<Element> P) {
   using namespace cute;
   using C = ProxyConfig<Element, kTok>;
@@ -79,6 +79,10 @@ __global__ void __launch_bounds__(384, 1) bwd_proxy_kernel(const __grid_constant
   const Common& p = P.c;
   extern __shared__ char smem_raw[];
   auto& S = smem_struct<typename C::Smem>(smem_raw);
+  // deterministic mode exists only in the kDet instantiation (no fence or turn code in the default
+  // one: a __threadfence makes ptxas emit ATOMG instead of REDG for the gradient adds)
+  int32_t* const turn_rows = kDet ? p.turn_rows : nullptr;
+  int32_t* const turn_keys = kDet ? p.turn_keys : nullptr;
 
   const int gb = blockIdx.x, grp = blockIdx.y;
   const int64_t kl_slot = int64_t(grp) * gridDim.x + gb;
@@ -108,7 +112,7 @@ __global__ void __launch_bounds__(384, 1) bwd_proxy_kernel(const __grid_constant
   }
   // deterministic mode: this proxy head's turn among those adding into the same dKp_j rows
   const int ppk = p.Hp / p.Hpk;
-  int32_t* kp_turn = (P.grads && p.turn_keys) ? p.turn_keys + int64_t(gb) * p.Hpk + pk : nullptr;
+  int32_t* kp_turn = (P.grads && turn_keys) ? turn_keys + int64_t(gb) * p.Hpk + pk : nullptr;
   if (n <= 0) {
     finish_empty_cta(p.kl_acc, kl_slot, kp_turn, grp % ppk);
     return;
@@ -165,7 +169,7 @@ __global__ void __launch_bounds__(384, 1) bwd_proxy_kernel(const __grid_constant
         const int64_t t = valid ? (p.dense ? dense_first + li : int64_t(list[li])) : -1;
         S.tok[st][r] = int32_t(t);
         // deterministic mode: dense, block j is every token's j-th; else the inversion's rank
-        S.rank[st][r] = (!valid || !p.turn_rows) ? 0 : p.dense ? j : p.inv.rank[(list - p.inv.tokens) + li];
+        S.rank[st][r] = (!valid || !turn_rows) ? 0 : p.dense ? j : p.inv.rank[(list - p.inv.tokens) + li];
         S.plse2[st][r] = valid ? *p.plse.at(grp, t) * kLog2e : 0.f;
       }
       ptx::cp_async_commit();
@@ -264,8 +268,8 @@ __global__ void __launch_bounds__(384, 1) bwd_proxy_kernel(const __grid_constant
     // deterministic mode: threads < NTc of warpgroup 0 each hold one token's turn in its dqp sum
     int32_t* q_turn = nullptr;
     int32_t q_rank = 0;
-    if (P.grads && p.turn_rows && w == 0 && wtid < NTc && S.tok[st][wtid] >= 0) {
-      q_turn = p.turn_rows + int64_t(S.tok[st][wtid]) * p.Hp + grp;
+    if (P.grads && turn_rows && w == 0 && wtid < NTc && S.tok[st][wtid] >= 0) {
+      q_turn = turn_rows + int64_t(S.tok[st][wtid]) * p.Hp + grp;
       q_rank = S.rank[st][wtid];
     }
     pipeline.consumer_release(state);
@@ -273,7 +277,7 @@ __global__ void __launch_bounds__(384, 1) bwd_proxy_kernel(const __grid_constant
     ptx::named_barrier_sync(int(NamedBarrier::kConsumers), C::kConsumers);
     if (P.grads) {
       wg_gemm<true>(mma_dqp, tQprKpT, tQprDz, accdQp);
-      if (p.turn_rows) {  // wait for the token's lower blocks to have added
+      if (turn_rows) {  // wait for the token's lower blocks to have added
         if (q_turn) ptx::wait_turn(q_turn, q_rank);
         ptx::named_barrier_sync(int(NamedBarrier::kConsumers), C::kConsumers);
       }
@@ -285,7 +289,7 @@ __global__ void __launch_bounds__(384, 1) bwd_proxy_kernel(const __grid_constant
         atomicAdd(p.dqp_acc + (int64_t(t) * p.Hp + grp) * C::kHeadDim + d, accdQp(x));
       }
     }
-    if (P.grads && p.turn_rows) __threadfence();  // the adds visible before the turn passes on
+    if (P.grads && turn_rows) __threadfence();  // the adds visible before the turn passes on
     // sDz and S.pt are rewritten next chunk: every consumer must be past its reads
     ptx::named_barrier_sync(int(NamedBarrier::kConsumers), C::kConsumers);
     if (q_turn) ptx::st_release_gpu(q_turn, q_rank + 1);
@@ -302,10 +306,10 @@ __global__ void __launch_bounds__(384, 1) bwd_proxy_kernel(const __grid_constant
   if (p.kl_acc) store_kl_partial(kl_sum, S.kl_warp, p.kl_acc, kl_slot);  // in a fixed order
 }
 
-template <class Element, int kTok>
+template <class Element, int kTok, bool kDet>
 void launch_proxy(const ProxyParams<Element>& P, cudaStream_t stream) {
   using C = ProxyConfig<Element, kTok>;
-  auto kernel = bwd_proxy_kernel<Element, kTok>;
+  auto kernel = bwd_proxy_kernel<Element, kTok, kDet>;
   FLASHMSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(C::kSmemBytes)));
   dim3 grid(P.c.inv.nblk, P.c.Hp);
   if (grid.x == 0) return;
