@@ -3,8 +3,9 @@
 # a second benchmark binary against it, next to the normal one (the rest of the library is
 # shared). Carry .gpu/ to the GPU machine and run both binaries in the same call.
 #   bash scripts/bench_variant.sh NAME TU FLAGS...
-#   bash scripts/bench_variant.sh dqwg bwd_main_bf16 -DFLASHMSA_BWD_DQ_PER_WG
-#   -> .gpu/flashmsa_bench_dqwg (and the ptxas register/spill line of the variant)
+#   bash scripts/bench_variant.sh st2 bwd_main_bf16 -DFLASHMSA_BWD_STAGES=2
+#   -> .gpu/flashmsa_bench_st2 (and the ptxas register/spill line of the variant); run it with
+#      --options 0 when the variant refuses the deterministic mode
 set -euo pipefail
 name=$1 tu=$2
 shift 2

@@ -29,8 +29,16 @@ if ! command -v nvcc >/dev/null 2>&1 && [ -x /usr/local/cuda/bin/nvcc ]; then
   export PATH=/usr/local/cuda/bin:$PATH
 fi
 
-# With nvcc, the CUDA backend needs the pinned CuTe/CUTLASS headers.
-if command -v nvcc >/dev/null 2>&1; then bash scripts/fetch_cutlass.sh; fi
+# With nvcc, the CUDA backend needs the pinned CuTe/CUTLASS headers, and the SASS check of the
+# kernels (tests/sass) needs cuobjdump + nvdisasm (pinned PyPI wheels, 5 MB, when the toolkit
+# has none).
+if command -v nvcc >/dev/null 2>&1; then
+  bash scripts/fetch_cutlass.sh
+  if ! python3 tests/sass/check_sass.py --tools >/dev/null 2>&1; then
+    echo "[setup] pip install -r requirements-sass.txt (cuobjdump, nvdisasm)"
+    python3 -m pip install --quiet --disable-pip-version-check -r requirements-sass.txt
+  fi
+fi
 
 BUILD_DIR=${BUILD_DIR:-build}
 cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLASHMSA_WERROR=ON >/dev/null

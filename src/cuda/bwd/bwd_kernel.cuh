@@ -57,10 +57,6 @@ struct MainConfig {
   using MmadKV = RsMma<Element, 64, kHeadDim, kRows, Major::K, Major::MN>;
   // dQ = dS K: (64 rows) x (64 d, one half per warpgroup) x (128 keys)
   using MmadQ = SsMma<Element, 64, 64, kBlockN, Major::MN, Major::MN>;
-  // FLASHMSA_BWD_DQ_PER_WG (a measurement knob): each warpgroup adds its own 64 keys' share of
-  // dQ = dS K, (64 rows) x (64 d) x (64 keys) twice, so the two warpgroups need no barrier per
-  // chunk (they may drift apart and overlap math with the other's GEMMs) at twice the atomics
-  using MmadQw = SsMma<Element, 64, 64, 64, Major::MN, Major::MN>;
 
   struct Smem {
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>, 1024> k;
@@ -394,17 +390,6 @@ __global__ void __launch_bounds__(384, 1) bwd_main_kernel(const __grid_constant_
   Tensor tQrdS = thr_dq.partition_fragment_A(sdSt);   // (MMA, M=rows, K=keys, buf)
   Tensor sKtw = local_tile(sKt, Shape<_64, Int<C::kBlockN>>{}, make_coord(w, _0{}));  // d half w
   Tensor tQrK = thr_dq.partition_fragment_B(sKtw);
-#ifdef FLASHMSA_BWD_DQ_PER_WG
-  // both warpgroups add into the same dQ addresses in one turn, in no fixed order: this
-  // measurement build has no deterministic mode
-  if (kDet) ptx::trap_out_of_line();
-  typename C::MmadQw mma_dqw;
-  auto thr_dqw = mma_dqw.get_thread_slice(wtid);
-  // this warpgroup's keys of dS (rows, keys, buf) and of K^T (d, keys), one d half at a time
-  Tensor tQwrdS = thr_dqw.partition_fragment_A(local_tile(sdSt, Shape<_64, _64, _2>{}, make_coord(_0{}, w, _0{})));
-  Tensor tQwrK0 = thr_dqw.partition_fragment_B(local_tile(sKt, Shape<_64, _64>{}, make_coord(_0{}, w)));
-  Tensor tQwrK1 = thr_dqw.partition_fragment_B(local_tile(sKt, Shape<_64, _64>{}, make_coord(_1{}, w)));
-#endif
 
   Tensor accS = partition_fragment_C(mma_sdp, Shape<_64, Int<C::kRows>>{});
   Tensor accdP = partition_fragment_C(mma_sdp, Shape<_64, Int<C::kRows>>{});
@@ -488,13 +473,8 @@ __global__ void __launch_bounds__(384, 1) bwd_main_kernel(const __grid_constant_
     // (deterministic mode keeps the stage until its dQ adds are done: it reads the slots' turns)
     if (!turn_rows) pipeline.consumer_release(state);
     ptx::fence_proxy_async_smem();
-#ifdef FLASHMSA_BWD_DQ_PER_WG
-    ptx::named_barrier_sync(int(NamedBarrier::kWarpGroup0) + w, 128);  // this warpgroup's dS^T staged
-    wg_gemm<true>(mma_dqw, tQwrdS(_, _, _, buf), tQwrK0, accdQ);
-#else
     ptx::named_barrier_sync(int(NamedBarrier::kConsumers), C::kConsumers);  // dS^T staged by both
     wg_gemm<true>(mma_dq, tQrdS(_, _, _, buf), tQrK, accdQ);
-#endif
     int32_t* q_turn = nullptr;
     if (turn_rows) {  // the first NTc threads of warpgroup 0 wait for their token's lower blocks
       if (w == 0 && wtid < NTc && S.slot[st][wtid] >= 0) {
@@ -504,8 +484,8 @@ __global__ void __launch_bounds__(384, 1) bwd_main_kernel(const __grid_constant_
       ptx::named_barrier_sync(int(NamedBarrier::kConsumers), C::kConsumers);
     }
     // dQ rows of this chunk (unscaled: the convert kernel applies the softmax scale)
-    auto add_dq = [&](int dbase) {
-      const int dq0 = dbase + get<1>(cdQ(0));
+    {
+      const int dq0 = 64 * w + get<1>(cdQ(0));
 #pragma unroll
       for (int e1 = 0; e1 < 2; ++e1) {
         const int32_t t = e1 ? tok_b : tok_a;
@@ -515,14 +495,7 @@ __global__ void __launch_bounds__(384, 1) bwd_main_kernel(const __grid_constant_
         for (int i = 0; i < 8; ++i)
           atomicAdd(reinterpret_cast<float2*>(dst + 8 * i), make_float2(accdQ(4 * i + 2 * e1), accdQ(4 * i + 2 * e1 + 1)));
       }
-    };
-#ifdef FLASHMSA_BWD_DQ_PER_WG
-    add_dq(0);
-    wg_gemm<true>(mma_dqw, tQwrdS(_, _, _, buf), tQwrK1, accdQ);
-    add_dq(64);
-#else
-    add_dq(64 * w);
-#endif
+    }
     if (turn_rows) {  // every thread's adds visible, then the next block's turn
       __threadfence();
       ptx::named_barrier_sync(int(NamedBarrier::kConsumers), C::kConsumers);
