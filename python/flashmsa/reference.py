@@ -4,10 +4,13 @@ q, k, v get no gradient from kl, and qp, kp get none from out (they only pick in
 
 Same signatures as flashmsa.msa_attention / msa_select, so either can stand in for the other.
 Dense [H, L, L] masks per sequence: meant for tests and small models. Computes in fp32 (fp64
-for fp64 inputs) and rounds out to the input dtype once.
+for fp64 inputs) and rounds out to the input dtype once, under torch.autocast too (autocast
+would run the einsums in bf16: the public functions switch it off for their own math).
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 from typing import List, Optional, Tuple
 
 import torch
@@ -16,6 +19,19 @@ import torch.nn.functional as F
 BLOCK_SIZE = 128
 Tensor = torch.Tensor
 _NEG_INF = float("-inf")
+
+
+def _exact(fn):
+    """Runs fn with autocast off on every device type that has it on (the reference computes in
+    the dtype it chooses, whatever the caller's autocast region)."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with contextlib.ExitStack() as stack:
+            for dev in ("cpu", "cuda"):
+                if torch.is_autocast_enabled(dev):
+                    stack.enter_context(torch.autocast(dev, enabled=False))
+            return fn(*args, **kwargs)
+    return wrapper
 
 
 def _compute_dtype(x: Tensor) -> torch.dtype:
@@ -99,6 +115,7 @@ def _key_mask(idx: Optional[Tensor], Hp: int, L: int, device) -> Tensor:
     return blocks[..., :nb][..., keys_block] & causal
 
 
+@_exact
 def msa_select(qp: Tensor, kp: Tensor, topk: int = 16, *, cu_seqlens: Optional[Tensor] = None,
                max_seqlen: Optional[int] = None, proxy_scale: Optional[float] = None,
                return_proxy_lse: bool = False):
@@ -121,6 +138,7 @@ def msa_select(qp: Tensor, kp: Tensor, topk: int = 16, *, cu_seqlens: Optional[T
     return (idx, plse.to(stat)) if return_proxy_lse else idx
 
 
+@_exact
 def msa_attention(q: Tensor, k: Tensor, v: Tensor, qp: Optional[Tensor] = None,
                   kp: Optional[Tensor] = None, topk: int = 16, *,
                   cu_seqlens: Optional[Tensor] = None, max_seqlen: Optional[int] = None,
@@ -197,6 +215,7 @@ def msa_attention(q: Tensor, k: Tensor, v: Tensor, qp: Optional[Tensor] = None,
     return tuple(result)
 
 
+@_exact
 def attention_mass_recall(q: Tensor, k: Tensor, indices: Tensor, *, cu_seqlens: Optional[Tensor] = None,
                           softmax_scale: Optional[float] = None, rows: Optional[Tensor] = None) -> Tensor:
     """Share of the dense causal attention mass of the main heads that falls inside the selected

@@ -40,20 +40,26 @@ FLASHMSA_BWD_EXTERN(cutlass::half_t, false)
 FLASHMSA_BWD_EXTERN(cutlass::half_t, true)
 #undef FLASHMSA_BWD_EXTERN
 
-// The default or the deterministic instantiation, by whether the parameters carry turn counters.
+// The default or the deterministic instantiation, by whether the parameters carry turn counters
+// (both kinds or none: one without the other would order only half of the adds).
+inline bool deterministic(const Common& c) {
+  if (!c.turn_rows != !c.turn_keys)
+    fail(FLASHMSA_ERROR_INTERNAL, "flashmsa_bwd: CUDA backend: turn counters for rows and keys must come together");
+  return c.turn_rows != nullptr;
+}
 template <class Element>
 void launch_main(const MainParams<Element>& p, int units, cudaStream_t st) {
-  if (p.c.turn_rows) launch_main<Element, true>(p, units, st);
+  if (deterministic(p.c)) launch_main<Element, true>(p, units, st);
   else launch_main<Element, false>(p, units, st);
 }
 template <class Element, int kTok>
 void launch_proxy(const ProxyParams<Element>& p, cudaStream_t st) {
-  if (p.c.turn_rows) launch_proxy<Element, kTok, true>(p, st);
+  if (deterministic(p.c)) launch_proxy<Element, kTok, true>(p, st);
   else launch_proxy<Element, kTok, false>(p, st);
 }
 template <class Element>
 void launch_kl(const KlParams<Element>& p, cudaStream_t st) {
-  if (p.c.turn_rows) launch_kl<Element, true>(p, st);
+  if (deterministic(p.c)) launch_kl<Element, true>(p, st);
   else launch_kl<Element, false>(p, st);
 }
 }  // namespace attn_bwd

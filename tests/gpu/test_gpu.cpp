@@ -438,6 +438,18 @@ TEST(Bwd, GivenRepeatedBlocksCountOnce) {
 TEST(Deterministic, GivenRepeatedBlocksCountOnce) {
   run_bwd_case(make(16, 2, 4, 1, 5, {900, 3}), FLASHMSA_MODE_GIVEN, false, 1.0, false, true, true);
 }
+// every deterministic instantiation runs: fp16 main and kl kernels, the dense proxy kernel in both
+// chunk widths (G = 4: 16 tokens per chunk; G = 1: 64) and both dtypes
+TEST(Deterministic, BatchedFp16) {
+  run_bwd_case(make(16, 2, 4, 1, 8, {700}, 2, FLASHMSA_DTYPE_FP16), FLASHMSA_MODE_SPARSE, true, 1.0, false, true);
+}
+TEST(Deterministic, DenseFp16) {
+  run_bwd_case(make(16, 2, 4, 1, 1, {300, 57, 0, 130}, 0, FLASHMSA_DTYPE_FP16), FLASHMSA_MODE_DENSE, false, 1.0, false, true);
+}
+TEST(Deterministic, DenseG1Tok64) { run_bwd_case(make(4, 2, 4, 2, 1, {300, 130}), FLASHMSA_MODE_DENSE, false, 1.0, false, true); }
+TEST(Deterministic, DenseG1Tok64Fp16) {
+  run_bwd_case(make(4, 2, 4, 2, 1, {300, 130}, 0, FLASHMSA_DTYPE_FP16), FLASHMSA_MODE_DENSE, true, 1.0, false, true);
+}
 TEST(Deterministic, SmallSparse) { run_bwd_case(make(8, 2, 4, 1, 2, {130, 5, 300}), FLASHMSA_MODE_SPARSE, true, 1.0, false, true); }
 TEST(Proxy, SmallDense) { run_bwd_case(make(8, 2, 2, 1, 1, {200, 1}), FLASHMSA_MODE_DENSE, false, 1.0); }
 
@@ -726,17 +738,21 @@ TEST(Numerics, PreciseDpsumWithOutLo) {
   }
 }
 
-// The table of docs/numerics.md: the same at about 50 % and 95 % self-weight. With out_lo the
+// The table of docs/numerics.md: the same at about 50 % and 95 % self-weight (c = 0.65, 1.0). With out_lo the
 // error stays at the ideal pipeline's (1.5x) at every self-weight; the gain over the plain dpsum
 // grows with the self-weight (it must reach 0.6x from 80 % up).
 TEST(Numerics, PreciseDpsumBySelfWeight) {
-  for (double c : {0.7, 0.95}) {
-    const DpsumStats s = precise_dpsum_case(c);
+  struct Case { double c, w_lo, w_hi; bool peaked; };
+  // c -> self-weight from a numpy model of this construction (0.85 -> 0.83; the GPU measured 0.84)
+  for (const Case k : {Case{0.65, 0.4, 0.65, false}, Case{1.0, 0.9, 0.99, true}}) {
+    const DpsumStats s = precise_dpsum_case(k.c);
+    EXPECT_GT(s.self_weight, k.w_lo) << "c " << k.c << ": the construction's self-weight";
+    EXPECT_LT(s.self_weight, k.w_hi) << "c " << k.c << ": the construction's self-weight";
     EXPECT_LT(s.out_lo_err, 1e-4);
     for (int g = 0; g < 2; ++g) {
-      EXPECT_LT(s.err[1][g], 1.5 * s.ideal[g]) << "c " << c;
-      if (s.self_weight >= 0.8) {
-        EXPECT_LT(s.err[1][g], 0.6 * s.err[0][g]) << "c " << c;
+      EXPECT_LT(s.err[1][g], 1.5 * s.ideal[g]) << "c " << k.c;
+      if (k.peaked) {
+        EXPECT_LT(s.err[1][g], 0.6 * s.err[0][g]) << "c " << k.c;
       }
     }
   }

@@ -302,6 +302,23 @@ def test_low_precision_inputs_on_cpu(dtype):
     assert all(t.dtype == dtype and torch.isfinite(t).all() for t in g.values())
 
 
+def test_reference_ignores_autocast():
+    """flashmsa.reference computes in fp32 inside a bf16 autocast region too (autocast would run its
+    einsums in bf16: recall and out moved by ~1e-2 before the reference switched it off)."""
+    x = make_inputs(batch=1, seqlen=300, dtype=torch.float32, seed=21)
+    idx = R.msa_select(x["qp"], x["kp"], 2)
+    plain = (R.msa_attention(x["q"], x["k"], x["v"], x["qp"], x["kp"], topk=2)[0],
+             R.attention_mass_recall(x["q"], x["k"], idx))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.is_autocast_enabled("cpu")
+        cast = (R.msa_attention(x["q"], x["k"], x["v"], x["qp"], x["kp"], topk=2)[0],
+                R.attention_mass_recall(x["q"], x["k"], idx))
+        assert torch.is_autocast_enabled("cpu"), "the caller's autocast state must be restored"
+    for a, b in zip(plain, cast):
+        assert a.dtype == b.dtype == torch.float32
+        assert torch.equal(a, b)
+
+
 def test_empty_inputs():
     x = make_inputs(lengths=[0, 0], requires_grad=True)
     out, kl, lse, idx = run(flashmsa.msa_attention, x, "sparse")
