@@ -423,7 +423,17 @@ __global__ void __launch_bounds__(384, 1) bwd_main_kernel(const __grid_constant_
     // a fence.proxy.async at this point cost ~1.8x (measured: 47 vs 26 ms at m3 32k)
     pipeline.consumer_wait(state);
     const int st = state.index();
+#ifdef FLASHMSA_BWD_OVERLAP_DP  // A/B knob: dP^T = V dO^T runs on the tensor cores while P^T is computed
+    wg_gemm_issue<true>(mma_sdp, tSrK, tSrQ(_, _, _, st), accS);
+    if (!P.teacher_only) {
+      wg_gemm_issue<true>(mma_sdp, tSrV, tSrdO(_, _, _, st), accdP);
+      wg_wait<1>(accS);
+    } else {
+      wg_wait<0>(accS);
+    }
+#else
     wg_gemm<true>(mma_sdp, tSrK, tSrQ(_, _, _, st), accS);
+#endif
 #pragma unroll
     for (int i = 0; i < 8; ++i) {  // P^T (0 where masked: padding rows, keys after the token)
       const int2 pos = *reinterpret_cast<const int2*>(&S.pos[st][row0 + 8 * i]);
@@ -444,7 +454,11 @@ __global__ void __launch_bounds__(384, 1) bwd_main_kernel(const __grid_constant_
       ++state;
       continue;
     }
+#ifdef FLASHMSA_BWD_OVERLAP_DP
+    wg_wait<0>(accdP);
+#else
     wg_gemm<true>(mma_sdp, tSrV, tSrdO(_, _, _, st), accdP);
+#endif
 #pragma unroll
     for (int i = 0; i < 8; ++i) {  // dS^T
       const float2 ds = *reinterpret_cast<const float2*>(&S.dsum[st][row0 + 8 * i]);
@@ -462,6 +476,22 @@ __global__ void __launch_bounds__(384, 1) bwd_main_kernel(const __grid_constant_
       rP(x) = Element(accS(x));
       rdS(x) = Element(accdP(x));
     }
+#ifdef FLASHMSA_BWD_ASYNC_DKV  // A/B knob: dV, dK and dQ in flight together, one wait per chunk
+    Tensor aP = make_tensor(rP.data(), acc_to_a_regs(rP.layout()));
+    Tensor adS = make_tensor(rdS.data(), acc_to_a_regs(rdS.layout()));
+    wg_gemm_issue<false>(mma_dkv, aP, tKVrdOt(_, _, _, st), accdV);
+    const int buf = c & 1;  // dS^T staged before its registers feed the dK GEMM
+#pragma unroll
+    for (int x = 0; x < size(accdP); ++x) sdS(64 * w + get<0>(cS(x)), get<1>(cS(x)), buf) = rdS(x);
+    wg_gemm_issue<false>(mma_dkv, adS, tKVrQt(_, _, _, st), accdK);
+    const int32_t tok_a = S.tok[st][rq0], tok_b = S.tok[st][rq0 + 8];
+    ptx::fence_proxy_async_smem();
+    ptx::named_barrier_sync(int(NamedBarrier::kConsumers), C::kConsumers);  // dS^T staged by both
+    wg_gemm_issue<true>(mma_dq, tQrdS(_, _, _, buf), tQrK, accdQ);
+    wg_wait<0>(accdV, accdK, accdQ, aP, adS);
+    // dV and dK read this stage's dO and Q: the stage goes back only now
+    if (!turn_rows) pipeline.consumer_release(state);
+#else
     wg_gemm<false>(mma_dkv, make_tensor(rP.data(), acc_to_a_regs(rP.layout())), tKVrdOt(_, _, _, st), accdV);
     wg_gemm<false>(mma_dkv, make_tensor(rdS.data(), acc_to_a_regs(rdS.layout())), tKVrQt(_, _, _, st), accdK);
     // stage dS^T (this warpgroup's 64 keys) for dQ = dS K over all 128 keys
@@ -475,6 +505,7 @@ __global__ void __launch_bounds__(384, 1) bwd_main_kernel(const __grid_constant_
     ptx::fence_proxy_async_smem();
     ptx::named_barrier_sync(int(NamedBarrier::kConsumers), C::kConsumers);  // dS^T staged by both
     wg_gemm<true>(mma_dq, tQrdS(_, _, _, buf), tQrK, accdQ);
+#endif
     int32_t* q_turn = nullptr;
     if (turn_rows) {  // the first NTc threads of warpgroup 0 wait for their token's lower blocks
       if (w == 0 && wtid < NTc && S.slot[st][wtid] >= 0) {
