@@ -7,6 +7,9 @@
 #   profile    per-kernel durations of one m3 training step (scripts/gpu_profile.sh)
 #   kbench     flashmsa's kernels alone (flashmsa_bench, KBENCH_ARGS), no peers
 #   bench      the benchmarks with peers (BENCH_ARGS)
+#   ab         every A/B variant .gpu/flashmsa_bench_<name> (scripts/bench_variant.sh) next to
+#              .gpu/flashmsa_bench, m3 32k clustered, options skipped
+#   example    examples/train_long_context.py --gpu (EXAMPLE_ARGS), curves under $OUT/example
 # Binaries and libflashmsa.so are expected in .gpu/ (copied from build/, carried by the device call).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -51,5 +54,21 @@ if has bench; then
   stamp "bench"
   PYTHONUNBUFFERED=1 timeout 560 python3 bench/run_bench.py --out "$OUT" ${BENCH_ARGS:---seqlens 16384,32768,65536 --flex 32768} > "$OUT/bench_log.txt" 2>&1; echo "bench rc=$?"
   tail -14 "$OUT/bench_log.txt"
+fi
+if has ab; then
+  stamp "A/B variants"
+  for bin in ./.gpu/flashmsa_bench ./.gpu/flashmsa_bench_*; do
+    [ -x "$bin" ] || continue
+    echo "-- $bin"
+    timeout 120 "$bin" --config m3 --seqlens 32768 --patterns clustered --options 0 | tee -a "$OUT/ab.jsonl" |
+      python3 -c "import json,sys; [print(f\"  bwd {r['bwd_ms']:.2f} ms ({r['bwd_tflops']} TF/s), step {r['step_ms']:.2f} ms\") for r in map(json.loads, sys.stdin)]"
+  done
+fi
+if has example; then
+  stamp "example"
+  mkdir -p "$OUT/example"
+  FLASHMSA_BUILD_DIR=.gpu PYTHONUNBUFFERED=1 timeout ${EXAMPLE_S:-300} python3 examples/train_long_context.py --gpu \
+    --out "$OUT/example" ${EXAMPLE_ARGS:-} > "$OUT/example/train_long_context.txt" 2>&1; echo "example rc=$?"
+  tail -40 "$OUT/example/train_long_context.txt"
 fi
 stamp "done"
