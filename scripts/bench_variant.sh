@@ -2,22 +2,25 @@
 # A/B measurement helper: rebuilds one kernel translation unit with extra compile flags and links
 # a second benchmark binary against it, next to the normal one (the rest of the library is
 # shared). Carry .gpu/ to the GPU machine and run both binaries in the same call.
-#   bash scripts/bench_variant.sh NAME TU FLAGS...
+#   bash scripts/bench_variant.sh NAME TU[,TU...] FLAGS...
 #   bash scripts/bench_variant.sh st2 bwd_main_bf16 -DFLASHMSA_BWD_STAGES=2
 #   -> .gpu/flashmsa_bench_st2 (and the ptxas register/spill line of the variant); run it with
 #      --options 0 when the variant refuses the deterministic mode
 set -euo pipefail
-name=$1 tu=$2
+name=$1 tus=$2  # one TU, or several separated by commas
 shift 2
 build=${FLASHMSA_BUILD_DIR:-build}
 work=$(mktemp -d)
 cd "$build"
-cmd=$(ninja -t commands | grep -F "$tu.cu.o" | grep nvcc | head -1)
-[ -n "$cmd" ] || { echo "no nvcc command for $tu in $build" >&2; exit 2; }
-cmd=$(echo "$cmd" | sed -E "s#^/usr/bin/ccache ##; s# -o [^ ]+\.o# -o $work/$tu.cu.o#; s#-MD -MT [^ ]+ -MF [^ ]+##")
-eval "$cmd $* -Xptxas -v" 2>&1 | grep -E "spill|error" || true
 cp libflashmsa_static.a "$work/lib.a"
-(cd "$work" && ar r lib.a "$tu.cu.o")
+for tu in ${tus//,/ }; do
+  cmd=$(ninja -t commands | grep -F "/$tu.cu.o" | grep nvcc | head -1)
+  [ -n "$cmd" ] || { echo "no nvcc command for $tu in $build" >&2; exit 2; }
+  cmd=$(echo "$cmd" | sed -E "s#^/usr/bin/ccache ##; s# -o [^ ]+\.o# -o $work/$tu.cu.o#; s#-MD -MT [^ ]+ -MF [^ ]+##")
+  echo "$tu:"
+  eval "$cmd $* -Xptxas -v" 2>&1 | grep -E "spill|error|C7515" || true  # C7515: serialised wgmma
+  (cd "$work" && ar r lib.a "$tu.cu.o")
+done
 mkdir -p ../.gpu
 link=$(ninja -t commands flashmsa_bench | tail -1 | sed "s#-o flashmsa_bench#-o ../.gpu/flashmsa_bench_$name#; s#libflashmsa_static.a#$work/lib.a#")
 eval "$link"

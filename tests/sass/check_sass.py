@@ -3,7 +3,9 @@
 
 The default (non-deterministic, kDet = false) backward kernels must add their gradients with
 REDG (a reduction that does not wait for a reply), never ATOMG; the deterministic ones (kDet =
-true) must hold their GPU-scope fences; every instantiation must be there. A fence anywhere in a kernel (the
+true) must hold their GPU-scope fences; every instantiation must be there; and no kernel's wgmma
+(forward and selection included) may be serialised by ptxas (C7515: a wait after every HGMMA), which a branch around a wgmma or
+a write to an accumulator in flight causes. A fence anywhere in a kernel (the
 deterministic mode's __threadfence) makes ptxas compile every atomicAdd of the kernel as ATOMG:
 that cost the main backward kernel 38% on the H200 (27.3 -> 37.7 ms at m3 32k) before the
 deterministic code moved into its own instantiation. docs/kernels/bwd.md has the story.
@@ -59,6 +61,8 @@ KDET = re.compile(r"Lb([01])E")  # the mangled bool template argument kDet
 ATOMIC = re.compile(r"\bATOMG?\.E\.")  # global or generic atomics that return a value
 REDUCTION = re.compile(r"\bREDG\.E\.")  # fire-and-forget global reductions
 GPU_FENCE = re.compile(r"\bMEMBAR\.[A-Z.]*GPU\b")
+HGMMA = re.compile(r"\bHGMMA\.")
+DEPBAR = re.compile(r"\bWARPGROUP\.DEPBAR\b")
 
 
 def main(argv: list[str]) -> int:
@@ -71,11 +75,18 @@ def main(argv: list[str]) -> int:
               file=sys.stderr)
         return 2
     seen = {(k, det): 0 for k in KERNELS for det in (0, 1)}
-    failures = []
+    failures, wgmma_kernels = [], 0
     for obj in argv:
-        if not re.search(r"bwd_(main|kl|proxy)_", os.path.basename(obj)):
+        if not obj.endswith(".cu.o"):
             continue
         for kname, text in sass(obj, cuobjdump, nvdisasm).items():
+            mmas, waits = len(HGMMA.findall(text)), len(DEPBAR.findall(text))
+            if mmas:
+                wgmma_kernels += 1
+                # ptxas serialises every wgmma of a kernel when it cannot prove an accumulator
+                # safe (info C7515): a wait after each HGMMA. The kernels wait a few times per chunk.
+                if waits * 2 > mmas:
+                    failures.append(f"{kname}: {waits} wgmma waits for {mmas} HGMMA (serialised wgmma, ptxas C7515?)")
             kernel = next((k for k in KERNELS if k in kname), None)
             m = KDET.search(kname)
             if not kernel or not m:
@@ -84,7 +95,7 @@ def main(argv: list[str]) -> int:
             seen[(kernel, det)] += 1
             atomics, reds, fences = (len(r.findall(text)) for r in (ATOMIC, REDUCTION, GPU_FENCE))
             print(f"{kernel} kDet={det} ({os.path.basename(obj)}): REDG {reds}, ATOMG/ATOM {atomics}, "
-                  f"GPU fences {fences}")
+                  f"GPU fences {fences}, HGMMA {mmas}, wgmma waits {waits}")
             if det == 0 and (atomics or not reds):
                 failures.append(f"{kname}: {atomics} ATOMG/ATOM, {reds} REDG (the default kernel must add "
                                 f"with REDG only)")
@@ -95,7 +106,8 @@ def main(argv: list[str]) -> int:
             failures.append(f"{kernel} kDet={det}: {n} instantiations found, expected {KERNELS[kernel]}")
     for f in failures:
         print("FAIL", f, file=sys.stderr)
-    print(f"check_sass: {sum(seen.values())} kernels checked, {len(failures)} failures")
+    print(f"check_sass: {sum(seen.values())} backward kernels, {wgmma_kernels} wgmma kernels checked, "
+          f"{len(failures)} failures")
     return 1 if failures else 0
 
 

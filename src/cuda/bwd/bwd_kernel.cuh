@@ -177,6 +177,30 @@ __device__ __forceinline__ void add_key_rows(const Acc& acc, const Coord& c, int
   }
 }
 
+// The CTA's (key block, unit) of a backward grid over nblk key blocks x `units` units (query-head
+// units, or proxy heads). Default: a 2-D grid, key blocks along x, so the units' CTAs are
+// dispatched one unit after the other. FLASHMSA_BWD_UNIT_FASTEST (A/B knob): a 1-D grid with
+// the units of a key block next to each other, so every unit's long lists (the early blocks,
+// which most tokens may select) start first instead of the last unit's starting near the end
+// (bench/list_balance.py models the tail: 1.17x the ideal makespan vs 1.01x).
+struct CtaCoord {
+  int gb, unit;
+};
+__device__ __forceinline__ CtaCoord cta_coord(int units) {
+#ifdef FLASHMSA_BWD_UNIT_FASTEST
+  return {int(blockIdx.x) / units, int(blockIdx.x) % units};
+#else
+  return {int(blockIdx.x), int(blockIdx.y)};
+#endif
+}
+inline dim3 cta_grid(int nblk, int units) {
+#ifdef FLASHMSA_BWD_UNIT_FASTEST
+  return dim3(unsigned(nblk) * unsigned(units));
+#else
+  return dim3(nblk, units);
+#endif
+}
+
 // Sequence of global block gb (blk_off[b] <= gb < blk_off[b+1]); -1 past the last.
 __device__ __forceinline__ int seq_of_block(const int32_t* blk_off, int batch, int gb) {
   if (gb >= blk_off[batch]) return -1;
@@ -256,7 +280,9 @@ __global__ void __launch_bounds__(384, 1) bwd_main_kernel(const __grid_constant_
   int32_t* const turn_rows = kDet ? p.turn_rows : nullptr;
   int32_t* const turn_keys = kDet ? p.turn_keys : nullptr;
 
-  const int gb = blockIdx.x, unit = blockIdx.y;
+  const int units = p.Hq / p.R;
+  const CtaCoord cta = cta_coord(units);
+  const int gb = cta.gb, unit = cta.unit;
   const int b = seq_of_block(p.inv.blk_off, p.seqs.batch, gb);
   if (b < 0) return;
   int64_t s0, L;
@@ -424,13 +450,11 @@ __global__ void __launch_bounds__(384, 1) bwd_main_kernel(const __grid_constant_
     pipeline.consumer_wait(state);
     const int st = state.index();
 #ifdef FLASHMSA_BWD_OVERLAP_DP  // A/B knob: dP^T = V dO^T runs on the tensor cores while P^T is computed
+    // (issued in every mode, as a branch around a wgmma serialises them all (ptxas C7515); the
+    // teacher-only pass, which loads no V and dO, discards the result)
     wg_gemm_issue<true>(mma_sdp, tSrK, tSrQ(_, _, _, st), accS);
-    if (!P.teacher_only) {
-      wg_gemm_issue<true>(mma_sdp, tSrV, tSrdO(_, _, _, st), accdP);
-      wg_wait<1>(accS);
-    } else {
-      wg_wait<0>(accS);
-    }
+    wg_gemm_issue<true>(mma_sdp, tSrV, tSrdO(_, _, _, st), accdP);
+    wg_wait<1>(accS);
 #else
     wg_gemm<true>(mma_sdp, tSrK, tSrQ(_, _, _, st), accS);
 #endif
@@ -450,6 +474,9 @@ __global__ void __launch_bounds__(384, 1) bwd_main_kernel(const __grid_constant_
                                  P.log_rp, inv_g);
 #endif
     if (P.teacher_only) {
+#ifdef FLASHMSA_BWD_OVERLAP_DP
+      wg_wait<0>(accdP);
+#endif
       pipeline.consumer_release(state);
       ++state;
       continue;
@@ -509,7 +536,7 @@ __global__ void __launch_bounds__(384, 1) bwd_main_kernel(const __grid_constant_
     int32_t* q_turn = nullptr;
     if (turn_rows) {  // the first NTc threads of warpgroup 0 wait for their token's lower blocks
       if (w == 0 && wtid < NTc && S.slot[st][wtid] >= 0) {
-        q_turn = turn_rows + int64_t(S.slot[st][wtid]) * gridDim.y + unit;
+        q_turn = turn_rows + int64_t(S.slot[st][wtid]) * units + unit;
         ptx::wait_turn(q_turn, S.rank[st][wtid]);
       }
       ptx::named_barrier_sync(int(NamedBarrier::kConsumers), C::kConsumers);
@@ -553,8 +580,8 @@ void launch_main(const MainParams<Element>& P, int units, cudaStream_t stream) {
   using C = MainConfig<Element>;
   auto kernel = bwd_main_kernel<Element, kDet>;
   FLASHMSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(C::kSmemBytes)));
-  dim3 grid(P.c.inv.nblk, units);
-  if (grid.x == 0) return;
+  if (P.c.inv.nblk == 0 || units == 0) return;
+  const dim3 grid = cta_grid(P.c.inv.nblk, units);
   kernel<<<grid, C::kThreads, C::kSmemBytes, stream>>>(P);
   FLASHMSA_CUDA_CHECK(cudaGetLastError());
 }

@@ -84,8 +84,9 @@ __global__ void __launch_bounds__(384, 1) bwd_proxy_kernel(const __grid_constant
   int32_t* const turn_rows = kDet ? p.turn_rows : nullptr;
   int32_t* const turn_keys = kDet ? p.turn_keys : nullptr;
 
-  const int gb = blockIdx.x, grp = blockIdx.y;
-  const int64_t kl_slot = int64_t(grp) * gridDim.x + gb;
+  const CtaCoord cta = cta_coord(p.Hp);
+  const int gb = cta.gb, grp = cta.unit;
+  const int64_t kl_slot = int64_t(grp) * p.inv.nblk + gb;
   const int b = seq_of_block(p.inv.blk_off, p.seqs.batch, gb);
   const int tid = threadIdx.x;
   if (b < 0) {
@@ -311,8 +312,8 @@ void launch_proxy(const ProxyParams<Element>& P, cudaStream_t stream) {
   using C = ProxyConfig<Element, kTok>;
   auto kernel = bwd_proxy_kernel<Element, kTok, kDet>;
   FLASHMSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(C::kSmemBytes)));
-  dim3 grid(P.c.inv.nblk, P.c.Hp);
-  if (grid.x == 0) return;
+  if (P.c.inv.nblk == 0) return;
+  const dim3 grid = cta_grid(P.c.inv.nblk, P.c.Hp);
   kernel<<<grid, C::kThreads, C::kSmemBytes, stream>>>(P);
   FLASHMSA_CUDA_CHECK(cudaGetLastError());
 }
