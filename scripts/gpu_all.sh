@@ -10,6 +10,7 @@
 #   ab         every A/B variant .gpu/flashmsa_bench_<name> (scripts/bench_variant.sh) next to
 #              .gpu/flashmsa_bench, m3 32k clustered, options skipped
 #   example    examples/train_long_context.py --gpu (EXAMPLE_ARGS), curves under $OUT/example
+#   balance    the backward's CTA balance on the real m3 32k selections (bench/list_balance.py)
 # Binaries and libflashmsa.so are expected in .gpu/ (copied from build/, carried by the device call).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -63,6 +64,16 @@ if has ab; then
     timeout 120 "$bin" --config m3 --seqlens 32768 --patterns clustered --options 0 | tee -a "$OUT/ab.jsonl" |
       python3 -c "import json,sys; [print(f\"  bwd {r['bwd_ms']:.2f} ms ({r['bwd_tflops']} TF/s), step {r['step_ms']:.2f} ms\") for r in map(json.loads, sys.stdin)]"
   done
+fi
+if has balance; then
+  stamp "CTA balance"
+  mkdir -p "$OUT/indices"
+  timeout 120 ./.gpu/flashmsa_bench --config m3 --seqlens 32768 --patterns clustered,random --options 0 \
+    --save-indices "$OUT/indices" > /dev/null
+  for pat in clustered random; do
+    echo "-- $pat"; python3 bench/list_balance.py "$OUT/indices/indices-m3-32768-$pat.bin" --hq 64 --hp 4 --topk 16
+  done
+  rm -rf "$OUT/indices"
 fi
 if has example; then
   stamp "example"
