@@ -8,7 +8,7 @@
 #   kbench     flashmsa's kernels alone (flashmsa_bench, KBENCH_ARGS), no peers
 #   bench      the benchmarks with peers (BENCH_ARGS)
 #   ab         every A/B variant .gpu/flashmsa_bench_<name> (scripts/bench_variant.sh) next to
-#              .gpu/flashmsa_bench, m3 32k clustered, options skipped
+#              .gpu/flashmsa_bench, m3 32k clustered (AB_ARGS="--options 0" skips the option runs)
 #   example    examples/train_long_context.py --gpu (EXAMPLE_ARGS), curves under $OUT/example
 #   balance    the backward's CTA balance on the real m3 32k selections (bench/list_balance.py)
 # Binaries and libflashmsa.so are expected in .gpu/ (copied from build/, carried by the device call).
@@ -61,8 +61,8 @@ if has ab; then
   for bin in ./.gpu/flashmsa_bench ./.gpu/flashmsa_bench_*; do
     [ -x "$bin" ] || continue
     echo "-- $bin"
-    timeout 120 "$bin" --config m3 --seqlens 32768 --patterns clustered --options 0 | tee -a "$OUT/ab.jsonl" |
-      python3 -c "import json,sys; [print(f\"  bwd {r['bwd_ms']:.2f} ms ({r['bwd_tflops']} TF/s), step {r['step_ms']:.2f} ms\") for r in map(json.loads, sys.stdin)]"
+    timeout 120 "$bin" --config m3 --seqlens 32768 --patterns clustered ${AB_ARGS:-} | tee -a "$OUT/ab.jsonl" |
+      python3 -c "import json,sys; [print(f\"  bwd {r['bwd_ms']:.2f} ms ({r['bwd_tflops']} TF/s), step {r['step_ms']:.2f} ms, deterministic bwd {r['bwd_deterministic_ms']} ms\") for r in map(json.loads, sys.stdin)]"
   done
 fi
 if has balance; then
