@@ -1,5 +1,6 @@
 """flashmsa.nn.MSAttention and the long-context example (a short smoke run)."""
 import importlib.util
+import types
 import pathlib
 import sys
 
@@ -115,6 +116,24 @@ def test_example_smoke(tmp_path, capsys):
     assert all(0 <= h["recall"] <= 1 and h["kl"] >= 0 for h in hist)
     assert (tmp_path / "train_long_context.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "recall" in capsys.readouterr().out
+
+
+def test_example_bf16_autocast_keeps_fp32_weights(tmp_path):
+    """--dtype bfloat16 (the GPU preset's): fp32 weights, bf16 compute under autocast; training
+    moves the weights (pure bf16 weights lost AdamW's small updates on the H200)."""
+    ex = _example()
+    hist = ex.main(["--steps", "3", "--warmup-steps", "1", "--eval-every", "3", "--seqlen", "256",
+                    "--batch", "2", "--queries", "8", "--dtype", "bfloat16"])
+    assert [h["mode"] for h in hist] == ["dense", "sparse"]
+    assert all(0 <= h["recall"] <= 1 and h["kl"] >= 0 for h in hist)
+    task = ex.Recall(256, 4, 8)
+    a = types.SimpleNamespace(**{**ex.PRESETS["cpu"], "dtype": "bfloat16", "kl_coef": 1.0, "backend": "flashmsa"})
+    model = ex.Model(a, task)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    tok, val, tgt = task.batch(2, torch.Generator().manual_seed(0))
+    with model.autocast():
+        logits, kl = model(tok, val)
+    assert logits.dtype == torch.bfloat16 and torch.isfinite(logits.float()).all()
 
 
 def test_example_tiny_png_writer(tmp_path):
