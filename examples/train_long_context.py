@@ -254,7 +254,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gpu", action="store_true", help="the larger preset, on CUDA")
     for k, v in PRESETS["cpu"].items():
-        p.add_argument("--" + k.replace("_", "-"), type=type(v), default=None, help=f"(cpu preset: {v})")
+        p.add_argument("--" + k.replace("_", "-"), type=type(v), default=None,
+                       help=f"(cpu preset: {v}; gpu preset: {PRESETS['gpu'][k]})")
     p.add_argument("--kl-coef", type=float, default=1.0)
     p.add_argument("--backend", choices=["flashmsa", "reference"], default="flashmsa")
     p.add_argument("--device", default=None)

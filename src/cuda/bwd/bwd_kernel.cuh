@@ -186,14 +186,14 @@ __device__ __forceinline__ void add_key_rows(const Acc& acc, const Coord& c, int
 struct CtaCoord {
   int gb, unit;
 };
-__device__ __forceinline__ CtaCoord cta_coord(int units) {
+static __device__ __forceinline__ CtaCoord cta_coord(int units) {
 #ifdef FLASHMSA_BWD_UNIT_FASTEST
   return {int(blockIdx.x) / units, int(blockIdx.x) % units};
 #else
   return {int(blockIdx.x), int(blockIdx.y)};
 #endif
 }
-inline dim3 cta_grid(int nblk, int units) {
+static inline dim3 cta_grid(int nblk, int units) {  // static: the knob differs between TUs
 #ifdef FLASHMSA_BWD_UNIT_FASTEST
   return dim3(unsigned(nblk) * unsigned(units));
 #else
