@@ -444,6 +444,7 @@ def msa_attention_cp(q: Tensor, k: Tensor, v: Tensor, qp: Optional[Tensor] = Non
     """flashmsa.msa_attention with every per-token tensor sharded by tokens over the ranks of
     `group` (default: the world). Arguments and results as in msa_attention, except:
 
+    - no precise_dpsum (each rank's local msa_attention runs with the default).
     - q, k, v, qp, kp: this rank's token shard ([T_r, H, D] varlen, [B, S_r, H, D] batched);
       cu_seqlens [B+1] and max_seqlen describe the FULL packed sequence (same on every rank).
     - shard_sizes: T_0..T_{P-1} (positions per sequence when batched); None: equal shards.
