@@ -84,12 +84,13 @@ void expect_selection_matches(const Problem& pb, const Inputs& in, const std::ve
 }
 
 struct FwdRun {
-  Tensor out, lse, indices, proxy_lse;
+  Tensor out, lse, indices, proxy_lse, out_lo;  // out_lo: with_out_lo only
 };
 
-// Runs flashmsa_fwd on the device (SPARSE computes indices; GIVEN takes them).
+// Runs flashmsa_fwd on the device (SPARSE computes indices; GIVEN takes them); with_out_lo also
+// writes the low part of the fp32 output.
 FwdRun run_fwd(const Problem& pb, Inputs& in, flashmsa_mode_t mode, flashmsa_numerics_t num,
-               const std::vector<int32_t>* given, int topk, bool with_proxy_lse) {
+               const std::vector<int32_t>* given, int topk, bool with_proxy_lse, bool with_out_lo = false) {
   FwdRun r;
   const int64_t T = pb.total();
   r.out = output(token_shape(pb, pb.Hq, pb.D), pb.dtype);
@@ -123,12 +124,17 @@ FwdRun run_fwd(const Problem& pb, Inputs& in, flashmsa_mode_t mode, flashmsa_num
   }
   a.out = dev_view(r.out);
   a.lse = dev_view(r.lse);
+  if (with_out_lo) {
+    r.out_lo = output(token_shape(pb, pb.Hq, pb.D), pb.dtype);
+    a.out_lo = dev_view(r.out_lo);
+  }
   size_t ws_bytes = flashmsa::workspace_size(a);
   void* ws = ws_bytes ? Pool::get().take(ws_bytes) : nullptr;
   flashmsa::fwd(a, ws, ws_bytes);
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   download(r.out);
   download(r.lse);
+  if (with_out_lo) download(r.out_lo);
   if (mode == FLASHMSA_MODE_SPARSE) {
     download(r.indices);
     if (with_proxy_lse) download(r.proxy_lse);
@@ -670,26 +676,12 @@ DpsumStats precise_dpsum_case(double c) {
             flashmsa::round_to(pb.dtype, c * in.k.host[(size_t(t) * pb.Hkv + h / G) * D + d] + nd(rng));
   upload(in.q);
   DpsumStats st;
-  // forward with out_lo
+  // the selection, then the same forward on its indices with out_lo
   FwdRun f = run_fwd(pb, in, FLASHMSA_MODE_SPARSE, FLASHMSA_NUMERICS_TRAIN, nullptr, pb.topk, false);
-  Tensor lo = output(token_shape(pb, pb.Hq, D), pb.dtype);
-  {
-    flashmsa::FwdArgs a;
-    a.q = dev_view(in.q); a.k = dev_view(in.k); a.v = dev_view(in.v);
-    a.cu_seqlens = dev_view(in.cu);
-    a.max_seqlen = pb.max_len();
-    a.mode = FLASHMSA_MODE_GIVEN;
-    a.indices = dev_view(f.indices);
-    Tensor out2 = output(token_shape(pb, pb.Hq, D), pb.dtype), lse2 = output({pb.Hq, T}, FLASHMSA_DTYPE_FP32);
-    a.out = dev_view(out2); a.lse = dev_view(lse2); a.out_lo = dev_view(lo);
-    const size_t ws_bytes = flashmsa::workspace_size(a);
-    flashmsa::fwd(a, ws_bytes ? Pool::get().take(ws_bytes) : nullptr, ws_bytes);
-    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    download(out2);
-    download(lo);
-    EXPECT_EQ(out2.host, f.out.host) << "out_lo must not change out";
-  }
   const std::vector<int32_t> idx = as_int(f.indices);
+  const FwdRun f_lo = run_fwd(pb, in, FLASHMSA_MODE_GIVEN, FLASHMSA_NUMERICS_TRAIN, &idx, pb.topk, false, true);
+  EXPECT_EQ(f_lo.out.host, f.out.host) << "out_lo must not change out";
+  const Tensor& lo = f_lo.out_lo;
   RefFwd f64 = reference_fwd(pb, in.q, in.k, in.v, nullptr, nullptr, &idx, pb.topk, FLASHMSA_MODE_GIVEN);
   {  // out + out_lo against the fp64 output, and the self-weight of the construction
     double e = 0, nn = 0, w = 0;

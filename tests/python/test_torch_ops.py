@@ -203,17 +203,22 @@ def test_kl_placeholder_and_gradient_routing():
     assert all(t.abs().max() > 0 for t in g[:3]) and all(t.abs().max() == 0 for t in g[3:])
 
 
-def test_numerics_follow_requires_grad(monkeypatch):
+def spy_kernel(monkeypatch, seen, name, what):
+    """Wraps flashmsa._kernels.<name> (the library calls): each call appends what(args) to seen."""
     from flashmsa import _kernels as K
 
-    seen = []
-    orig = K.fwd
+    orig = getattr(K, name)
 
     def spy(*a):
-        seen.append(a[9])  # numerics
+        seen.append(what(a))
         return orig(*a)
 
-    monkeypatch.setattr(K, "fwd", spy)
+    monkeypatch.setattr(K, name, spy)
+
+
+def test_numerics_follow_requires_grad(monkeypatch):
+    seen = []
+    spy_kernel(monkeypatch, seen, "fwd", lambda a: a[9])  # numerics
     x = make_inputs(batch=1, seqlen=130, seed=13)
     args = [x[n] for n in MAIN + PROXY]
     flashmsa.msa_attention(*args, 2)
@@ -227,21 +232,9 @@ def test_numerics_follow_requires_grad(monkeypatch):
 def test_precise_dpsum_passes_out_lo(monkeypatch):
     """precise_dpsum=True (training): the forward asks for out_lo and the backward receives it;
     the CPU backend's dpsum uses its exact fp64 output, so the gradients are unchanged."""
-    from flashmsa import _kernels as K
-
     seen = []
-    orig_fwd, orig_bwd = K.fwd, K.bwd
-
-    def spy_fwd(*a):
-        seen.append(("fwd", a[-1]))  # want_out_lo
-        return orig_fwd(*a)
-
-    def spy_bwd(*a):
-        seen.append(("bwd", a[-1] is not None and a[-1].numel() > 0))  # out_lo
-        return orig_bwd(*a)
-
-    monkeypatch.setattr(K, "fwd", spy_fwd)
-    monkeypatch.setattr(K, "bwd", spy_bwd)
+    spy_kernel(monkeypatch, seen, "fwd", lambda a: ("fwd", a[-1]))  # want_out_lo
+    spy_kernel(monkeypatch, seen, "bwd", lambda a: ("bwd", a[-1] is not None and a[-1].numel() > 0))  # out_lo
     x = make_inputs(lengths=[300, 40], dtype=torch.bfloat16, requires_grad=True, seed=16)
     args = [x[n] for n in MAIN + PROXY]
     kw = dict(cu_seqlens=x["cu_seqlens"], max_seqlen=x["max_seqlen"])
@@ -263,16 +256,8 @@ def test_precise_dpsum_passes_out_lo(monkeypatch):
 def test_deterministic_follows_torch_setting(monkeypatch):
     """torch.use_deterministic_algorithms(True) reaches the library's bwd call as deterministic=1;
     the gradients are those of the default backward (the CPU backend is deterministic anyway)."""
-    from flashmsa import _kernels as K
-
     seen = []
-    orig = K.bwd
-
-    def spy(*a):
-        seen.append(a[17])  # deterministic
-        return orig(*a)
-
-    monkeypatch.setattr(K, "bwd", spy)
+    spy_kernel(monkeypatch, seen, "bwd", lambda a: a[17])  # deterministic
     x = make_inputs(lengths=[300, 40], requires_grad=True, seed=15)
     args = [x[n] for n in MAIN + PROXY]
     grads = []

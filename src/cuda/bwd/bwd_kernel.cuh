@@ -163,6 +163,19 @@ __device__ __forceinline__ void finish_empty_cta(float* kl_acc, int64_t kl_slot,
   }
 }
 
+// The deterministic mode's turn counters, present only in the kDet instantiation: the default one
+// holds no fence and no turn code (with a __threadfence in a kernel ptxas emits ATOMG, which
+// waits for its reply, instead of REDG for every gradient add: the main kernel took 37.7 ms
+// instead of 27.3 at m3 32k).
+struct Turns {
+  int32_t* rows;
+  int32_t* keys;
+};
+template <bool kDet>
+__device__ __forceinline__ Turns turns(const Common& p) {
+  return kDet ? Turns{p.turn_rows, p.turn_keys} : Turns{nullptr, nullptr};
+}
+
 // This warpgroup's 64 keys x 128 of a key block's gradient (fp32 accumulator fragment, coords
 // (key, d)) added to out [total, H, 128] at head h; keys past the sequence are skipped.
 template <class Acc, class Coord>
@@ -211,6 +224,27 @@ __device__ __forceinline__ int seq_of_block(const int32_t* blk_off, int batch, i
     else hi = mid;
   }
   return lo;
+}
+
+// The CTA of a proxy-side kernel (kl, recomputing proxy): its key block and proxy head, the
+// block's sequence. False for a CTA past the last block, after writing its kl partial (0).
+struct ProxyCta {
+  int gb, grp, b, j;
+  int64_t kl_slot, s0, L;
+};
+__device__ __forceinline__ bool proxy_cta(const Common& p, ProxyCta& c) {
+  const CtaCoord cta = cta_coord(p.Hp);
+  c.gb = cta.gb;
+  c.grp = cta.unit;
+  c.kl_slot = int64_t(c.grp) * p.inv.nblk + c.gb;
+  c.b = seq_of_block(p.inv.blk_off, p.seqs.batch, c.gb);
+  if (c.b < 0) {
+    finish_empty_cta(p.kl_acc, c.kl_slot, nullptr, 0);
+    return false;
+  }
+  p.seqs.get(c.b, c.s0, c.L);
+  c.j = c.gb - p.inv.blk_off[c.b];
+  return true;
 }
 
 // The teacher of one chunk from this warpgroup's P^T accumulator (64 keys x 64 rows, rows =
@@ -274,11 +308,9 @@ __global__ void __launch_bounds__(384, 1) bwd_main_kernel(const __grid_constant_
   const Common& p = P.c;
   extern __shared__ char smem_raw[];
   auto& S = smem_struct<typename C::Smem>(smem_raw);
-  // deterministic mode exists only in the kDet instantiation: the default one holds no fence and no
-  // turn code (with a __threadfence in the kernel ptxas emits ATOMG, which waits for its reply,
-  // instead of REDG for every gradient add: the main kernel took 37.7 ms instead of 27.3 at m3 32k)
-  int32_t* const turn_rows = kDet ? p.turn_rows : nullptr;
-  int32_t* const turn_keys = kDet ? p.turn_keys : nullptr;
+  const Turns turn = turns<kDet>(p);
+  int32_t* const turn_rows = turn.rows;
+  int32_t* const turn_keys = turn.keys;
 
   const int units = p.Hq / p.R;
   const CtaCoord cta = cta_coord(units);

@@ -79,23 +79,14 @@ __global__ void __launch_bounds__(384, 1) bwd_proxy_kernel(const __grid_constant
   const Common& p = P.c;
   extern __shared__ char smem_raw[];
   auto& S = smem_struct<typename C::Smem>(smem_raw);
-  // deterministic mode exists only in the kDet instantiation (no fence or turn code in the default
-  // one: a __threadfence makes ptxas emit ATOMG instead of REDG for the gradient adds)
-  int32_t* const turn_rows = kDet ? p.turn_rows : nullptr;
-  int32_t* const turn_keys = kDet ? p.turn_keys : nullptr;
+  const Turns turn = turns<kDet>(p);
+  int32_t* const turn_rows = turn.rows;
+  int32_t* const turn_keys = turn.keys;
 
-  const CtaCoord cta = cta_coord(p.Hp);
-  const int gb = cta.gb, grp = cta.unit;
-  const int64_t kl_slot = int64_t(grp) * p.inv.nblk + gb;
-  const int b = seq_of_block(p.inv.blk_off, p.seqs.batch, gb);
-  const int tid = threadIdx.x;
-  if (b < 0) {
-    finish_empty_cta(p.kl_acc, kl_slot, nullptr, 0);
-    return;
-  }
-  int64_t s0, L;
-  p.seqs.get(b, s0, L);
-  const int j = gb - p.inv.blk_off[b];
+  ProxyCta cta;
+  if (!proxy_cta(p, cta)) return;
+  const int gb = cta.gb, grp = cta.grp, b = cta.b, j = cta.j, tid = threadIdx.x;
+  const int64_t kl_slot = cta.kl_slot, s0 = cta.s0, L = cta.L;
   const int G = P.G;
   const int h0 = grp * G;
   const int kvh = h0 / (p.Hq / p.Hkv), pk = grp / (p.Hp / p.Hpk);
