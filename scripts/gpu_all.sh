@@ -11,6 +11,9 @@
 #              .gpu/flashmsa_bench, m3 32k clustered (AB_ARGS="--options 0" skips the option runs)
 #   example    examples/train_long_context.py --gpu (EXAMPLE_ARGS), curves under $OUT/example
 #   balance    the backward's CTA balance on the real m3 32k selections (bench/list_balance.py)
+#   cp         context parallelism over NCCL on every GPU of the machine (needs 2 or more):
+#              tests/python/test_distributed.py::test_nccl_two_gpus_m3 for each token count in
+#              CP_LENGTHS (default "16384,9000,7384 65536,40000,25536": 32k and 128k tokens)
 # Binaries and libflashmsa.so are expected in .gpu/ (copied from build/, carried by the device call).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -81,5 +84,15 @@ if has example; then
   FLASHMSA_BUILD_DIR=.gpu PYTHONUNBUFFERED=1 timeout ${EXAMPLE_S:-300} python3 examples/train_long_context.py --gpu \
     --out "$OUT/example" ${EXAMPLE_ARGS:-} > "$OUT/example/train_long_context.txt" 2>&1; echo "example rc=$?"
   tail -40 "$OUT/example/train_long_context.txt"
+fi
+if has cp; then
+  stamp "context parallelism (NCCL)"
+  n=$(nvidia-smi -L | wc -l); echo "GPUs: $n; NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-unset}"
+  for lens in ${CP_LENGTHS:-16384,9000,7384 65536,40000,25536}; do
+    echo "-- lengths $lens"
+    FLASHMSA_BUILD_DIR=.gpu FLASHMSA_CP_GPUS=$n FLASHMSA_CP_LENGTHS=$lens timeout 560 python3 -m pytest -q -s \
+      tests/python/test_distributed.py -k "${CP_K:-nccl}" > "$OUT/cp-$n-${lens//,/_}.log" 2>&1; echo "cp rc=$?"
+    grep -E "^rank|^P = 1|passed|failed|Error" "$OUT/cp-$n-${lens//,/_}.log" | tail -8
+  done
 fi
 stamp "done"

@@ -51,6 +51,7 @@ def _launch(P, args, out):
     env = dict(os.environ, FLASHMSA_NUM_THREADS="1", OMP_NUM_THREADS="1")
     if "GLOO_SOCKET_IFNAME" not in env and pathlib.Path("/sys/class/net/lo").exists():
         env["GLOO_SOCKET_IFNAME"] = "lo"  # gloo's pairs on the loopback, whatever the hostname says
+    env.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast (SHARP) buffers: all-to-all needs none
     return [subprocess.Popen([sys.executable, str(WORKER), "--rank", str(r), "--world", str(P),
                               "--port", str(port), "--out", str(out), *args],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)

@@ -141,3 +141,19 @@ def test_example_tiny_png_writer(tmp_path):
     series = [("loss", [3.0, 2.0, 1.0]), ("kl", [0.1, 0.2, 0.05]), ("recall", [0.5, 0.7, 0.8])]
     png = ex._tiny_png([0, 10, 20], series, 10, tmp_path / "p.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and b"IEND" in png[-12:]
+
+
+def test_example_length_curriculum(tmp_path):
+    """--start-seqlen: the warmup trains on doubling lengths up to --seqlen; the sparse phase and
+    the evaluations use --seqlen; a bad start length is refused."""
+    ex = _example()
+    a = types.SimpleNamespace(start_seqlen=1024, seqlen=8192, warmup_steps=500)
+    assert [ex.train_seqlen(a, s) for s in (0, 124, 125, 250, 374, 375, 499, 500, 900)] == \
+        [1024, 1024, 2048, 4096, 4096, 8192, 8192, 8192, 8192]
+    a.start_seqlen = 8192
+    assert ex.train_seqlen(a, 0) == 8192
+    hist = ex.main(["--steps", "4", "--warmup-steps", "2", "--eval-every", "1", "--seqlen", "512",
+                    "--start-seqlen", "256", "--batch", "2", "--queries", "8"])
+    assert [h["train_seqlen"] for h in hist] == [256, 512, 512, 512, 512]
+    with pytest.raises(SystemExit):
+        ex.main(["--steps", "1", "--seqlen", "512", "--start-seqlen", "1024"])
