@@ -279,13 +279,14 @@ def main(argv=None):
     p.add_argument("--out", default=None, help="directory for the PNG and the JSON log (default: none)")
     a = p.parse_args(argv)
     preset = PRESETS["gpu" if a.gpu else "cpu"]
+    given = {k for k in preset if getattr(a, k) is not None}
     for k, v in preset.items():
-        if getattr(a, k) is None:
+        if k not in given:
             setattr(a, k, v)
     device = torch.device(a.device or ("cuda" if a.gpu else "cpu"))
     torch.manual_seed(a.seed)
-    if a.start_seqlen == 0 or (a.start_seqlen > a.seqlen and a.start_seqlen == preset["start_seqlen"]):
-        a.start_seqlen = a.seqlen  # no curriculum
+    if a.start_seqlen == 0 or ("start_seqlen" not in given and a.start_seqlen > a.seqlen):
+        a.start_seqlen = a.seqlen  # no curriculum (or the preset's start is longer than --seqlen)
     if not 256 <= a.start_seqlen <= a.seqlen:
         p.error(f"--start-seqlen must be 0 (none) or in [256, --seqlen = {a.seqlen}], got {a.start_seqlen}")
     tasks = {}

@@ -10,20 +10,14 @@ rm -f .gpu/flashmsa_bench_*
 cp "$build/tests/flashmsa_gpu_tests" "$build/flashmsa_bench" "$build/flashmsa" "$build/libflashmsa.so" .gpu/
 M=bwd_main_bf16,bwd_main_bf16_det
 K=bwd_kl_bf16,bwd_kl_bf16_det
-# One line per variant, NAME|TUs|FLAGS, where the TUs "main" and "kl" stand for the main and kl
-# kernels with their deterministic TUs, e.g. VARIANTS="st2|main|-DFLASHMSA_BWD_STAGES=2". None is
-# pending: session 4 measured ovl, adkv, both, uf and all (docs/kernels/bwd.md); uf became the
-# default code and the other knobs were deleted.
-VARIANTS=${VARIANTS:-}
+# One line per variant between the LIST markers: NAME|TUs|FLAGS, e.g.
+#   st2|$M|-DFLASHMSA_BWD_STAGES=2
+# None is pending: session 4 measured ovl, adkv, both, uf and all (docs/kernels/bwd.md); uf
+# became the default code and the other knobs were deleted.
 while IFS='|' read -r name tus flags; do
   [ -n "$name" ] || continue
-  list=""
-  for tu in ${tus//,/ }; do
-    case $tu in main) tu=$M ;; kl) tu=$K ;; esac
-    list=${list:+$list,}$tu
-  done
-  tus=$list
   echo "== $name ($flags)"
   # shellcheck disable=SC2086
   bash scripts/bench_variant.sh "$name" "$tus" $flags | grep -E "spill|C7515|built"
-done <<<"$VARIANTS"
+done <<LIST
+LIST

@@ -68,11 +68,10 @@ enum class NamedBarrier : int {
   kProducer = 4,   // the producer warpgroup (128 threads)
 };
 
-// One warpgroup GEMM issued and committed as one batch, not waited for: C (+)= A * B over all K
-// blocks; zero_init clears C first. C (and A from registers) stay owned by the tensor cores until
-// a wg_wait that covers the batch.
+// One warpgroup GEMM, issued as one batch and waited for: C (+)= A * B over all K blocks;
+// zero_init clears C first.
 template <bool zero_init, class TiledMma, class TA, class TB, class TC>
-__device__ __forceinline__ void wg_gemm_issue(TiledMma& mma, TA const& a, TB const& b, TC& c) {
+__device__ __forceinline__ void wg_gemm(TiledMma& mma, TA const& a, TB const& b, TC& c) {
   using namespace cute;
   constexpr bool is_rs = !is_base_of<GMMA::DescriptorIterator, typename TiledMma::FrgTypeA>::value;
   if constexpr (is_rs) warpgroup_fence_operand(const_cast<TA&>(a));
@@ -85,22 +84,6 @@ __device__ __forceinline__ void wg_gemm_issue(TiledMma& mma, TA const& a, TB con
     mma.accumulate_ = GMMA::ScaleOut::One;
   }
   warpgroup_commit_batch();
-}
-
-// Waits until at most N committed batches are in flight; the fragments of the finished ones are
-// the registers' again.
-template <int N, class... Frags>
-__device__ __forceinline__ void wg_wait(Frags&... frags) {
-  cute::warpgroup_wait<N>();
-  (cute::warpgroup_fence_operand(frags), ...);
-}
-
-// One warpgroup GEMM, issued and waited for.
-template <bool zero_init, class TiledMma, class TA, class TB, class TC>
-__device__ __forceinline__ void wg_gemm(TiledMma& mma, TA const& a, TB const& b, TC& c) {
-  using namespace cute;
-  constexpr bool is_rs = !is_base_of<GMMA::DescriptorIterator, typename TiledMma::FrgTypeA>::value;
-  wg_gemm_issue<zero_init>(mma, a, b, c);
   warpgroup_wait<0>();
   warpgroup_fence_operand(c);
   if constexpr (is_rs) warpgroup_fence_operand(const_cast<TA&>(a));
