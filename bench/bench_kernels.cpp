@@ -130,7 +130,11 @@ int main(int argc, char** argv) {
       s.topk = c.topk;
       s.indices = dv(idx, FLASHMSA_DTYPE_INT32, {c.Hp, T, c.topk});
       s.proxy_lse = dv(plse, FLASHMSA_DTYPE_FP32, {c.Hp, T});
-      const double t_sel = median_ms([&] { flashmsa::select(s); }, iters);
+      // every varlen call needs a little workspace (the metadata guard's safe cu_seqlens)
+      void* wss;
+      const size_t sws = workspace_size(s);
+      CK(cudaMalloc(&wss, std::max<size_t>(sws, 256)));
+      const double t_sel = median_ms([&] { flashmsa::select(s, wss, sws); }, iters);
 
       FwdArgs f;
       f.q = dv(q, FLASHMSA_DTYPE_BF16, {T, c.Hq, D});
@@ -142,16 +146,23 @@ int main(int argc, char** argv) {
       f.indices = s.indices;
       f.out = dv(out, FLASHMSA_DTYPE_BF16, {T, c.Hq, D});
       f.lse = dv(lse, FLASHMSA_DTYPE_FP32, {c.Hq, T});
-      const double t_fwd = median_ms([&] { flashmsa::fwd(f); }, iters);
+      void* wsg;
+      const size_t gws = workspace_size(f);
+      CK(cudaMalloc(&wsg, std::max<size_t>(gws, 256)));
+      const double t_fwd = median_ms([&] { flashmsa::fwd(f, wsg, gws); }, iters);
       f.numerics = FLASHMSA_NUMERICS_INFER;
-      const double t_fwd_inf = median_ms([&] { flashmsa::fwd(f); }, iters);
+      const double t_fwd_inf = median_ms([&] { flashmsa::fwd(f, wsg, gws); }, iters);
       f.numerics = FLASHMSA_NUMERICS_TRAIN;
       FwdArgs fd = f;
       fd.mode = FLASHMSA_MODE_DENSE;
       fd.indices = flashmsa::none();
       fd.qp = s.qp;
       fd.kp = s.kp;
-      const double t_dense = median_ms([&] { flashmsa::fwd(fd); }, std::max(3, iters / 3));
+      const size_t dws = workspace_size(fd);
+      void* wsdn;
+      CK(cudaMalloc(&wsdn, std::max<size_t>(dws, 256)));
+      const double t_dense = median_ms([&] { flashmsa::fwd(fd, wsdn, dws); }, std::max(3, iters / 3));
+      cudaFree(wsdn);
 
       // backward (GIVEN indices of the selection, proxy lse, kl gradient 1) and a whole step
       void *dout, *dq, *dk, *dvv, *dqp, *dkp, *dkl;
@@ -280,7 +291,7 @@ int main(int argc, char** argv) {
           tf(3.5 * 4.0 * D * pc.main_pairs + 2.0 * D * pc.proxy_pairs, t_step), step_gb, js(t_bwd_det).c_str(),
           js(t_fwd_lo).c_str(), js(t_bwd_lo).c_str());
       std::fflush(stdout);
-      for (void* p : {q, k, v, qp, kp, dcu, idx, plse, out, lse}) cudaFree(p);
+      for (void* p : {q, k, v, qp, kp, dcu, idx, plse, out, lse, wss, wsg}) cudaFree(p);
     }
   return 0;
 }

@@ -11,6 +11,10 @@
 #              .gpu/flashmsa_bench, m3 32k clustered (AB_ARGS="--options 0" skips the option runs)
 #   example    examples/train_long_context.py --gpu (EXAMPLE_ARGS), curves under $OUT/example
 #   balance    the backward's CTA balance on the real m3 32k selections (bench/list_balance.py)
+#   metadata   the metadata-guard tests (Metadata.*) alone, under compute-sanitizer memcheck
+#              (the 200-corruption fuzz included), and the Python GPU tests of invalid cu_seqlens
+#   guardcost  the guard's cost: .gpu/flashmsa_bench and .gpu/flashmsa_bench_noguard (a variant
+#              without the guard, built by session 5 with a knob since deleted), m3 32k, alternated
 #   cp         context parallelism over NCCL on every GPU of the machine (needs 2 or more):
 #              tests/python/test_distributed.py::test_nccl_two_gpus_m3 for each token count in
 #              CP_LENGTHS (default "16384,9000,7384 65536,40000,25536": 32k and 128k tokens)
@@ -33,6 +37,24 @@ if has sanitize; then
   stamp "sanitizers"
   timeout ${MEMCHECK_S:-200} compute-sanitizer --tool memcheck --error-exitcode 1 ./.gpu/flashmsa_gpu_tests --gtest_filter='*Small*' > "$OUT/memcheck.log" 2>&1; echo "memcheck rc=$?"; tail -1 "$OUT/memcheck.log"
   timeout ${RACECHECK_S:-300} compute-sanitizer --tool racecheck --error-exitcode 1 ./.gpu/flashmsa_gpu_tests --gtest_filter='*Small*' > "$OUT/racecheck.log" 2>&1; echo "racecheck rc=$?"; tail -1 "$OUT/racecheck.log"
+fi
+if has metadata; then
+  stamp "metadata guard (memcheck)"
+  timeout ${MEMCHECK_META_S:-300} compute-sanitizer --tool memcheck --error-exitcode 1 ./.gpu/flashmsa_gpu_tests \
+    --gtest_filter='Metadata.*' > "$OUT/memcheck-metadata.log" 2>&1; echo "memcheck (Metadata.*) rc=$?"
+  grep -E "^\[  (PASSED|FAILED)|FAILED  \]|corruptions|ERROR SUMMARY" "$OUT/memcheck-metadata.log" | tail -8
+  FLASHMSA_BUILD_DIR=.gpu timeout 200 python3 -m pytest -q tests/python/test_metadata_cuda.py > "$OUT/pytest-metadata.log" 2>&1
+  echo "pytest (metadata) rc=$?"; tail -3 "$OUT/pytest-metadata.log"
+fi
+if has guardcost; then
+  stamp "guard cost (A/B)"
+  for round in 1 2; do
+    for bin in ./.gpu/flashmsa_bench ./.gpu/flashmsa_bench_noguard; do
+      [ -x "$bin" ] || continue
+      timeout 120 "$bin" --config m3 --seqlens 32768 --patterns clustered --options 0 | tee -a "$OUT/guardcost.jsonl" |
+        python3 -c "import json,sys; [print(f\"  $bin round $round: select {r['select_ms']:.3f} fwd {r['fwd_train_ms']:.3f} bwd {r['bwd_ms']:.3f} step {r['step_ms']:.3f} ms\") for r in map(json.loads, sys.stdin)]"
+    done
+  done
 fi
 if has pytest; then
   stamp "pytest (CUDA build)"

@@ -11,14 +11,19 @@
 #include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
+#include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <limits>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
+
+#include <unistd.h>
 
 #ifdef FLASHMSA_WITH_CUDA
 #include <cuda_runtime.h>
@@ -38,6 +43,7 @@ constexpr int64_t kCheckFullMaxTokens = 4096;  // --check: everything up to this
 constexpr int64_t kSampleTokens = 256;          // else this many sampled tokens
 constexpr double kRecallFullBudget = 5e10;      // recall on all rows when the dense work is below
 constexpr double kIndexAgreementMin = 0.99;     // --check fails below this index agreement
+constexpr double kMaxKlGrad = 1e6;              // --kl-grad: |X| at most this (a loss weight)
 
 // CPU defaults: m3 heads at a length where topk < number of blocks, so the selection is sparse.
 constexpr int64_t kCpuDefaultSeqlen = 2048;
@@ -80,15 +86,16 @@ const char* kRunUsage =
     "step\n"
     "  --mode train|infer|warmup     train: select+fwd+bwd; infer: select+fwd (INFER numerics);\n"
     "                         warmup: dense causal fwd+bwd, kl over the full causal set\n"
-    "  --kl-grad X            upstream gradient of kl (default 1)\n"
+    "  --kl-grad X            upstream gradient of kl, |X| <= 1e6 (default 1)\n"
     "  --dlse                 also feed a seeded random gradient of lse to the backward\n"
     "  --deterministic        the bitwise reproducible backward (ordered adds on CUDA)\n"
     "  --precise-dpsum        the forward keeps out_lo, the backward's dpsum uses out + out_lo\n"
     "  --backend auto|cpu|cuda       auto (default): CUDA when available and supported, else CPU\n"
-    "  --threads N            CPU worker threads (sets FLASHMSA_NUM_THREADS)\n"
+    "  --threads N            CPU worker threads, 1..1024 (sets FLASHMSA_NUM_THREADS)\n"
     "output\n"
     "  --check                compare with the fp64 CPU reference (exit 1 when over threshold)\n"
-    "  --save DIR             write every tensor as .npy plus config.json into DIR\n"
+    "  --save DIR             write every tensor as .npy plus config.json into DIR (created and\n"
+    "                         checked for writing before the step runs)\n"
     "  --quiet                no progress lines on stderr\n"
     "  -h, --help             this text\n";
 
@@ -252,11 +259,17 @@ bool parse_run_args(const std::vector<std::string>& args, Config& c) {
       else if (s == "cpu") c.backend = Backend::Cpu;
       else if (s == "cuda") c.backend = Backend::Cuda;
       else throw UsageError("--backend: expected auto, cpu or cuda, got '" + s + "'");
-    } else if (flag == "--kl-grad") c.kl_grad = parse_double(flag, val());
+    } else if (flag == "--kl-grad") {
+      const std::string s = val();
+      c.kl_grad = parse_double(flag, s);
+      if (std::fabs(c.kl_grad) > kMaxKlGrad)
+        throw UsageError(flag + ": expected a finite number with |X| <= 1e6 (the upstream gradient "
+                         "of kl, a loss weight), got " + s);
+    }
     else if (flag == "--dlse") { no_value(); c.dlse = true; }
     else if (flag == "--deterministic") { no_value(); c.deterministic = true; }
     else if (flag == "--precise-dpsum") { no_value(); c.precise_dpsum = true; }
-    else if (flag == "--threads") c.threads = int(parse_int(flag, val(), 1, 4096));
+    else if (flag == "--threads") c.threads = int(parse_int(flag, val(), 1, ref::kMaxThreads));
     else if (flag == "--check") { no_value(); c.check = true; }
     else if (flag == "--quiet") { no_value(); c.quiet = true; }
     else if (flag == "--save") {
@@ -1010,17 +1023,36 @@ void check_full(const Config& c, const Tensors& t, CheckResult& r) {
   r.errs.push_back(compare_all("dkp", t.dkp, dkp));
 }
 
-// Runs fn(i) for i in [0, n) on the reference's thread count.
+// Runs fn(i) for i in [0, n) on the reference's thread count (items are independent, so the
+// result does not depend on which thread ran which item). Threads that cannot be started leave
+// their share to the others; the first exception of any thread is rethrown after all joined.
 void parallel_items(int64_t n, const std::function<void(int64_t)>& fn) {
   const int T = int(std::max<int64_t>(1, std::min<int64_t>(ref::num_threads(), n)));
   std::atomic<int64_t> next{0};
+  std::atomic<bool> failed{false};
+  std::exception_ptr error;
+  std::mutex error_mutex;
   auto work = [&] {
-    for (int64_t i; (i = next.fetch_add(1)) < n;) fn(i);
+    try {
+      for (int64_t i; !failed.load() && (i = next.fetch_add(1)) < n;) fn(i);
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(error_mutex);
+      if (!error) error = std::current_exception();
+      failed = true;
+    }
   };
   std::vector<std::thread> pool;
-  for (int i = 1; i < T; ++i) pool.emplace_back(work);
+  pool.reserve(size_t(T));
+  for (int i = 1; i < T; ++i) {
+    try {
+      pool.emplace_back(work);
+    } catch (...) {  // std::system_error: no more threads; the started ones share the work
+      break;
+    }
+  }
   work();
   for (auto& th : pool) th.join();
+  if (error) std::rethrow_exception(error);
 }
 
 double dotd(const double* a, const double* b, int n) {
@@ -1393,6 +1425,69 @@ void print_report(const Config& c, const Stats& s, const Timings& tm, const Chec
   std::fflush(stdout);
 }
 
+// ---- checks before the step ----------------------------------------------------------------
+
+// Host bytes the step needs, roughly: every buffer, the CPU backend's fp64 copies of the
+// per-token tensors (gathered inputs and results), and --check's fp64 run on small problems.
+double estimate_host_bytes(const Config& c) {
+  Tensors t;
+  declare(c, t);
+  double bufs = 0, tok_elems = 0;
+  for (const Buf* b : t.all())
+    if (b->used) {
+      bufs += double(b->numel()) * double(dtype_size(b->dtype));
+      if (b->kind == Buf::kTokens) tok_elems += double(b->numel());
+    }
+  double need = bufs;
+  if (!c.on_cuda) need += 16.0 * tok_elems;
+  if (c.check && c.total <= kCheckFullMaxTokens) need += 16.0 * tok_elems;
+  return need;
+}
+
+// The host memory this process may use: physical memory, a cgroup limit, RLIMIT_AS.
+double host_memory_limit(std::string* what) {
+  double lim = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGE_SIZE));
+  *what = "physical memory";
+  if (!(lim > 0)) lim = INFINITY;
+  for (const char* path : {"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"}) {
+    std::ifstream f(path);
+    double v = 0;
+    if (f >> v && v > 0 && v < lim) {
+      lim = v;
+      *what = std::string("the memory limit in ") + path;
+    }
+  }
+  return lim;
+}
+
+void check_host_memory(const Config& c) {
+  std::string what;
+  const double need = estimate_host_bytes(c), have = host_memory_limit(&what);
+  if (need > have)
+    throw UsageError(fmt("the step needs about %.1f GiB of host memory (its tensors%s), more than "
+                         "the %.1f GiB available (%s): use a smaller --seqlen, --batch or --lengths, "
+                         "or fewer heads",
+                         need / (1 << 30), c.on_cuda ? "" : " and the CPU backend's fp64 copies",
+                         have / (1 << 30), what.c_str()));
+}
+
+// --save: the directory is created and a file written and removed in it before the step runs,
+// so an unwritable path fails at once instead of after the computation.
+void prepare_save_dir(const std::string& dir) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) throw UsageError("--save: cannot create the directory '" + dir + "': " + ec.message());
+  if (!fs::is_directory(dir, ec)) throw UsageError("--save: '" + dir + "' exists and is not a directory");
+  const std::string probe = (fs::path(dir) / ".flashmsa_write_check").string();
+  FILE* f = std::fopen(probe.c_str(), "wb");
+  if (!f) throw UsageError("--save: cannot write into '" + dir + "': " + std::strerror(errno));
+  const bool ok = std::fputs("ok\n", f) >= 0;
+  const bool closed = std::fclose(f) == 0;
+  fs::remove(probe, ec);
+  if (!ok || !closed) throw UsageError("--save: cannot write into '" + dir + "'");
+}
+
 // ---- main --------------------------------------------------------------------------------
 
 int run(const std::vector<std::string>& args) {
@@ -1403,11 +1498,18 @@ int run(const std::vector<std::string>& args) {
   }
   g_quiet = c.quiet;
   if (c.threads > 0) setenv("FLASHMSA_NUM_THREADS", std::to_string(c.threads).c_str(), 1);
+  try {
+    ref::num_threads();  // a bad FLASHMSA_NUM_THREADS fails here, before anything runs
+  } catch (const std::invalid_argument& e) {
+    throw UsageError(e.what());
+  }
   resolve_heads(c);
   resolve_backend(c);
   if (!c.fallback_notice.empty()) std::fprintf(stderr, "%s\n", c.fallback_notice.c_str());
   if (c.on_cuda && (c.dtype == FLASHMSA_DTYPE_FP32 || c.dtype == FLASHMSA_DTYPE_FP64))
     throw UsageError("--dtype " + std::string(flashmsa_dtype_name(c.dtype)) + ": CPU backend only");
+  check_host_memory(c);
+  if (!c.save_dir.empty()) prepare_save_dir(c.save_dir);
   print_config(c);
 
   Tensors t;

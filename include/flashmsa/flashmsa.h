@@ -1,7 +1,7 @@
 /*
  * flashmsa — MiniMax Sparse Attention (MSA) training kernels. C ABI.
  *
- * The contract is SPEC.md (shared/): selection, forward, backward, modes, errors, numerics.
+ * The contract is docs/semantics.md: selection, forward, backward, modes, errors, numerics.
  *
  * Conventions
  * - Tensors pass as views (flashmsa_tensor_t): pointer, dtype, shape, strides (in ELEMENTS),
@@ -41,6 +41,8 @@ extern "C" {
 #define FLASHMSA_BLOCK_SIZE 128
 /* Largest topk the API accepts. */
 #define FLASHMSA_MAX_TOPK 64
+/* Largest softmax_scale / proxy_scale accepted: larger ones overflow the fp32 logits (and lse). */
+#define FLASHMSA_MAX_SCALE 1e4
 /* Largest tensor rank. */
 #define FLASHMSA_MAX_DIMS 4
 
@@ -97,9 +99,10 @@ typedef struct flashmsa_select_args {
   flashmsa_tensor_t cu_seqlens;  /* [B+1] int32 (varlen); absent for batched inputs */
   int64_t max_seqlen;            /* varlen: >= every length; batched: 0 or S */
   int32_t topk;                  /* 1..FLASHMSA_MAX_TOPK, counts the local block */
-  double proxy_scale;            /* 0 selects 1/sqrt(Dp); else finite and > 0 */
+  double proxy_scale;            /* 0 selects 1/sqrt(Dp); else finite, > 0 and <= FLASHMSA_MAX_SCALE */
   flashmsa_tensor_t indices;     /* out: [Hp, total, topk] int32 */
   flashmsa_tensor_t proxy_lse;   /* out, optional: [Hp, total] fp32 */
+  flashmsa_tensor_t status;      /* optional status words (see "Metadata faults" below) */
   void* stream;                  /* cudaStream_t for the CUDA backend; ignored on the CPU */
 } flashmsa_select_args_t;
 
@@ -114,8 +117,8 @@ typedef struct flashmsa_fwd_args {
   flashmsa_mode_t mode;
   flashmsa_numerics_t numerics;
   int32_t topk;                  /* SPARSE: 1..64; GIVEN: taken from indices; DENSE: ignored */
-  double softmax_scale;          /* 0 selects 1/sqrt(D) */
-  double proxy_scale;            /* 0 selects 1/sqrt(Dp) */
+  double softmax_scale;          /* 0 selects 1/sqrt(D); else finite, > 0 and <= FLASHMSA_MAX_SCALE */
+  double proxy_scale;            /* 0 selects 1/sqrt(Dp); likewise */
   int32_t compute_kl;            /* write the kl value (else kl = 0, a placeholder) */
   int32_t validate;              /* opt-in data checks (synchronises on the GPU) */
   flashmsa_tensor_t indices;     /* SPARSE: out (optional), GIVEN: in, DENSE: absent */
@@ -125,6 +128,7 @@ typedef struct flashmsa_fwd_args {
   flashmsa_tensor_t lse;         /* [Hq, total] fp32 (fp64 allowed for fp64 inputs) */
   flashmsa_tensor_t proxy_lse;   /* optional, [Hp, total] fp32 (needs qp, kp) */
   flashmsa_tensor_t kl;          /* optional, scalar ([] or [1]) fp32 (fp64 for fp64 inputs) */
+  flashmsa_tensor_t status;      /* optional status words (see "Metadata faults" below) */
   void* stream;
 } flashmsa_fwd_args_t;
 
@@ -149,6 +153,7 @@ typedef struct flashmsa_bwd_args {
   flashmsa_tensor_t dkl;         /* optional scalar fp32: upstream gradient g of kl (absent: 0) */
   flashmsa_tensor_t dq, dk, dv;  /* outputs, shapes and dtypes of q, k, v */
   flashmsa_tensor_t dqp, dkp;    /* outputs; required when qp, kp are given */
+  flashmsa_tensor_t status;      /* optional status words (see "Metadata faults" below) */
   void* stream;
 } flashmsa_bwd_args_t;
 
@@ -174,6 +179,45 @@ FLASHMSA_API flashmsa_status_t flashmsa_fwd(const flashmsa_fwd_args_t* args, voi
 FLASHMSA_API flashmsa_status_t flashmsa_bwd(const flashmsa_bwd_args_t* args, void* workspace,
                                             size_t workspace_bytes);
 
+/* ---- metadata faults (CUDA backend) ---------------------------------------------------
+ * cu_seqlens lives on the device, so the CUDA backend cannot check it on the host without a
+ * synchronisation (the opt-in `validate` does exactly that). On the default path every varlen
+ * CUDA call checks cu_seqlens on the device instead: first value 0, non-decreasing, last value
+ * total, values in [0, total], every length <= max_seqlen. Whatever the values, no kernel reads
+ * or writes outside the caller's buffers. A call that finds a fault computes nothing from the
+ * metadata: all its outputs are poisoned (floating-point outputs NaN, indices INT32_MIN), and
+ * it records the fault in the caller's status words, if given:
+ *   status: int32 [FLASHMSA_STATUS_WORDS], contiguous, zeroed by the caller once; device memory
+ *           of the call's device, or page-locked host memory (cudaHostAlloc / pinned tensors),
+ *           which the host can read without a synchronisation.
+ *   word 0: OR of the FLASHMSA_FAULT_* bits of every faulting call;  word 1: OR of the
+ *   FLASHMSA_FAULT_OP_* bits of those calls;  word 2: their number;  words 3-7 describe the first
+ *   one: 1 + the first faulting position b, cu_seqlens[b], cu_seqlens[b + 1], total, max_seqlen.
+ * Calls with a fault return FLASHMSA_SUCCESS (the fault is found after they return); read the
+ * words with flashmsa_check_status. The CPU backend checks the data before it computes and
+ * fails at once (it never writes the status). */
+#define FLASHMSA_STATUS_WORDS 8
+#define FLASHMSA_FAULT_FIRST_NOT_ZERO 1    /* cu_seqlens[0] != 0 */
+#define FLASHMSA_FAULT_NEGATIVE 2          /* a value < 0 */
+#define FLASHMSA_FAULT_DECREASING 4        /* cu_seqlens[b + 1] < cu_seqlens[b] */
+#define FLASHMSA_FAULT_ABOVE_TOTAL 8       /* a value > total */
+#define FLASHMSA_FAULT_LAST_NOT_TOTAL 16   /* cu_seqlens[B] != total */
+#define FLASHMSA_FAULT_ABOVE_MAX_SEQLEN 32 /* a sequence longer than max_seqlen */
+#define FLASHMSA_FAULT_OP_SELECT 1
+#define FLASHMSA_FAULT_OP_FWD 2
+#define FLASHMSA_FAULT_OP_BWD 4
+/* flags of flashmsa_check_status */
+#define FLASHMSA_CHECK_SYNC 1   /* synchronise `stream` first (always done for device memory) */
+#define FLASHMSA_CHECK_RESET 2  /* zero the words after reading them */
+
+/* Reads status words: FLASHMSA_SUCCESS when no fault was recorded, else
+ * FLASHMSA_ERROR_INVALID_ARGUMENT with a message naming the faults (flashmsa_last_error).
+ * Device-memory words are copied on `stream` and synchronised; host words are read as they are,
+ * after synchronising `stream` when flags has FLASHMSA_CHECK_SYNC. faults (optional) receives
+ * word 0. This is the only call that synchronises for the status. */
+FLASHMSA_API flashmsa_status_t flashmsa_check_status(const flashmsa_tensor_t* status, void* stream, int32_t flags,
+                                                     int32_t* faults);
+
 /* The message of the last failed call on this thread ("" after a success). */
 FLASHMSA_API const char* flashmsa_last_error(void);
 FLASHMSA_API const char* flashmsa_status_string(flashmsa_status_t status);
@@ -184,7 +228,7 @@ FLASHMSA_API const char* flashmsa_version(void);
 
 /* ABI of this header: bindings compare it (and the struct sizes) with what they were written
  * against before their first call. Bumped whenever a struct or an enum changes. */
-#define FLASHMSA_ABI_VERSION 2
+#define FLASHMSA_ABI_VERSION 3
 typedef enum flashmsa_struct {
   FLASHMSA_STRUCT_TENSOR = 0,
   FLASHMSA_STRUCT_SELECT_ARGS = 1,

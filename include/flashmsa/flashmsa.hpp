@@ -98,6 +98,12 @@ inline void bwd(const flashmsa_bwd_args_t& a, void* ws = nullptr, size_t bytes =
   check(flashmsa_bwd(&a, ws, bytes));
 }
 
+// Throws flashmsa::Error (INVALID_ARGUMENT, naming the faults) when the status words of earlier
+// CUDA calls hold a metadata fault, and clears them. Synchronises `stream` (flashmsa.h).
+inline void check_status(const flashmsa_tensor_t& status, void* stream = nullptr) {
+  check(flashmsa_check_status(&status, stream, FLASHMSA_CHECK_SYNC | FLASHMSA_CHECK_RESET, nullptr));
+}
+
 inline bool cuda_available() { return flashmsa_cuda_available() != 0; }
 
 }  // namespace flashmsa

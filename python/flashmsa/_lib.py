@@ -88,6 +88,7 @@ class SelectArgs(ctypes.Structure):
         ("proxy_scale", ctypes.c_double),
         ("indices", Tensor),
         ("proxy_lse", Tensor),
+        ("status", Tensor),
         ("stream", ctypes.c_void_p),
     ]
 
@@ -114,6 +115,7 @@ class FwdArgs(ctypes.Structure):
         ("lse", Tensor),
         ("proxy_lse", Tensor),
         ("kl", Tensor),
+        ("status", Tensor),
         ("stream", ctypes.c_void_p),
     ]
 
@@ -145,6 +147,7 @@ class BwdArgs(ctypes.Structure):
         ("dv", Tensor),
         ("dqp", Tensor),
         ("dkp", Tensor),
+        ("status", Tensor),
         ("stream", ctypes.c_void_p),
     ]
 
@@ -185,11 +188,13 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.flashmsa_status_string.argtypes, lib.flashmsa_status_string.restype = [st], ctypes.c_char_p
     lib.flashmsa_cuda_available.argtypes, lib.flashmsa_cuda_available.restype = [], ctypes.c_int
     lib.flashmsa_version.argtypes, lib.flashmsa_version.restype = [], ctypes.c_char_p
+    lib.flashmsa_check_status.argtypes = [ctypes.POINTER(Tensor), vp, ctypes.c_int32, ctypes.POINTER(ctypes.c_int32)]
+    lib.flashmsa_check_status.restype = st
     _check_abi(lib)
     return lib
 
 
-ABI_VERSION = 2  # FLASHMSA_ABI_VERSION of the header these structs mirror
+ABI_VERSION = 3  # FLASHMSA_ABI_VERSION of the header these structs mirror
 
 
 def _check_abi(lib: ctypes.CDLL) -> None:
@@ -288,9 +293,70 @@ def stream_of(device: torch.device) -> Optional[int]:
     return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
 
 
+# ---- metadata faults found on the device (flashmsa.h, "metadata faults") ---------------------
+STATUS_WORDS = 8  # FLASHMSA_STATUS_WORDS
+CHECK_SYNC, CHECK_RESET = 1, 2  # FLASHMSA_CHECK_*
+_status: dict = {}  # CUDA device index -> its status words: pinned (page-locked, mapped) host int32
+
+
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def status_words(device: torch.device) -> Optional[torch.Tensor]:
+    """The status words every CUDA call of this process on `device` records metadata faults in:
+    page-locked host memory, so reading them needs no synchronisation (None on the CPU)."""
+    if device.type != "cuda":
+        return None
+    i = _device_index(device)
+    t = _status.get(i)
+    if t is None:
+        with _lock:
+            t = _status.get(i)
+            if t is None:
+                t = torch.zeros(STATUS_WORDS, dtype=torch.int32, pin_memory=True)
+                _status[i] = t
+    return t
+
+
+def _report(t: torch.Tensor, flags: int) -> None:
+    """Raise InvalidArgumentError naming the recorded faults (and clear them), if any."""
+    check(lib().flashmsa_check_status(ctypes.byref(view(t)), None, flags | CHECK_RESET, None))
+
+
+def raise_pending(device: torch.device) -> None:
+    """Raise for a fault that an earlier call on `device` recorded and that has reached the host
+    already (no synchronisation: a call still running on the GPU reports at a later check)."""
+    if device.type != "cuda":
+        return
+    t = _status.get(_device_index(device))
+    if t is not None and int(t[0]) != 0:
+        _report(t, 0)
+
+
+def check_device(device: Optional[torch.device] = None) -> None:
+    """Synchronise `device` (default: the current CUDA device) and raise InvalidArgumentError if
+    any flashmsa call on it found invalid metadata since the last check. Clears the record."""
+    if not torch.cuda.is_available():
+        return
+    device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    if device.type != "cuda":
+        return
+    t = _status.get(_device_index(device))
+    if t is None:
+        return
+    torch.cuda.synchronize(device)
+    _report(t, 0)
+
+
 def call(name: str, args: ctypes.Structure, device: torch.device) -> None:
-    """Query the workspace, allocate it with torch (caching allocator, graph-safe) and run."""
+    """Query the workspace, allocate it with torch (caching allocator, graph-safe) and run.
+    On CUDA, first raise for metadata faults of earlier calls that the host can see already;
+    the call records its own in the device's status words."""
     L = lib()
+    if device.type == "cuda":
+        raise_pending(device)
+        args.status = view(status_words(device))
     nbytes = ctypes.c_size_t(0)
     check(getattr(L, f"flashmsa_{name}_workspace_size")(ctypes.byref(args), ctypes.byref(nbytes)))
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():

@@ -33,14 +33,20 @@ single-process gradient's shard (no communication for kl in the backward).
 
 Requirements: torch.distributed initialised (gloo for CPU tensors, NCCL for CUDA tensors);
 every rank calls with the same head counts, dims, dtype, topk, mode and flags, and every rank
-runs the backward through out (the all-to-alls are collectives). `validate=True` checks the
-metadata across ranks (one small all_gather, before any other traffic, so that bad arguments on
-one rank raise on every rank) besides the library's data checks. Eager only: torch.compile
-graph-breaks around the collectives.
+runs the backward through out (the all-to-alls are collectives). Every argument is checked on
+each rank before any traffic (types, ranges, shapes; with CPU cu_seqlens, that the shards add up
+to cu_seqlens[-1]). Then one small all_gather compares the ranks' metadata (token counts of
+every shard, head counts, dims, dtype, topk, mode, flags) and whether each rank's checks passed,
+so that bad or inconsistent arguments raise a ValueError on every rank instead of leaving the
+others waiting in a collective (or gloo aborting the process on a size mismatch): always for a
+gloo group (a CPU all_gather, cheap), and with `validate=True` on other backends (NCCL: it
+synchronises with the host, so it is opt-in there, like the library's data checks that
+`validate=True` also turns on). Eager only: torch.compile graph-breaks around the collectives.
 """
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -345,42 +351,74 @@ def _check_agreement(sig: Dict[str, int], error: Optional[Exception], group, dev
     if failed.numel():
         raise ValueError(f"{_P}: rank {int(failed[0, 0])} rejected its arguments (its own error says "
                          f"why); no rank ran")
+    shard_cols = [j for j, n in enumerate(names) if n.startswith("shard_sizes[")]
     for s in range(P):
         bad = (allsig[s] != allsig[0]).nonzero()
         if bad.numel():
             j = int(bad[0, 0])
+            if j in shard_cols:
+                mine, theirs = ([int(allsig[r, c]) for c in shard_cols] for r in (0, s))
+                raise ValueError(
+                    f"{_P}: shard_sizes: the ranks' token shards do not add up: rank 0 sees shard sizes "
+                    f"{mine}, rank {s} sees {theirs} (with shard_sizes=None every rank must hold the same "
+                    f"number of tokens; otherwise pass the same shard_sizes list on every rank)")
             raise ValueError(f"{_P}: ranks disagree on {names[j]}: rank 0 has {int(allsig[0, j])}, "
                              f"rank {s} has {int(allsig[s, j])} (every rank must pass the same "
                              f"head counts, dims, dtype, topk, mode, flags and shard sizes)")
 
 
+def _i64(x) -> int:
+    """A signature value: an int in int64 range (bad arguments map to -2, absent ones to -1)."""
+    if x is None:
+        return -1
+    if isinstance(x, bool):
+        return int(x)
+    if not isinstance(x, numbers.Integral) or not -2**63 <= int(x) < 2**63:
+        return -2
+    return int(x)
+
+
 def _signature(q, k, v, qp, kp, indices, cu_seqlens, max_seqlen, topk, warmup, return_lse,
-               return_indices, shard_sizes, P) -> Dict[str, int]:
-    """What every rank must agree on, read defensively (the arguments may be bad)."""
+               return_indices, shard_sizes, tsizes, P) -> Dict[str, int]:
+    """What every rank must agree on, read defensively (the arguments may be bad). tsizes: the
+    token count of every shard as this rank sees it (None when its checks failed)."""
     def dim(t, i):
         return int(t.shape[i]) if isinstance(t, torch.Tensor) and -t.dim() <= i < t.dim() else -1
 
-    sizes = list(shard_sizes) if shard_sizes is not None else []
+    if tsizes is None:  # this rank's checks failed: the sizes as given, where readable
+        try:
+            tsizes = [] if shard_sizes is None or isinstance(shard_sizes, (str, bytes)) else list(shard_sizes)
+        except TypeError:
+            tsizes = []
+    cu_last = -1
+    if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.device.type == "cpu" and cu_seqlens.numel() \
+            and not cu_seqlens.is_floating_point():
+        cu_last = int(cu_seqlens.reshape(-1)[-1])
     sig = dict(ndim=q.dim() if isinstance(q, torch.Tensor) else -1,
                B=dim(q, 0) if isinstance(q, torch.Tensor) and q.dim() == 4 else 1,
                Hq=dim(q, -2), D=dim(q, -1), Hkv=dim(k, -2), Dv=dim(v, -1), Hp=dim(qp, -2),
                Dp=dim(qp, -1), Hpk=dim(kp, -2),
                dtype=_ops._FLOATS.index(q.dtype) if getattr(q, "dtype", None) in _ops._FLOATS else -1,
-               topk=topk if isinstance(topk, int) else -1,
-               mode=2 if indices is not None else 1 if warmup else 0, has_proxy=int(qp is not None),
+               topk=_i64(topk),
+               mode=2 if indices is not None else 1 if warmup is True else 0, has_proxy=int(qp is not None),
                given_Hp=dim(indices, 0), given_topk=dim(indices, -1),
-               return_lse=int(bool(return_lse)), return_indices=int(bool(return_indices)),
+               return_lse=_i64(return_lse), return_indices=_i64(return_indices),
                cu_len=cu_seqlens.numel() if isinstance(cu_seqlens, torch.Tensor) else 0,
-               max_seqlen=max_seqlen if isinstance(max_seqlen, int) else -1,
+               cu_last=cu_last, max_seqlen=_i64(max_seqlen),
                shard_sizes_given=int(shard_sizes is not None))
     for i in range(P):
-        sig[f"shard_sizes[{i}]"] = int(sizes[i]) if i < len(sizes) and isinstance(sizes[i], int) else -1
+        sig[f"shard_sizes[{i}]"] = _i64(tsizes[i]) if i < len(tsizes) else -1
     return sig
 
 
-def _prepare(q, k, v, qp, kp, cu_seqlens, indices, warmup, shard_sizes, group, rank, P):
-    """The local argument checks (no traffic): the plan, B, this rank's token count, Hp."""
+def _prepare(q, k, v, qp, kp, cu_seqlens, indices, max_seqlen, warmup, shard_sizes, options, validate,
+             group, rank, P):
+    """The local argument checks (no traffic): the plan, B, this rank's token count, Hp.
+    options: the keyword arguments of msa_attention that need no tensor (checked first)."""
     _ops._check_inputs(q, k, v, qp, kp, cu_seqlens, indices)
+    _ops._check_options(**options)
+    if max_seqlen is not None:
+        _ops._int("max_seqlen", max_seqlen, 0, _ops.INT32_MAX)
     if q.dim() not in (3, 4):
         raise ValueError(f"{_P}: q: expected [T, Hq, D] (varlen) or [B, S, Hq, D] (batched), got "
                          f"{list(q.shape)}")
@@ -404,13 +442,34 @@ def _prepare(q, k, v, qp, kp, cu_seqlens, indices, warmup, shard_sizes, group, r
     if shard_sizes is None:
         tsizes = [T_loc] * P
     else:
-        tsizes = [int(n) for n in shard_sizes]
-        if len(tsizes) != P or min(tsizes) < 0:
+        if isinstance(shard_sizes, (str, bytes)) or not hasattr(shard_sizes, "__len__"):
+            raise TypeError(f"{_P}: shard_sizes: expected a list of {P} ints (one per rank) or None, got "
+                            f"{type(shard_sizes).__name__}")
+        tsizes = shard_sizes.tolist() if isinstance(shard_sizes, torch.Tensor) else list(shard_sizes)
+        for i, n in enumerate(tsizes):
+            if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+                raise TypeError(f"{_P}: shard_sizes: expected ints, got {type(n).__name__} {n!r} at "
+                                f"position {i}")
+        tsizes = [int(n) for n in tsizes]
+        if len(tsizes) != P or min(tsizes) < 0 or max(tsizes) > _ops.INT32_MAX:
             raise ValueError(f"{_P}: shard_sizes: expected {P} non-negative token counts (one per "
                              f"rank), got {list(shard_sizes)}")
         if tsizes[rank] != T_loc:
             raise ValueError(f"{_P}: shard_sizes: rank {rank} holds {T_loc} tokens (q.shape[{td}]) "
                              f"but shard_sizes[{rank}] = {tsizes[rank]}")
+    full = sum(tsizes)
+    if batched:
+        if max_seqlen not in (None, 0, full):
+            raise ValueError(f"{_P}: max_seqlen: expected None, 0 or S = {full} (the full sequence length: "
+                             f"the sum of the shards), got {max_seqlen}")
+    elif cu_seqlens.numel() and (cu_seqlens.device.type == "cpu" or validate):
+        last = int(cu_seqlens[-1])  # free on the CPU; a synchronisation on CUDA (validate only)
+        if last != full:
+            hint = (f"; shard_sizes=None means every rank holds this rank's {T_loc} tokens: pass "
+                    f"shard_sizes for uneven shards" if shard_sizes is None else "")
+            raise ValueError(f"{_P}: shard_sizes: the token shards add up to {full} tokens "
+                             f"({' + '.join(map(str, tsizes))}) but cu_seqlens[-1] = {last} (the full "
+                             f"packed sequence, the same on every rank){hint}")
     B = q.shape[0] if batched else 1
     flat = T_loc * B  # this rank's tokens in the [H, total] layouts
     if indices is not None:
@@ -465,18 +524,22 @@ def msa_attention_cp(q: Tensor, k: Tensor, v: Tensor, qp: Optional[Tensor] = Non
         return _ops.msa_attention(q, k, v, qp, kp, topk, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
                                   indices=indices, return_lse=return_lse,
                                   return_indices=return_indices, **kw)
+    # the agreement check: always on gloo (cheap, CPU), opt-in (validate=True) elsewhere
+    agree = validate is True or dist.get_backend(group) == "gloo"
+    options = dict(topk=topk, return_lse=return_lse, return_indices=return_indices, **kw)
+    tsizes = None
     try:
-        plan, B, T_loc, Hp = _prepare(q, k, v, qp, kp, cu_seqlens, indices, warmup, shard_sizes,
-                                      group, rank, P)
-        error = None
+        plan, B, T_loc, Hp = _prepare(q, k, v, qp, kp, cu_seqlens, indices, max_seqlen, warmup,
+                                      shard_sizes, options, validate is True, group, rank, P)
+        tsizes, error = plan.T, None
     except (TypeError, ValueError) as e:
-        if not validate:
+        if not agree:
             raise
         error = e
-    if validate:  # before any other traffic: bad arguments on one rank raise on every rank
+    if agree:  # before any other traffic: bad arguments on one rank raise on every rank
         dev = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
         _check_agreement(_signature(q, k, v, qp, kp, indices, cu_seqlens, max_seqlen, topk, warmup,
-                                    return_lse, return_indices, shard_sizes, P), error, group, dev, P)
+                                    return_lse, return_indices, shard_sizes, tsizes, P), error, group, dev, P)
     batched = q.dim() == 4
     td = 1 if batched else 0
     Hq = q.shape[-2]

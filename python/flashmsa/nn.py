@@ -1,6 +1,8 @@
 """flashmsa.nn.MSAttention: a drop-in causal self-attention layer built on msa_attention."""
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Optional, Tuple
 
 import torch
@@ -9,6 +11,35 @@ from torch import nn
 from . import ops, reference
 
 Tensor = torch.Tensor
+_M = "MSAttention"
+
+
+def _count(name: str, x, default=None) -> int:
+    """A head count or dimension: an int >= 1 (None: the default, where there is one)."""
+    if x is None and default is not None:
+        return default
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+        raise TypeError(f"{_M}: {name}: expected an int >= 1{' or None' if default is not None else ''}, "
+                        f"got {type(x).__name__} {x!r}")
+    if x < 1 or x > 2**31 - 1:
+        raise ValueError(f"{_M}: {name}: expected an int in [1, 2147483647]"
+                         f"{' (None for the default)' if default is not None else ''}, got {x}")
+    return int(x)
+
+
+def _bool(name: str, x) -> bool:
+    if not isinstance(x, bool):
+        raise TypeError(f"{_M}: {name}: expected a bool (True or False), got {type(x).__name__} {x!r}")
+    return x
+
+
+def _real(name: str, x, positive: bool = False) -> float:
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        raise TypeError(f"{_M}: {name}: expected a float, got {type(x).__name__} {x!r}")
+    x = float(x)
+    if not math.isfinite(x) or (positive and x <= 0):
+        raise ValueError(f"{_M}: {name}: expected a finite value{' > 0' if positive else ''}, got {x}")
+    return x
 
 
 def rotary(x: Tensor, pos: Tensor, base: float = 10000.0) -> Tensor:
@@ -57,19 +88,32 @@ class MSAttention(nn.Module):
                  detach_proxy_input: bool = True, backend: str = "flashmsa",
                  precise_dpsum: bool = False, device=None, dtype=None):
         super().__init__()
+        # Every argument checked here (only None means a default; 0 is an error, never a default)
+        embed_dim = _count("embed_dim", embed_dim)
+        num_heads = _count("num_heads", num_heads)
         self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads or num_heads
-        self.num_proxy_heads = num_proxy_heads or self.num_kv_heads
-        self.num_proxy_kv_heads = num_proxy_kv_heads
-        self.head_dim = head_dim or embed_dim // num_heads
-        self.proxy_head_dim = proxy_head_dim or self.head_dim
+        self.num_kv_heads = _count("num_kv_heads", num_kv_heads, default=num_heads)
+        self.num_proxy_heads = _count("num_proxy_heads", num_proxy_heads, default=self.num_kv_heads)
+        self.num_proxy_kv_heads = num_proxy_kv_heads = _count("num_proxy_kv_heads", num_proxy_kv_heads)
+        if head_dim is None and embed_dim < num_heads:
+            raise ValueError(f"{_M}: head_dim: the default embed_dim // num_heads = {embed_dim} // {num_heads} "
+                             f"is 0; pass head_dim or use fewer heads")
+        self.head_dim = _count("head_dim", head_dim, default=embed_dim // num_heads)
+        self.proxy_head_dim = _count("proxy_head_dim", proxy_head_dim, default=self.head_dim)
         for a, b, what in ((num_heads, self.num_kv_heads, "num_heads % num_kv_heads"),
                            (num_heads, self.num_proxy_heads, "num_heads % num_proxy_heads"),
                            (self.num_proxy_heads, num_proxy_kv_heads, "num_proxy_heads % num_proxy_kv_heads")):
-            if b < 1 or a % b:
-                raise ValueError(f"MSAttention: {what} must be 0, got {a} % {b}")
-        if backend not in ("flashmsa", "reference"):
-            raise ValueError(f"MSAttention: backend must be 'flashmsa' or 'reference', got {backend!r}")
+            if a % b:
+                raise ValueError(f"{_M}: {what} must be 0, got {a} % {b}")
+        if not isinstance(backend, str) or backend not in ("flashmsa", "reference"):
+            raise ValueError(f"{_M}: backend must be 'flashmsa' or 'reference', got {backend!r}")
+        topk = ops._int("topk", topk, 1, ops.L.MAX_TOPK)
+        kl_coef = _real("kl_coef", kl_coef)
+        rope_base = _real("rope_base", rope_base, positive=True)
+        for name, x in (("warmup", warmup), ("rotary", rotary), ("rotary_proxy", rotary_proxy), ("bias", bias),
+                        ("detach_proxy_input", detach_proxy_input), ("precise_dpsum", precise_dpsum)):
+            _bool(name, x)
+        self.embed_dim = embed_dim
         self.topk, self.kl_coef, self.warmup = topk, kl_coef, warmup
         self.rotary, self.rotary_proxy, self.rope_base = rotary, rotary_proxy, rope_base
         self.detach_proxy_input, self.backend = detach_proxy_input, backend
@@ -118,8 +162,13 @@ class MSAttention(nn.Module):
 
     def forward(self, x: Tensor, cu_seqlens: Optional[Tensor] = None,
                 max_seqlen: Optional[int] = None) -> Tuple[Tensor, Tensor]:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{_M}: x: expected a torch.Tensor, got {type(x).__name__}")
         if x.dim() not in (2, 3):
-            raise ValueError(f"MSAttention: expected x [B, S, E] or [total, E], got {list(x.shape)}")
+            raise ValueError(f"{_M}: x: expected [B, S, E] or [total, E], got {list(x.shape)}")
+        if x.shape[-1] != self.embed_dim:
+            raise ValueError(f"{_M}: x: expected the last dimension E = embed_dim = {self.embed_dim}, "
+                             f"got {list(x.shape)}")
         q, k, v, qp, kp = self.project(x, cu_seqlens)
         if self.backend == "flashmsa":
             res = ops.msa_attention(q, k, v, qp, kp, self.topk, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,

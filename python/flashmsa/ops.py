@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Optional
 
 import torch
@@ -14,6 +15,10 @@ Tensor = torch.Tensor
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 _NUMERICS = {"train": L.NUMERICS_TRAIN, "infer": L.NUMERICS_INFER}
 
+# Limits of the scalar arguments (docs/errors.md); the C ABI checks the same ones.
+INT32_MAX = 2**31 - 1  # max_seqlen (sequence lengths are int32, like cu_seqlens)
+MAX_SCALE = 1e4  # softmax_scale, proxy_scale: larger ones overflow the fp32 logits
+
 
 # ---- argument checks (cheap, metadata only: no host sync, traceable by torch.compile) ---------
 def _tensor(name: str, t, optional: bool = False) -> None:
@@ -24,11 +29,45 @@ def _tensor(name: str, t, optional: bool = False) -> None:
                         f"got {type(t).__name__}")
 
 
+def _rank(name: str, t: Optional[Tensor], ndims, form: str) -> None:
+    """t (if given) has one of the ranks in ndims; form describes the expected layout."""
+    if t is not None and t.dim() not in ndims:
+        raise ValueError(f"flashmsa: {name}: expected {form}, got {t.dim()} dimension{'' if t.dim() == 1 else 's'} "
+                         f"{list(t.shape)}")
+
+
+def _check_ranks(q, k, v, qp, kp, cu_seqlens, indices) -> None:
+    """Ranks of every tensor (before anything reads a shape: no IndexError on a bad rank)."""
+    _rank("q", q, (3, 4), "3 dimensions [total, Hq, D] or 4 dimensions [B, S, Hq, D]")
+    nd = q.dim()
+    form = "[total, {}, {}]" if nd == 3 else "[B, S, {}, {}]"
+    for name, t, h, d in (("k", k, "Hkv", "D"), ("v", v, "Hkv", "D"), ("qp", qp, "Hp", "Dp"),
+                          ("kp", kp, "Hpk", "Dp")):
+        _rank(name, t, (nd,), f"{nd} dimensions {form.format(h, d)} like q")
+    _rank("cu_seqlens", cu_seqlens, (1,), "1 dimension [B+1]")
+    _rank("indices", indices, (3,), "3 dimensions [Hp, total, topk]")
+    _check_sizes((("q", q, "Hq", "D"), ("k", k, "Hkv", "D"), ("v", v, "Hkv", "D"), ("qp", qp, "Hp", "Dp"),
+                  ("kp", kp, "Hpk", "Dp")))
+
+
+def _check_sizes(named) -> None:
+    """Head counts, head dims and token counts fit the library's int (int32) before any output is
+    allocated from them (an expanded view can claim 2^32 heads with no memory behind them)."""
+    for name, t, h, d in named:
+        if t is None:
+            continue
+        tokens = t.shape[0] * t.shape[1] if t.dim() == 4 else t.shape[0]
+        for what, n in ((h, t.shape[-2]), (d, t.shape[-1]), ("B * S" if t.dim() == 4 else "total", tokens)):
+            if n > INT32_MAX:
+                raise ValueError(f"flashmsa: {name}: expected {what} <= {INT32_MAX}, got {n} in {list(t.shape)}")
+
+
 def _check_inputs(q, k, v, qp, kp, cu_seqlens, indices) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         _tensor(name, t)
     for name, t in (("qp", qp), ("kp", kp), ("cu_seqlens", cu_seqlens), ("indices", indices)):
         _tensor(name, t, optional=True)
+    _check_ranks(q, k, v, qp, kp, cu_seqlens, indices)
     if q.dtype not in _FLOATS:
         raise TypeError(f"flashmsa: q: expected dtype bfloat16 or float16 (float32, float64 on the CPU), "
                         f"got {q.dtype}")
@@ -51,30 +90,80 @@ def _check_index_tensors(cu_seqlens, indices) -> None:
         raise TypeError(f"flashmsa: indices: expected dtype torch.int32, got {indices.dtype}")
 
 
-def _int(name: str, x, lo: Optional[int] = None) -> int:
-    if isinstance(x, bool) or not isinstance(x, int):
-        raise TypeError(f"flashmsa: {name}: expected an int, got {type(x).__name__}")
-    if lo is not None and x < lo:
-        raise ValueError(f"flashmsa: {name}: expected a value >= {lo}, got {x}")
+def _show(x) -> str:
+    r = repr(x)
+    return f"{type(x).__name__} {r if len(r) <= 60 else r[:57] + '...'}"
+
+
+def _int(name: str, x, lo: Optional[int] = None, hi: Optional[int] = None) -> int:
+    """A Python (or numpy) integer, not a bool, checked against [lo, hi] before it is narrowed."""
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+        raise TypeError(f"flashmsa: {name}: expected an int, got {_show(x)}")
+    x = int(x)
+    if (lo is not None and x < lo) or (hi is not None and x > hi):
+        want = (f"{lo} <= {name} <= {hi}" if lo is not None and hi is not None
+                else f"{name} >= {lo}" if lo is not None else f"{name} <= {hi}")
+        raise ValueError(f"flashmsa: {name}: expected {want}, got {x}")
     return x
 
 
+def _flag(name: str, x, none_ok: bool = False) -> None:
+    """A flag is a bool (True / False), never a string or a number that would read as one."""
+    if isinstance(x, bool) or (none_ok and x is None):
+        return
+    raise TypeError(f"flashmsa: {name}: expected a bool (True or False{' or None' if none_ok else ''}), "
+                    f"got {_show(x)}")
+
+
 def _scale(name: str, s) -> float:
-    """None -> 0.0 (the library's default 1/sqrt(dim)); otherwise finite and > 0."""
+    """None -> 0.0 (the library's default 1/sqrt(dim)); otherwise finite, > 0 and <= MAX_SCALE."""
     if s is None:
         return 0.0
-    if isinstance(s, bool) or not isinstance(s, (int, float)):
-        raise TypeError(f"flashmsa: {name}: expected a float or None, got {type(s).__name__}")
-    if not math.isfinite(s) or s <= 0:
-        raise ValueError(f"flashmsa: {name}: expected a finite value > 0 (or None for the default), got {s}")
-    return float(s)
+    if isinstance(s, bool) or not isinstance(s, numbers.Real):
+        raise TypeError(f"flashmsa: {name}: expected a float or None, got {_show(s)}")
+    s = float(s)
+    if not math.isfinite(s) or s <= 0 or s > MAX_SCALE:
+        raise ValueError(f"flashmsa: {name}: expected a finite value > 0 and <= {MAX_SCALE:g} "
+                         f"(or None for the default 1/sqrt(head dim)), got {s}")
+    return s
+
+
+def _numerics(numerics) -> Optional[int]:
+    if numerics is None:
+        return None
+    if not isinstance(numerics, str):
+        raise TypeError(f"flashmsa: numerics: expected 'train', 'infer' or None, got {_show(numerics)}")
+    if numerics not in _NUMERICS:
+        raise ValueError(f"flashmsa: numerics: expected 'train', 'infer' or None, got {numerics!r}")
+    return _NUMERICS[numerics]
+
+
+def _check_options(topk, warmup=False, softmax_scale=None, proxy_scale=None, compute_kl=None,
+                   return_lse=False, return_indices=False, numerics=None, validate=False,
+                   precise_dpsum=False):
+    """Every non-tensor argument of msa_attention (types and ranges, no tensor needed):
+    (topk, softmax_scale, proxy_scale, numerics code or None), scales 0.0 for None."""
+    topk = _int("topk", topk, 1, L.MAX_TOPK)
+    for name, x in (("warmup", warmup), ("return_lse", return_lse), ("return_indices", return_indices),
+                    ("validate", validate), ("precise_dpsum", precise_dpsum)):
+        _flag(name, x)
+    _flag("compute_kl", compute_kl, none_ok=True)
+    num = _numerics(numerics)
+    return topk, _scale("softmax_scale", softmax_scale), _scale("proxy_scale", proxy_scale), num
 
 
 def _max_seqlen(x: Tensor, cu_seqlens: Optional[Tensor], max_seqlen) -> int:
+    """The max_seqlen passed to the library: varlen, the given value (0..INT32_MAX) or the longest
+    sequence of cu_seqlens (a host read); batched, 0 (the library takes S), after checking that a
+    given value is 0 or S."""
+    if max_seqlen is not None:
+        max_seqlen = _int("max_seqlen", max_seqlen, 0, INT32_MAX)
     if cu_seqlens is None:
-        if max_seqlen is not None:
-            _int("max_seqlen", max_seqlen, 0)
         if x.dim() == 4:
+            S = x.shape[1]
+            if max_seqlen not in (None, 0, S):
+                raise ValueError(f"flashmsa: max_seqlen: expected None, 0 or S = {S} (the sequence length "
+                                 f"of the batched [B, S, H, D] inputs), got {max_seqlen}")
             return 0  # batched: S
         raise ValueError(f"flashmsa: cu_seqlens: is required for varlen [total, H, D] inputs "
                          f"(got {x.dim()} dimensions {list(x.shape)}; batched inputs are [B, S, H, D])")
@@ -85,8 +174,17 @@ def _max_seqlen(x: Tensor, cu_seqlens: Optional[Tensor], max_seqlen) -> int:
         # Reads cu_seqlens on the host (a sync): pass max_seqlen under torch.compile / CUDA graphs.
         if cu_seqlens.dim() != 1:
             raise ValueError(f"flashmsa: cu_seqlens: expected 1 dimension [B+1], got {list(cu_seqlens.shape)}")
-        return int((cu_seqlens[1:] - cu_seqlens[:-1]).max().item()) if cu_seqlens.numel() > 1 else 0
-    return _int("max_seqlen", max_seqlen, 0)
+        # (never negative: decreasing cu_seqlens are the library's data check to report)
+        return max(int((cu_seqlens[1:] - cu_seqlens[:-1]).max().item()), 0) if cu_seqlens.numel() > 1 else 0
+    return max_seqlen
+
+
+def _check_select_ranks(qp, kp, cu_seqlens) -> None:
+    _rank("qp", qp, (3, 4), "3 dimensions [total, Hp, Dp] or 4 dimensions [B, S, Hp, Dp]")
+    nd = qp.dim()
+    _rank("kp", kp, (nd,), f"{nd} dimensions {'[total, Hpk, Dp]' if nd == 3 else '[B, S, Hpk, Dp]'} like qp")
+    _rank("cu_seqlens", cu_seqlens, (1,), "1 dimension [B+1]")
+    _check_sizes((("qp", qp, "Hp", "Dp"), ("kp", kp, "Hpk", "Dp")))
 
 
 def _needs_grad(*ts) -> bool:
@@ -126,6 +224,9 @@ def msa_attention(q: Tensor, k: Tensor, v: Tensor, qp: Optional[Tensor] = None,
     [Hp, total, topk] int32 if return_indices (None in warmup mode).
     """
     _check_inputs(q, k, v, qp, kp, cu_seqlens, indices)
+    topk, sm_scale, px_scale, num = _check_options(topk, warmup, softmax_scale, proxy_scale, compute_kl,
+                                                   return_lse, return_indices, numerics, validate,
+                                                   precise_dpsum)
     has_proxy = qp is not None
     if warmup and indices is not None:
         raise ValueError("flashmsa: indices: must be None with warmup=True (dense mode selects nothing)")
@@ -138,28 +239,14 @@ def msa_attention(q: Tensor, k: Tensor, v: Tensor, qp: Optional[Tensor] = None,
         if not has_proxy:
             raise ValueError("flashmsa: qp: qp and kp are required in sparse mode (they select the blocks); "
                              "pass indices= to reuse a selection, or warmup=True for dense attention")
-    topk = _int("topk", topk)
     max_seqlen = _max_seqlen(q, cu_seqlens, max_seqlen)
     grad = _needs_grad(q, k, v, qp, kp)
-    if numerics is None:
+    if num is None:
         num = L.NUMERICS_TRAIN if grad else L.NUMERICS_INFER
-    elif numerics in _NUMERICS:
-        num = _NUMERICS[numerics]
-    else:
-        raise ValueError(f"flashmsa: numerics: expected 'train', 'infer' or None, got {numerics!r}")
-    if compute_kl is None:
-        kl_mode = -1 if has_proxy else 0
-    elif isinstance(compute_kl, bool):
-        kl_mode = int(compute_kl)
-    else:
-        raise TypeError(f"flashmsa: compute_kl: expected a bool or None, got {type(compute_kl).__name__}")
-
-    if not isinstance(precise_dpsum, bool):
-        raise TypeError(f"flashmsa: precise_dpsum: expected a bool, got {type(precise_dpsum).__name__}")
+    kl_mode = (-1 if has_proxy else 0) if compute_kl is None else int(compute_kl)
     out, lse, idx, _plse, kl, _out_lo = A.msa_fn(
-        q, k, v, qp, kp, cu_seqlens, indices, max_seqlen, mode, num, topk,
-        _scale("softmax_scale", softmax_scale), _scale("proxy_scale", proxy_scale), kl_mode,
-        return_indices or grad, grad and has_proxy, bool(validate), precise_dpsum and grad)
+        q, k, v, qp, kp, cu_seqlens, indices, max_seqlen, mode, num, topk, sm_scale, px_scale, kl_mode,
+        return_indices or grad, grad and has_proxy, validate, precise_dpsum and grad)
     result = [out, kl]
     if return_lse:
         result.append(lse)
@@ -185,8 +272,10 @@ def msa_select(qp: Tensor, kp: Tensor, topk: int = 16, *, cu_seqlens: Optional[T
     for name, t in (("kp", kp), ("cu_seqlens", cu_seqlens)):
         if t is not None and t.device != qp.device:
             raise ValueError(f"flashmsa: {name}: expected device {qp.device} (the device of qp), got {t.device}")
-    topk = _int("topk", topk)
+    _check_select_ranks(qp, kp, cu_seqlens)
+    topk = _int("topk", topk, 1, L.MAX_TOPK)
+    px_scale = _scale("proxy_scale", proxy_scale)
+    _flag("return_proxy_lse", return_proxy_lse)
     max_seqlen = _max_seqlen(qp, cu_seqlens, max_seqlen)
-    idx, plse = A.select_op(qp, kp, cu_seqlens, max_seqlen, topk, _scale("proxy_scale", proxy_scale),
-                            bool(return_proxy_lse))
+    idx, plse = A.select_op(qp, kp, cu_seqlens, max_seqlen, topk, px_scale, return_proxy_lse)
     return (idx, plse) if return_proxy_lse else idx

@@ -57,6 +57,47 @@ void workspace_ok(size_t need, void* ws, size_t bytes, const char* fn) {
                                        " (ask flashmsa_*_workspace_size)");
 }
 
+// The optional status words: int32 [FLASHMSA_STATUS_WORDS], contiguous; for a CUDA call in
+// memory the device can write. The CPU backend never writes them.
+void check_status_tensor(const flashmsa_tensor_t& t, const Geometry& g, const char* fn) {
+  if (!present(t)) return;
+  const std::string what = std::string(fn) + ": status: ";
+  if (t.dtype != FLASHMSA_DTYPE_INT32)
+    invalid(what + "expected dtype int32, got " + flashmsa_dtype_name(t.dtype));
+  if (t.ndim != 1 || t.shape[0] != FLASHMSA_STATUS_WORDS || t.strides[0] != 1 || t.data == nullptr)
+    invalid(what + "expected a contiguous int32 tensor of shape [" + std::to_string(FLASHMSA_STATUS_WORDS) +
+            "], got " + shape_string(t));
+  if (g.device == FLASHMSA_DEVICE_CUDA) cuda::check_status_memory(t, g, fn);
+}
+
+// The text of status words (flashmsa_check_status).
+std::string describe_faults(const int32_t* w) {
+  static const struct { int32_t bit; const char* text; } kFaults[] = {
+      {FLASHMSA_FAULT_FIRST_NOT_ZERO, "cu_seqlens[0] is not 0"},
+      {FLASHMSA_FAULT_NEGATIVE, "a value is negative"},
+      {FLASHMSA_FAULT_DECREASING, "values decrease (cu_seqlens must be non-decreasing)"},
+      {FLASHMSA_FAULT_ABOVE_TOTAL, "a value exceeds total (the token count of q)"},
+      {FLASHMSA_FAULT_LAST_NOT_TOTAL, "the last value is not total"},
+      {FLASHMSA_FAULT_ABOVE_MAX_SEQLEN, "a sequence is longer than max_seqlen"}};
+  std::string faults, ops;
+  for (const auto& f : kFaults)
+    if (w[0] & f.bit) faults += (faults.empty() ? "" : "; ") + std::string(f.text);
+  for (auto [bit, name] : {std::pair{FLASHMSA_FAULT_OP_SELECT, "flashmsa_select"}, {FLASHMSA_FAULT_OP_FWD, "flashmsa_fwd"},
+                           {FLASHMSA_FAULT_OP_BWD, "flashmsa_bwd"}})
+    if (w[1] & bit) ops += (ops.empty() ? "" : ", ") + std::string(name);
+  std::string msg = "flashmsa: invalid cu_seqlens found on the device by " + std::to_string(w[2]) + " call(s) (" +
+                    ops + "): " + faults + ".";
+  if (w[3] > 0) {
+    const int b = w[3] - 1;
+    msg += " First fault at cu_seqlens[" + std::to_string(b) + "] = " + std::to_string(w[4]);
+    if (w[0] & (FLASHMSA_FAULT_DECREASING | FLASHMSA_FAULT_ABOVE_MAX_SEQLEN))
+      msg += ", cu_seqlens[" + std::to_string(b + 1) + "] = " + std::to_string(w[5]);
+    msg += " (total = " + std::to_string(w[6]) + ", max_seqlen = " + std::to_string(w[7]) + ").";
+  }
+  msg += " Those calls computed nothing: their outputs are NaN (indices INT32_MIN).";
+  return msg;
+}
+
 flashmsa_tensor_t none() {
   flashmsa_tensor_t t{};
   t.data = nullptr;
@@ -76,14 +117,14 @@ extern "C" {
 void flashmsa_select_args_init(flashmsa_select_args_t* a) {
   if (!a) return;
   *a = flashmsa_select_args_t{};
-  a->qp = a->kp = a->cu_seqlens = a->indices = a->proxy_lse = none();
+  a->qp = a->kp = a->cu_seqlens = a->indices = a->proxy_lse = a->status = none();
 }
 
 void flashmsa_fwd_args_init(flashmsa_fwd_args_t* a) {
   if (!a) return;
   *a = flashmsa_fwd_args_t{};
   a->q = a->k = a->v = a->qp = a->kp = a->cu_seqlens = a->indices = a->out = a->lse =
-      a->proxy_lse = a->kl = none();
+      a->proxy_lse = a->kl = a->status = none();
   a->mode = FLASHMSA_MODE_SPARSE;
   a->numerics = FLASHMSA_NUMERICS_TRAIN;
 }
@@ -93,7 +134,7 @@ void flashmsa_bwd_args_init(flashmsa_bwd_args_t* a) {
   *a = flashmsa_bwd_args_t{};
   a->q = a->k = a->v = a->qp = a->kp = a->cu_seqlens = a->indices = a->out = a->lse =
       a->proxy_lse = a->dout = a->dlse = a->dkl = a->dq = a->dk = a->dv = a->dqp = a->dkp =
-          none();
+          a->status = none();
   a->mode = FLASHMSA_MODE_SPARSE;
 }
 
@@ -103,6 +144,7 @@ flashmsa_status_t flashmsa_select_workspace_size(const flashmsa_select_args_t* a
     require(a, fn);
     require_out(bytes, fn, "bytes");
     const Geometry g = validate_select(*a);
+    check_status_tensor(a->status, g, fn);
     size_t n = 0;
     if (g.device == FLASHMSA_DEVICE_CUDA) {
       cuda_ready(g, fn);
@@ -118,6 +160,7 @@ flashmsa_status_t flashmsa_fwd_workspace_size(const flashmsa_fwd_args_t* a, size
     require(a, fn);
     require_out(bytes, fn, "bytes");
     const Geometry g = validate_fwd(*a);
+    check_status_tensor(a->status, g, fn);
     size_t n = 0;
     if (g.device == FLASHMSA_DEVICE_CUDA) {
       cuda_ready(g, fn);
@@ -133,6 +176,7 @@ flashmsa_status_t flashmsa_bwd_workspace_size(const flashmsa_bwd_args_t* a, size
     require(a, fn);
     require_out(bytes, fn, "bytes");
     const Geometry g = validate_bwd(*a);
+    check_status_tensor(a->status, g, fn);
     size_t n = 0;
     if (g.device == FLASHMSA_DEVICE_CUDA) {
       cuda_ready(g, fn);
@@ -147,6 +191,7 @@ flashmsa_status_t flashmsa_select(const flashmsa_select_args_t* a, void* ws, siz
     const char* fn = "flashmsa_select";
     require(a, fn);
     const Geometry g = validate_select(*a);
+    check_status_tensor(a->status, g, fn);
     if (g.device == FLASHMSA_DEVICE_CPU) return cpu::select(*a, g);
     cuda_ready(g, fn);
     workspace_ok(cuda::select_workspace(*a, g), ws, bytes, fn);
@@ -159,6 +204,7 @@ flashmsa_status_t flashmsa_fwd(const flashmsa_fwd_args_t* a, void* ws, size_t by
     const char* fn = "flashmsa_fwd";
     require(a, fn);
     const Geometry g = validate_fwd(*a);
+    check_status_tensor(a->status, g, fn);
     if (g.device == FLASHMSA_DEVICE_CPU) return cpu::fwd(*a, g);
     cuda_ready(g, fn);
     workspace_ok(cuda::fwd_workspace(*a, g), ws, bytes, fn);
@@ -171,11 +217,40 @@ flashmsa_status_t flashmsa_bwd(const flashmsa_bwd_args_t* a, void* ws, size_t by
     const char* fn = "flashmsa_bwd";
     require(a, fn);
     const Geometry g = validate_bwd(*a);
+    check_status_tensor(a->status, g, fn);
     if (g.device == FLASHMSA_DEVICE_CPU) return cpu::bwd(*a, g);
     cuda_ready(g, fn);
     workspace_ok(cuda::bwd_workspace(*a, g), ws, bytes, fn);
     cuda::bwd(*a, g, ws, bytes);
   });
+}
+
+flashmsa_status_t flashmsa_check_status(const flashmsa_tensor_t* status, void* stream, int32_t flags,
+                                         int32_t* faults) {
+  int32_t w[FLASHMSA_STATUS_WORDS] = {};
+  const flashmsa_status_t rc = guarded([&] {
+    const char* fn = "flashmsa_check_status";
+    if (status == nullptr || !present(*status)) invalid(std::string(fn) + ": status is NULL or absent");
+    if (flags & ~(FLASHMSA_CHECK_SYNC | FLASHMSA_CHECK_RESET))
+      invalid(std::string(fn) + ": flags: unknown bits in " + std::to_string(flags));
+    Geometry g;
+    g.device = status->device_type;
+    g.device_id = status->device_id;
+    check_status_tensor(*status, g, fn);
+    if (status->device_type == FLASHMSA_DEVICE_CUDA || ((flags & FLASHMSA_CHECK_SYNC) && cuda::available())) {
+      cuda::read_status(*status, stream, flags, w);
+    } else {  // host words, nothing to synchronise with
+      volatile int32_t* h = static_cast<int32_t*>(status->data);
+      for (int i = 0; i < FLASHMSA_STATUS_WORDS; ++i) w[i] = h[i];
+      if (flags & FLASHMSA_CHECK_RESET)
+        for (int i = 0; i < FLASHMSA_STATUS_WORDS; ++i) h[i] = 0;
+    }
+  });
+  if (rc != FLASHMSA_SUCCESS) return rc;
+  if (faults) *faults = w[0];
+  if (w[0] == 0) return FLASHMSA_SUCCESS;
+  g_last_error = describe_faults(w);
+  return FLASHMSA_ERROR_INVALID_ARGUMENT;
 }
 
 const char* flashmsa_last_error(void) { return g_last_error.c_str(); }

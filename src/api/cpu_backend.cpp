@@ -2,6 +2,8 @@
 // spec asks the CPU to check, runs the reference, and only then scatters the outputs.
 #include <cmath>
 #include <limits>
+#include <new>
+#include <stdexcept>
 #include <vector>
 
 #include "api/backends.hpp"
@@ -109,9 +111,41 @@ void check_indices(const std::vector<int32_t>& idx, const ref::Problem& pb, bool
 
 void store_scalar(const flashmsa_tensor_t& t, double v) { store_from_double(t.dtype, t.data, 0, v); }
 
+// Runs a call's body: the thread setting (FLASHMSA_NUM_THREADS) is checked before anything else
+// and reported as INVALID_ARGUMENT; a dense copy too large for a std::vector is out of memory.
+template <class F>
+void run(const char* fn, F&& body) {
+  try {
+    ref::num_threads();
+  } catch (const std::invalid_argument& e) {
+    invalid(std::string(fn) + ": " + e.what());
+  }
+  try {
+    body();
+  } catch (const std::length_error&) {
+    throw std::bad_alloc();
+  }
+}
+
+void select_impl(const flashmsa_select_args_t& a, const Geometry& g);
+void fwd_impl(const flashmsa_fwd_args_t& a, const Geometry& g);
+void bwd_impl(const flashmsa_bwd_args_t& a, const Geometry& g);
+
 }  // namespace
 
 void select(const flashmsa_select_args_t& a, const Geometry& g) {
+  run("flashmsa_select", [&] { select_impl(a, g); });
+}
+void fwd(const flashmsa_fwd_args_t& a, const Geometry& g) {
+  run("flashmsa_fwd", [&] { fwd_impl(a, g); });
+}
+void bwd(const flashmsa_bwd_args_t& a, const Geometry& g) {
+  run("flashmsa_bwd", [&] { bwd_impl(a, g); });
+}
+
+namespace {
+
+void select_impl(const flashmsa_select_args_t& a, const Geometry& g) {
   ref::Problem pb = make_problem(g, read_cu(a.cu_seqlens, g, "flashmsa_select"), FLASHMSA_MODE_SPARSE);
   const auto qp = gather_tokens(a.qp, g, pb), kp = gather_tokens(a.kp, g, pb);
   std::vector<int32_t> idx(size_t(g.Hp) * g.total * g.topk);
@@ -121,7 +155,7 @@ void select(const flashmsa_select_args_t& a, const Geometry& g) {
   if (present(a.proxy_lse)) scatter_heads(a.proxy_lse, g, plse);
 }
 
-void fwd(const flashmsa_fwd_args_t& a, const Geometry& g) {
+void fwd_impl(const flashmsa_fwd_args_t& a, const Geometry& g) {
   ref::Problem pb = make_problem(g, read_cu(a.cu_seqlens, g, "flashmsa_fwd"), a.mode);
   std::vector<int32_t> idx;
   if (a.mode == FLASHMSA_MODE_GIVEN) {
@@ -160,7 +194,7 @@ void fwd(const flashmsa_fwd_args_t& a, const Geometry& g) {
   if (a.mode == FLASHMSA_MODE_SPARSE && present(a.indices)) scatter_indices(a.indices, g, idx);
 }
 
-void bwd(const flashmsa_bwd_args_t& a, const Geometry& g) {
+void bwd_impl(const flashmsa_bwd_args_t& a, const Geometry& g) {
   ref::Problem pb = make_problem(g, read_cu(a.cu_seqlens, g, "flashmsa_bwd"), a.mode);
   std::vector<int32_t> idx;
   if (a.mode != FLASHMSA_MODE_DENSE) {
@@ -191,5 +225,7 @@ void bwd(const flashmsa_bwd_args_t& a, const Geometry& g) {
     scatter_tokens(a.dkp, g, pb, dkp);
   }
 }
+
+}  // namespace
 
 }  // namespace flashmsa::cpu

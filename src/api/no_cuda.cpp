@@ -19,5 +19,10 @@ void fwd(const flashmsa_fwd_args_t&, const Geometry& g, void*, size_t) {
 void bwd(const flashmsa_bwd_args_t&, const Geometry& g, void*, size_t) {
   check_supported(g, "flashmsa_bwd");
 }
+void check_status_memory(const flashmsa_tensor_t&, const Geometry& g, const char* fn) { check_supported(g, fn); }
+void read_status(const flashmsa_tensor_t&, void*, int32_t, int32_t*) {
+  fail(FLASHMSA_ERROR_NOT_SUPPORTED, "flashmsa_check_status: status words in device memory, but this flashmsa "
+                                     "was built without its CUDA backend");
+}
 
 }  // namespace flashmsa::cuda

@@ -17,6 +17,14 @@ std::string shape_string(const flashmsa_tensor_t& t) {
 
 namespace {
 
+std::string strides_string(const flashmsa_tensor_t& t) {
+  std::ostringstream os;
+  os << "[";
+  for (int i = 0; i < t.ndim && i < FLASHMSA_MAX_DIMS; ++i) os << (i ? ", " : "") << t.strides[i];
+  os << "]";
+  return os.str();
+}
+
 const char* device_name(flashmsa_device_type_t d) {
   return d == FLASHMSA_DEVICE_CPU ? "cpu" : d == FLASHMSA_DEVICE_CUDA ? "cuda" : "unknown";
 }
@@ -47,16 +55,29 @@ struct V {
       bad(name, "unknown dtype code " + std::to_string(int(t.dtype)));
     if (t.device_type != FLASHMSA_DEVICE_CPU && t.device_type != FLASHMSA_DEVICE_CUDA)
       bad(name, "unknown device type " + std::to_string(int(t.device_type)));
-    int64_t numel = 1;
+    bool empty = false;
     for (int i = 0; i < t.ndim; ++i) {
       if (t.shape[i] < 0) bad(name, "negative size in shape " + shape_string(t));
-      numel *= t.shape[i];
+      empty = empty || t.shape[i] == 0;
     }
-    if (numel == 0) return;  // an empty tensor's strides are never used (torch gives it any)
+    if (empty) return;  // an empty tensor's strides are never used (torch gives it any)
+    int64_t numel = 1;
+    for (int i = 0; i < t.ndim; ++i)
+      if (__builtin_mul_overflow(numel, t.shape[i], &numel))
+        bad(name, "shape " + shape_string(t) + " has more than 2^63 - 1 elements");
     for (int i = 0; i < t.ndim; ++i)
       if (t.strides[i] < 0)
         bad(name, "negative stride " + std::to_string(t.strides[i]) + " in dimension " +
                       std::to_string(i));
+    // every element offset (sum of index * stride) must be an int64
+    int64_t span = 0;
+    for (int i = 0; i < t.ndim; ++i) {
+      int64_t term = 0;
+      if (__builtin_mul_overflow(t.shape[i] - 1, t.strides[i], &term) ||
+          __builtin_add_overflow(span, term, &span))
+        bad(name, "shape " + shape_string(t) + " with strides " + strides_string(t) +
+                      " addresses elements beyond offset 2^63 - 1");
+    }
     if (t.ndim > 0 && t.strides[t.ndim - 1] != 1 && t.shape[t.ndim - 1] > 1)
       bad(name, "the last dimension must be contiguous (stride 1), got stride " +
                     std::to_string(t.strides[t.ndim - 1]));
@@ -85,6 +106,13 @@ struct V {
                   flashmsa_dtype_name(t.dtype));
   }
 
+  // A size that the backends keep in an int: at most INT32_MAX.
+  int narrow(const std::string& name, const std::string& what, int64_t v) const {
+    if (v > kMaxInt)
+      bad(name, "expected " + what + " <= " + std::to_string(kMaxInt) + ", got " + std::to_string(v));
+    return int(v);
+  }
+
   // The first per-token tensor (q or qp for selection) fixes batching, B, S, total.
   void first_tokens(const std::string& name, const flashmsa_tensor_t& t) {
     if (!present(t)) bad(name, "is required");
@@ -100,11 +128,16 @@ struct V {
     g.device_id = t.device_id;
     g.batched = t.ndim == 4;
     if (g.batched) {
-      g.batch = int(t.shape[0]);
+      g.batch = narrow(name, "B", t.shape[0]);
       g.seqlen = t.shape[1];
-      g.total = t.shape[0] * t.shape[1];
+      if (__builtin_mul_overflow(t.shape[0], t.shape[1], &g.total) || g.total > kMaxInt)
+        bad(name, "expected B * S <= " + std::to_string(kMaxInt) +
+                      " tokens (what int32 cu_seqlens can describe), got " + shape_string(t));
     } else {
       g.total = t.shape[0];
+      if (g.total > kMaxInt)
+        bad(name, "expected total <= " + std::to_string(kMaxInt) +
+                      " tokens (cu_seqlens is int32), got " + std::to_string(g.total));
     }
   }
 
@@ -128,7 +161,8 @@ struct V {
       bad(name, "expected total = " + std::to_string(g.total) + " tokens (from q), got " +
                     std::to_string(t.shape[0]) + " in " + shape_string(t));
     }
-    const int h = int(t.shape[t.ndim - 2]), x = int(t.shape[t.ndim - 1]);
+    const int h = narrow(name, hname, t.shape[t.ndim - 2]);
+    const int x = narrow(name, xname, t.shape[t.ndim - 1]);
     if (h < 1) bad(name, "expected at least one head (" + hname + " >= 1), got " + std::to_string(h));
     if (x < 1) bad(name, "expected " + xname + " >= 1, got " + std::to_string(x));
     if (want_h >= 0 && h != want_h)
@@ -172,7 +206,8 @@ struct V {
                               shape_string(cu));
       if (max_seqlen != 0 && max_seqlen != g.seqlen)
         bad("max_seqlen", "expected 0 or S = " + std::to_string(g.seqlen) +
-                              " for batched inputs, got " + std::to_string(max_seqlen));
+                              " (the sequence length of the batched inputs), got " +
+                              std::to_string(max_seqlen));
       g.max_seqlen = g.seqlen;
       return;
     }
@@ -183,9 +218,10 @@ struct V {
       bad("cu_seqlens", std::string("expected dtype int32, got ") + flashmsa_dtype_name(cu.dtype));
     if (cu.ndim != 1 || cu.shape[0] < 1)
       bad("cu_seqlens", "expected 1 dimension [B+1] with B >= 0, got " + shape_string(cu));
-    if (max_seqlen < 0)
-      bad("max_seqlen", "expected a value >= 0, got " + std::to_string(max_seqlen));
-    g.batch = int(cu.shape[0] - 1);
+    if (max_seqlen < 0 || max_seqlen > kMaxInt)
+      bad("max_seqlen", "expected 0 <= max_seqlen <= " + std::to_string(kMaxInt) +
+                            " (sequence lengths are int32), got " + std::to_string(max_seqlen));
+    g.batch = narrow("cu_seqlens", "B (its length - 1)", cu.shape[0] - 1);
     g.max_seqlen = max_seqlen;
   }
 
@@ -207,11 +243,13 @@ struct V {
                     std::to_string(topk));
   }
 
+  // 0 selects 1/sqrt(dim); else 0 < s <= kMaxScale (larger scales overflow the fp32 logits).
   double resolve_scale(const std::string& name, double s, int dim) const {
     if (s == 0.0) return 1.0 / std::sqrt(double(dim));
-    if (!std::isfinite(s) || s < 0.0) {
+    if (!std::isfinite(s) || s < 0.0 || s > kMaxScale) {
       std::ostringstream os;
-      os << "expected a finite value > 0 (or 0 for the default 1/sqrt(" << dim << ")), got " << s;
+      os << "expected a finite value > 0 and <= " << kMaxScale << " (or 0 for the default 1/sqrt("
+         << dim << ")), got " << s;
       bad(name, os.str());
     }
     return s;
@@ -238,7 +276,7 @@ struct V {
     topk_range("indices", idx.shape[2]);
     g.topk = int(idx.shape[2]);
     if (!g.has_proxy) {
-      g.Hp = int(idx.shape[0]);
+      g.Hp = narrow("indices", "Hp (its first dimension)", idx.shape[0]);
       g.Hpk = 1;
       if (g.Hp < 1) bad("indices", "expected Hp >= 1 rows, got " + shape_string(idx));
     }
@@ -259,8 +297,8 @@ struct V {
                    const flashmsa_tensor_t& v, const flashmsa_tensor_t& qp,
                    const flashmsa_tensor_t& kp) {
     first_tokens("q", q);
-    g.Hq = int(q.shape[q.ndim - 2]);
-    g.D = int(q.shape[q.ndim - 1]);
+    g.Hq = narrow("q", "Hq", q.shape[q.ndim - 2]);
+    g.D = narrow("q", "D", q.shape[q.ndim - 1]);
     if (g.Hq < 1) bad("q", "expected Hq >= 1, got " + std::to_string(g.Hq));
     if (g.D < 1) bad("q", "expected D >= 1, got " + std::to_string(g.D));
     g.Hkv = tokens("k", k, -1, g.D, "Hkv", "D").first;
@@ -297,8 +335,8 @@ HeadLayout head_layout(const flashmsa_tensor_t& t) { return {t.strides[0], t.str
 Geometry validate_select(const flashmsa_select_args_t& a) {
   V v{"flashmsa_select", {}};
   v.first_tokens("qp", a.qp);
-  v.g.Hp = int(a.qp.shape[a.qp.ndim - 2]);
-  v.g.Dp = int(a.qp.shape[a.qp.ndim - 1]);
+  v.g.Hp = v.narrow("qp", "Hp", a.qp.shape[a.qp.ndim - 2]);
+  v.g.Dp = v.narrow("qp", "Dp", a.qp.shape[a.qp.ndim - 1]);
   if (v.g.Hp < 1) v.bad("qp", "expected Hp >= 1, got " + std::to_string(v.g.Hp));
   if (v.g.Dp < 1) v.bad("qp", "expected Dp >= 1, got " + std::to_string(v.g.Dp));
   v.g.Hpk = v.tokens("kp", a.kp, -1, v.g.Dp, "Hpk", "Dp").first;

@@ -17,6 +17,13 @@ struct ApiError : std::runtime_error {
   ApiError(flashmsa_status_t s, const std::string& m) : std::runtime_error(m), status(s) {}
 };
 
+// Limits of the metadata (docs/errors.md). Every head count, head dim and the batch size are
+// narrowed to int, so they must fit one; max_seqlen bounds sequence lengths that cu_seqlens
+// (int32) can express; a scale above kMaxScale makes logits that overflow fp32 (and lse, stored
+// in fp32, infinite) for ordinary inputs.
+constexpr int64_t kMaxInt = 2147483647;  // INT32_MAX
+constexpr double kMaxScale = FLASHMSA_MAX_SCALE;
+
 [[noreturn]] void fail(flashmsa_status_t status, const std::string& msg);
 [[noreturn]] inline void invalid(const std::string& msg) {
   fail(FLASHMSA_ERROR_INVALID_ARGUMENT, msg);

@@ -2,6 +2,7 @@
 // instantiations (one per translation unit under select/ and fwd/).
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -12,10 +13,26 @@
 #include "cuda/bwd/bwd_misc.cuh"
 #include "cuda/bwd/kl_kernel.cuh"
 #include "cuda/bwd/proxy_kernel.cuh"
+#include "cuda/common/guard.cuh"
 #include "cuda/fwd/fwd_kernel.cuh"
 #include "cuda/select/select_kernel.cuh"
 
 namespace flashmsa::cuda {
+
+static_assert(kMaxTopk == FLASHMSA_MAX_TOPK && kSpecBlock == FLASHMSA_BLOCK_SIZE,
+              "cuda/common/error.cuh repeats flashmsa.h's limits");
+
+static_assert(guard::kFirstNotZero == FLASHMSA_FAULT_FIRST_NOT_ZERO && guard::kNegative == FLASHMSA_FAULT_NEGATIVE &&
+                  guard::kDecreasing == FLASHMSA_FAULT_DECREASING && guard::kAboveTotal == FLASHMSA_FAULT_ABOVE_TOTAL &&
+                  guard::kLastNotTotal == FLASHMSA_FAULT_LAST_NOT_TOTAL &&
+                  guard::kAboveMaxSeqlen == FLASHMSA_FAULT_ABOVE_MAX_SEQLEN && guard::kWords == FLASHMSA_STATUS_WORDS &&
+                  guard::kSelect == FLASHMSA_FAULT_OP_SELECT && guard::kFwd == FLASHMSA_FAULT_OP_FWD &&
+                  guard::kBwd == FLASHMSA_FAULT_OP_BWD,
+              "cuda/common/guard.cuh repeats flashmsa.h's status words");
+
+void throw_cuda_error(cudaError_t err, const char* expr) {
+  fail(FLASHMSA_ERROR_DEVICE, std::string("CUDA error: ") + cudaGetErrorString(err) + " at " + expr);
+}
 
 namespace selection {
 extern template void launch<cutlass::bfloat16_t>(const Params<cutlass::bfloat16_t>&, cudaStream_t);
@@ -68,6 +85,7 @@ namespace {
 
 constexpr int kHeadDim = 128;
 constexpr int64_t kMaxSeqlen = int64_t(attn_fwd::kMaxBlocks) * FLASHMSA_BLOCK_SIZE;
+constexpr int kMaxGridZ = 65535;  // CUDA's limit of gridDim.y and gridDim.z
 
 [[noreturn]] void unsupported(const char* fn, const std::string& what) {
   fail(FLASHMSA_ERROR_NOT_SUPPORTED, std::string(fn) + ": CUDA backend: " + what);
@@ -154,7 +172,94 @@ void validate_indices(const flashmsa_tensor_t& t, const std::vector<int64_t>& cu
 
 size_t align_up(size_t n) { return (n + 255) & ~size_t(255); }
 
+// ---- the metadata guard (cuda/common/guard.cuh) ----
+// Varlen calls start with the check of cu_seqlens (workspace in front of each call's layout) and
+// end with the poison kernel; every kernel in between reads the safe copy of cu_seqlens.
+size_t guard_bytes(const Geometry& g) { return g.batched ? 0 : guard::workspace(g.batch); }
+
+struct Guard {
+  flashmsa_tensor_t cu{};  // what the kernels read: the safe copy (varlen), absent (batched)
+  guard::PoisonArgs outs;  // what the poison kernel fills on a fault
+  bool on = false;
+};
+
+Guard start_guard(const flashmsa_tensor_t& cu, const flashmsa_tensor_t& status, const Geometry& g, int32_t op,
+                  void* ws, cudaStream_t st) {
+  Guard r;
+  r.cu = cu;
+  if (g.batched) return r;
+  guard::CheckArgs c;
+  c.cu = static_cast<const int32_t*>(cu.data);
+  c.cu_stride = cu.strides[0];
+  c.batch = g.batch;
+  c.total = g.total;
+  c.max_seqlen = g.max_seqlen;
+  c.status = present(status) ? static_cast<int32_t*>(status.data) : nullptr;
+  c.op = op;
+  r.cu.data = const_cast<int32_t*>(guard::launch_check(c, ws, st));
+  r.cu.strides[0] = 1;
+  r.outs.fault = guard::fault_word(ws);
+  r.on = true;
+  return r;
+}
+
+// Adds an output (rank 0 to 3, last dimension contiguous: validated) to the poison list.
+void poison(Guard& r, const flashmsa_tensor_t& t) {
+  if (!r.on || !present(t) || t.data == nullptr || t.ndim > 3) return;
+  guard::Out o;
+  o.ptr = t.data;
+  if (t.ndim >= 1) o.n0 = t.shape[0], o.s0 = t.strides[0];
+  if (t.ndim >= 2) o.n1 = t.shape[1], o.s1 = t.strides[1];
+  if (t.ndim == 3) o.n2 = t.shape[2];
+  switch (t.dtype) {
+    case FLASHMSA_DTYPE_BF16: o.bytes = 2; o.pattern = guard::kNanBf16; break;
+    case FLASHMSA_DTYPE_FP16: o.bytes = 2; o.pattern = guard::kNanFp16; break;
+    case FLASHMSA_DTYPE_INT32: o.bytes = 4; o.pattern = guard::kPoisonIndex; break;
+    default: o.bytes = 4; o.pattern = guard::kNanFp32; break;
+  }
+  r.outs.add(o);
+}
+
+void finish_guard(const Guard& r, cudaStream_t st) {
+  if (r.on) guard::launch_poison(r.outs, st);
+}
+
 }  // namespace
+
+void check_status_memory(const flashmsa_tensor_t& s, const Geometry& g, const char* fn) {
+  cudaPointerAttributes attr{};
+  if (cudaPointerGetAttributes(&attr, s.data) != cudaSuccess) {
+    cudaGetLastError();  // not a pointer CUDA knows
+    attr.type = cudaMemoryTypeUnregistered;
+  }
+  const std::string what = std::string(fn) + ": status: ";
+  if (s.device_type == FLASHMSA_DEVICE_CUDA) {
+    if (attr.type != cudaMemoryTypeDevice && attr.type != cudaMemoryTypeManaged)
+      invalid(what + "device_type is CUDA, but the pointer is not CUDA device memory");
+    if (g.device == FLASHMSA_DEVICE_CUDA && attr.device != g.device_id)
+      invalid(what + "expected memory of CUDA device " + std::to_string(g.device_id) + " (the device of the call), got device " +
+              std::to_string(attr.device));
+  } else if (attr.type != cudaMemoryTypeHost || attr.devicePointer != s.data) {
+    invalid(what + "host memory that the device writes must be page-locked and mapped (cudaHostAlloc, or a torch "
+                   "tensor with pin_memory=True); got pageable host memory");
+  }
+}
+
+void read_status(const flashmsa_tensor_t& s, void* stream, int32_t flags, int32_t* w) {
+  auto st = static_cast<cudaStream_t>(stream);
+  const size_t bytes = sizeof(int32_t) * FLASHMSA_STATUS_WORDS;
+  if (s.device_type == FLASHMSA_DEVICE_CUDA) {
+    FLASHMSA_CUDA_CHECK(cudaMemcpyAsync(w, s.data, bytes, cudaMemcpyDeviceToHost, st));
+    if (flags & FLASHMSA_CHECK_RESET) FLASHMSA_CUDA_CHECK(cudaMemsetAsync(s.data, 0, bytes, st));
+    FLASHMSA_CUDA_CHECK(cudaStreamSynchronize(st));
+    return;
+  }
+  if (flags & FLASHMSA_CHECK_SYNC) FLASHMSA_CUDA_CHECK(cudaStreamSynchronize(st));
+  volatile int32_t* h = static_cast<int32_t*>(s.data);
+  for (int i = 0; i < FLASHMSA_STATUS_WORDS; ++i) w[i] = h[i];
+  if (flags & FLASHMSA_CHECK_RESET)
+    for (int i = 0; i < FLASHMSA_STATUS_WORDS; ++i) h[i] = 0;
+}
 
 bool available() {
   int n = 0;
@@ -173,6 +278,10 @@ void check_supported(const Geometry& g, const char* fn) {
     unsupported(fn, "head dim D = " + std::to_string(g.D) + " is not instantiated (D = 128 is)");
   if (g.has_proxy && g.Dp != kHeadDim)
     unsupported(fn, "proxy head dim Dp = " + std::to_string(g.Dp) + " is not instantiated (Dp = 128 is)");
+  if (g.batch > kMaxGridZ)  // the kernels' grids have one z index per sequence
+    unsupported(fn, "at most " + std::to_string(kMaxGridZ) + " sequences per call, got " + std::to_string(g.batch));
+  if (std::max({g.Hq, g.Hkv, g.Hp, g.Hpk}) > kMaxGridZ)
+    unsupported(fn, "at most " + std::to_string(kMaxGridZ) + " heads of each kind");
   if (g.max_seqlen > kMaxSeqlen)
     unsupported(fn, "max_seqlen " + std::to_string(g.max_seqlen) + " exceeds " + std::to_string(kMaxSeqlen));
 }
@@ -214,7 +323,7 @@ void bwd_features(const flashmsa_bwd_args_t& a, const Geometry& g) {
   }
 }
 
-size_t select_workspace(const flashmsa_select_args_t&, const Geometry&) { return 0; }
+size_t select_workspace(const flashmsa_select_args_t&, const Geometry& g) { return guard_bytes(g); }
 
 namespace {
 
@@ -312,8 +421,7 @@ BwdLayout bwd_layout(const flashmsa_bwd_args_t& a, const Geometry& g) {
 
 size_t bwd_workspace(const flashmsa_bwd_args_t& a, const Geometry& g) {
   bwd_features(a, g);
-  if (g.total == 0) return 0;
-  return bwd_layout(a, g).total;
+  return guard_bytes(g) + (g.total == 0 ? 0 : bwd_layout(a, g).total);
 }
 
 namespace {
@@ -394,16 +502,20 @@ void run_fwd(const flashmsa_fwd_args_t& a, const Geometry& g, const int32_t* idx
 
 }  // namespace
 
-void select(const flashmsa_select_args_t& a, const Geometry& g, void*, size_t) {
+void select(const flashmsa_select_args_t& a, const Geometry& g, void* ws, size_t) {
   const char* fn = "flashmsa_select";
   check_aligned(fn, "qp", a.qp);
   check_aligned(fn, "kp", a.kp);
   if (present(a.proxy_lse) && a.proxy_lse.dtype != FLASHMSA_DTYPE_FP32)
     unsupported(fn, "proxy_lse must be fp32");
   auto st = static_cast<cudaStream_t>(a.stream);
+  Guard gd = start_guard(a.cu_seqlens, a.status, g, guard::kSelect, ws, st);
   if (g.total == 0) return;
-  run_select(a.qp, a.kp, a.cu_seqlens, g, static_cast<int32_t*>(a.indices.data), a.indices.strides[0],
+  run_select(a.qp, a.kp, gd.cu, g, static_cast<int32_t*>(a.indices.data), a.indices.strides[0],
              a.indices.strides[1], a.proxy_lse, st);
+  poison(gd, a.indices);
+  poison(gd, a.proxy_lse);
+  finish_guard(gd, st);
 }
 
 namespace {
@@ -700,21 +812,26 @@ void run_fwd_kl(const flashmsa_fwd_args_t& a, const Geometry& g, const int32_t* 
 
 size_t fwd_workspace(const flashmsa_fwd_args_t& a, const Geometry& g) {
   fwd_features(a, g);
-  if (g.total == 0) return 0;
-  return fwd_layout(a, g).total;
+  return guard_bytes(g) + (g.total == 0 ? 0 : fwd_layout(a, g).total);
 }
 
-void fwd(const flashmsa_fwd_args_t& a, const Geometry& g, void* ws_raw, size_t) {
+void fwd(const flashmsa_fwd_args_t& user, const Geometry& g, void* ws_raw, size_t) {
   const char* fn = "flashmsa_fwd";
-  fwd_features(a, g);
-  auto st = static_cast<cudaStream_t>(a.stream);
-  if (a.validate) {
-    const auto cu = validate_offsets(a.cu_seqlens, g, st, fn);
-    if (a.mode == FLASHMSA_MODE_GIVEN) validate_indices(a.indices, cu, g, st, fn);
+  fwd_features(user, g);
+  auto st = static_cast<cudaStream_t>(user.stream);
+  if (user.validate) {
+    const auto cu = validate_offsets(user.cu_seqlens, g, st, fn);
+    if (user.mode == FLASHMSA_MODE_GIVEN) validate_indices(user.indices, cu, g, st, fn);
   }
+  // From here on the kernels see the guard's safe cu_seqlens (a fault: every sequence empty).
+  Guard gd = start_guard(user.cu_seqlens, user.status, g, guard::kFwd, ws_raw, st);
+  flashmsa_fwd_args_t a = user;
+  a.cu_seqlens = gd.cu;
+  for (const flashmsa_tensor_t* t : {&a.out, &a.out_lo, &a.lse, &a.proxy_lse, &a.kl}) poison(gd, *t);
+  if (a.mode == FLASHMSA_MODE_SPARSE) poison(gd, a.indices);
   if (present(a.kl)) FLASHMSA_CUDA_CHECK(cudaMemsetAsync(a.kl.data, 0, sizeof(float), st));
-  if (g.total == 0) return;
-  char* ws = static_cast<char*>(ws_raw);
+  if (g.total == 0) return finish_guard(gd, st);
+  char* ws = static_cast<char*>(ws_raw) + guard_bytes(g);
   const FwdLayout l = fwd_layout(a, g);
 
   const int32_t* idx = nullptr;
@@ -763,20 +880,28 @@ void fwd(const flashmsa_fwd_args_t& a, const Geometry& g, void* ws_raw, size_t) 
     if (g.dtype == FLASHMSA_DTYPE_BF16) run_fwd_kl<cutlass::bfloat16_t>(a, g, idx, idx_head, idx_tok, plse_t, ws, l, st);
     else run_fwd_kl<cutlass::half_t>(a, g, idx, idx_head, idx_tok, plse_t, ws, l, st);
   }
+  finish_guard(gd, st);
 }
 
-void bwd(const flashmsa_bwd_args_t& a, const Geometry& g, void* ws, size_t) {
+void bwd(const flashmsa_bwd_args_t& user, const Geometry& g, void* ws_raw, size_t) {
   const char* fn = "flashmsa_bwd";
-  bwd_features(a, g);
-  auto st = static_cast<cudaStream_t>(a.stream);
-  if (a.validate) {
-    const auto cu = validate_offsets(a.cu_seqlens, g, st, fn);
-    if (a.mode != FLASHMSA_MODE_DENSE) validate_indices(a.indices, cu, g, st, fn);
+  bwd_features(user, g);
+  auto st = static_cast<cudaStream_t>(user.stream);
+  if (user.validate) {
+    const auto cu = validate_offsets(user.cu_seqlens, g, st, fn);
+    if (user.mode != FLASHMSA_MODE_DENSE) validate_indices(user.indices, cu, g, st, fn);
   }
-  if (g.total == 0) return;
+  // From here on the kernels see the guard's safe cu_seqlens (a fault: every sequence empty).
+  Guard gd = start_guard(user.cu_seqlens, user.status, g, guard::kBwd, ws_raw, st);
+  flashmsa_bwd_args_t a = user;
+  a.cu_seqlens = gd.cu;
+  for (const flashmsa_tensor_t* t : {&a.dq, &a.dk, &a.dv, &a.dqp, &a.dkp}) poison(gd, *t);
+  if (g.total == 0) return finish_guard(gd, st);
+  char* ws = static_cast<char*>(ws_raw) + guard_bytes(g);
   const BwdLayout l = bwd_layout(a, g);
-  if (g.dtype == FLASHMSA_DTYPE_BF16) run_bwd<cutlass::bfloat16_t>(a, g, static_cast<char*>(ws), l, st);
-  else run_bwd<cutlass::half_t>(a, g, static_cast<char*>(ws), l, st);
+  if (g.dtype == FLASHMSA_DTYPE_BF16) run_bwd<cutlass::bfloat16_t>(a, g, ws, l, st);
+  else run_bwd<cutlass::half_t>(a, g, ws, l, st);
+  finish_guard(gd, st);
 }
 
 }  // namespace flashmsa::cuda

@@ -5,9 +5,15 @@
 #include "reference/reference.hpp"
 
 #include <algorithm>
+#include <atomic>
+#include <cerrno>
 #include <cmath>
 #include <cstdlib>
+#include <exception>
 #include <limits>
+#include <mutex>
+#include <stdexcept>
+#include <string>
 #include <thread>
 
 namespace flashmsa::ref {
@@ -15,6 +21,7 @@ namespace flashmsa::ref {
 namespace {
 constexpr int kBlock = FLASHMSA_BLOCK_SIZE;
 constexpr double kNegInf = -std::numeric_limits<double>::infinity();
+constexpr double kKeyGradBudget = 4.0 * 1024 * 1024 * 1024;  // bytes of per-thread dk, dv, dkp
 
 inline double dot(const double* a, const double* b, int n) {
   double s0 = 0, s1 = 0, s2 = 0, s3 = 0;
@@ -57,37 +64,76 @@ int Problem::seq_of(int64_t t) const {
 }
 
 int num_threads() {
-  if (const char* env = std::getenv("FLASHMSA_NUM_THREADS")) {
-    const int n = std::atoi(env);
-    if (n > 0) return n;
+  const char* env = std::getenv("FLASHMSA_NUM_THREADS");
+  if (env != nullptr && *env != '\0') {
+    char* end = nullptr;
+    errno = 0;
+    const long long n = std::strtoll(env, &end, 10);
+    const bool digits =
+        std::all_of(env, static_cast<const char*>(end), [](char ch) { return ch >= '0' && ch <= '9'; });
+    if (errno != 0 || end == env || *end != '\0' || !digits || n < 1 || n > kMaxThreads)
+      throw std::invalid_argument("FLASHMSA_NUM_THREADS: expected an integer in [1, " +
+                                  std::to_string(kMaxThreads) + "] (or unset: the hardware's), got '" +
+                                  std::string(env) + "'");
+    return int(n);
   }
   const unsigned hw = std::thread::hardware_concurrency();
-  return hw ? int(hw) : 1;
+  return hw ? int(std::min<unsigned>(hw, unsigned(kMaxThreads))) : 1;
+}
+
+int threads_for(int64_t n) {
+  return int(std::min<int64_t>(num_threads(), std::max<int64_t>(n, 1)));
+}
+
+void parallel_for(int64_t n, const std::function<void(int64_t, int64_t, int)>& fn) {
+  parallel_for(n, threads_for(n), fn);
 }
 
 // Static interleaved assignment (item r goes to thread r % T): balanced for causal work and
-// deterministic for a given T. fn(begin, end, tid) is called once per thread with its
-// contiguous-in-stride range encoded as (tid, T): see the loop below.
-void parallel_for(int64_t n, const std::function<void(int64_t, int64_t, int)>& fn) {
-  const int T = int(std::min<int64_t>(num_threads(), std::max<int64_t>(n, 1)));
-  if (T <= 1) {
+// deterministic for a given T. fn(tid, n, tid) runs once per tid; threads that cannot be
+// started leave their tids to the calling thread (same work split, same result).
+void parallel_for(int64_t n, int T, const std::function<void(int64_t, int64_t, int)>& fn) {
+  T = std::max(T, 1);
+  if (T == 1) {
     fn(0, n, 0);
     return;
   }
+  // The first exception is kept and rethrown; after it, the tids not yet begun are skipped (a
+  // failure is usually out of memory: holding one exception object per tid could exhaust even the
+  // runtime's emergency pool for exceptions, and std::terminate would follow).
+  std::exception_ptr error;
+  std::mutex error_mutex;
+  std::atomic<bool> failed{false};
+  auto body = [&](int tid) {
+    if (failed.load()) return;
+    try {
+      fn(tid, n, tid);
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(error_mutex);
+      if (!error) error = std::current_exception();
+      failed = true;
+    }
+  };
   std::vector<std::thread> pool;
-  pool.reserve(T);
-  for (int tid = 0; tid < T; ++tid) pool.emplace_back([&, tid] { fn(tid, n, tid); });
+  pool.reserve(size_t(T) - 1);
+  int started = 1;  // tids [1, started) run on their own threads
+  for (; started < T; ++started) {
+    try {
+      pool.emplace_back(body, started);
+    } catch (...) {  // std::system_error (EAGAIN: no threads left), std::bad_alloc
+      break;
+    }
+  }
+  body(0);
+  for (int tid = started; tid < T; ++tid) body(tid);
   for (auto& th : pool) th.join();
+  if (error) std::rethrow_exception(error);
 }
 
 // Helper: iterate the items of thread tid under parallel_for's interleaving.
 template <class F>
 static void for_items(int64_t first, int64_t n, int stride_threads, F&& f) {
   for (int64_t r = first; r < n; r += stride_threads) f(r);
-}
-
-static int threads_for(int64_t n) {
-  return int(std::min<int64_t>(num_threads(), std::max<int64_t>(n, 1)));
 }
 
 void key_set(const Problem& pb, const int32_t* indices, int p, int64_t t,
@@ -113,7 +159,7 @@ void select(const Problem& pb, const double* qp, const double* kp, int32_t* indi
             double* proxy_lse) {
   const int64_t n = int64_t(pb.Hp) * pb.total;
   const int T = threads_for(n);
-  parallel_for(n, [&](int64_t first, int64_t, int) {
+  parallel_for(n, T, [&](int64_t first, int64_t, int) {
     std::vector<double> z, score;
     std::vector<int> order;
     for_items(first, n, T, [&](int64_t r) {
@@ -174,7 +220,8 @@ static double main_probs(const Problem& pb, const double* q, const double* k, in
 }
 
 // Proxy (student) softmax of proxy head p at token t over keys: fills sc.z with the
-// probabilities, returns the proxy lse.
+// probabilities and sc.tmp with their logs (z - lse, exact where a probability underflows to
+// 0), returns the proxy lse.
 static double proxy_probs(const Problem& pb, const double* qp, const double* kp, int p,
                           int64_t t, Scratch& sc) {
   const size_t n = sc.keys.size();
@@ -184,15 +231,20 @@ static double proxy_probs(const Problem& pb, const double* qp, const double* kp,
   for (size_t j = 0; j < n; ++j)
     sc.z[j] = pb.proxy_scale * dot(qrow, kp + (sc.keys[j] * pb.Hpk + c) * pb.Dp, pb.Dp);
   const double lse = logsumexp(sc.z, n);
-  for (size_t j = 0; j < n; ++j) sc.z[j] = std::exp(sc.z[j] - lse);
+  sc.tmp.resize(n);
+  for (size_t j = 0; j < n; ++j) {
+    sc.tmp[j] = sc.z[j] - lse;
+    sc.z[j] = std::exp(sc.tmp[j]);
+  }
   return lse;
 }
 
-// sum_j t_j log(t_j / s_j), with 0 log 0 = 0.
-static double kl_row(const std::vector<double>& t, const std::vector<double>& s, size_t n) {
+// sum_j t_j log(t_j / s_j), with 0 log 0 = 0; log_s holds log s_j (finite even where s_j
+// underflows to 0, e.g. at a large proxy scale).
+static double kl_row(const std::vector<double>& t, const std::vector<double>& log_s, size_t n) {
   double acc = 0;
   for (size_t j = 0; j < n; ++j)
-    if (t[j] > 0) acc += t[j] * (std::log(t[j]) - std::log(s[j]));
+    if (t[j] > 0) acc += t[j] * (std::log(t[j]) - log_s[j]);
   return acc;
 }
 
@@ -203,7 +255,7 @@ void forward(const Problem& pb, const double* q, const double* k, const double* 
   const bool proxy = qp && kp;
   std::vector<double> kl_rows(size_t(n), 0.0);
   const int T = threads_for(n);
-  parallel_for(n, [&](int64_t first, int64_t, int) {
+  parallel_for(n, T, [&](int64_t first, int64_t, int) {
     Scratch sc;
     for_items(first, n, T, [&](int64_t r) {
       const int p = int(r / pb.total);
@@ -225,7 +277,7 @@ void forward(const Problem& pb, const double* q, const double* k, const double* 
       if (proxy) {
         const double plse = proxy_probs(pb, qp, kp, p, t, sc);
         if (o.proxy_lse) o.proxy_lse[r] = plse;
-        kl_rows[size_t(r)] = kl_row(sc.teacher, sc.z, nk);
+        kl_rows[size_t(r)] = kl_row(sc.teacher, sc.tmp, nk);
       }
     });
   });
@@ -245,12 +297,17 @@ void backward(const Problem& pb, const double* q, const double* k, const double*
   const double kl_coef = n > 0 ? dkl / double(n) : 0.0;  // g / N
   const size_t kv_elems = size_t(pb.total) * pb.Hkv * pb.D;
   const size_t kp_elems = size_t(pb.total) * pb.Hpk * pb.Dp;
-  const int T = threads_for(n);
+  // Every thread keeps its own dk, dv (and dkp) buffers: at most kKeyGradBudget bytes of them
+  // in all (one thread's worth at least), so many threads on a long sequence cannot exhaust the
+  // host's memory. T depends on the thread setting and the problem only: still deterministic.
+  const double per_thread = 8.0 * (2.0 * double(kv_elems) + (proxy ? double(kp_elems) : 0.0));
+  const int T = int(std::max<double>(
+      1.0, std::min<double>(threads_for(n), std::floor(kKeyGradBudget / std::max(per_thread, 1.0)))));
   std::vector<std::vector<double>> dk_buf(static_cast<size_t>(T)), dv_buf(static_cast<size_t>(T)),
       dkp_buf(static_cast<size_t>(T));
   std::fill(o.dq, o.dq + size_t(pb.total) * pb.Hq * pb.D, 0.0);
   if (o.dqp) std::fill(o.dqp, o.dqp + size_t(pb.total) * pb.Hp * pb.Dp, 0.0);
-  parallel_for(n, [&](int64_t first, int64_t, int tid) {
+  parallel_for(n, T, [&](int64_t first, int64_t, int tid) {
     Scratch sc;
     auto& dk = dk_buf[size_t(tid)];
     auto& dv = dv_buf[size_t(tid)];
@@ -304,8 +361,8 @@ void backward(const Problem& pb, const double* q, const double* k, const double*
   // Reduce the per-thread key-side buffers in thread order (deterministic).
   auto reduce = [&](std::vector<std::vector<double>>& bufs, double* dst, size_t elems) {
     std::fill(dst, dst + elems, 0.0);
-    parallel_for(int64_t(elems), [&](int64_t first, int64_t total_n, int) {
-      const int TT = threads_for(total_n);
+    const int TT = threads_for(int64_t(elems));
+    parallel_for(int64_t(elems), TT, [&](int64_t first, int64_t total_n, int) {
       const int64_t chunk = (total_n + TT - 1) / TT;
       const int64_t lo = first * chunk, hi = std::min<int64_t>(total_n, lo + chunk);
       for (const auto& b : bufs)
@@ -327,7 +384,7 @@ double mass_recall(const Problem& pb, const double* q, const double* k, const in
   if (n == 0) return 1.0;
   std::vector<double> rec(size_t(n), 0.0);
   const int T = threads_for(n);
-  parallel_for(n, [&](int64_t first, int64_t, int) {
+  parallel_for(n, T, [&](int64_t first, int64_t, int) {
     Scratch sc;
     std::vector<double> xd;
     for_items(first, n, T, [&](int64_t r) {

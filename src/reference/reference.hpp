@@ -29,10 +29,23 @@ struct Problem {
   int seq_of(int64_t t) const;                        // sequence holding global token t
 };
 
-// Number of worker threads (FLASHMSA_NUM_THREADS, else the hardware's).
+// Most worker threads the reference uses (FLASHMSA_NUM_THREADS and the CLI's --threads).
+constexpr int kMaxThreads = 1024;
+
+// Number of worker threads: FLASHMSA_NUM_THREADS, an integer in [1, kMaxThreads]; unset or
+// empty: the hardware's, at most kMaxThreads. Any other value throws std::invalid_argument
+// with a message naming the variable (the CPU backend reports it as INVALID_ARGUMENT).
 int num_threads();
-// Runs fn(begin, end, thread_index) over [0, n) split in contiguous chunks, one per thread.
+// min(num_threads(), max(n, 1)): the threads parallel_for(n, fn) uses.
+int threads_for(int64_t n);
+// Runs fn(tid, n, tid) once for every tid in [0, T), T = threads_for(n) (or the given T >= 1),
+// one thread each. Work must be split by tid alone (for example items tid, tid + T, ...), so the
+// result depends on T only, never on which OS thread ran a tid: when a thread cannot be started
+// (std::system_error, out of memory) its tids run on the calling thread, after tid 0. An exception
+// thrown by fn on any thread is rethrown here, after every started thread has joined (the tids not
+// yet begun by then are skipped: the call has failed anyway).
 void parallel_for(int64_t n, const std::function<void(int64_t, int64_t, int)>& fn);
+void parallel_for(int64_t n, int T, const std::function<void(int64_t, int64_t, int)>& fn);
 
 // Selection: indices [Hp][total][topk] (-1 padded), proxy_lse [Hp][total] (may be null).
 void select(const Problem& pb, const double* qp, const double* kp, int32_t* indices,

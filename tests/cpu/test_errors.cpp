@@ -2,9 +2,20 @@
 // flashmsa_fwd or flashmsa_bwd, breaks one thing, and checks the status, that the message
 // names the entry point and the argument (and, where given, the expected and actual values),
 // and that no buffer of the call changed: outputs keep their NaN poison, inputs their data.
-#include <deque>
-#include <functional>
+#include <sys/resource.h>
+#include <unistd.h>
 
+#include <atomic>
+#include <cstdlib>
+#include <deque>
+#include <fstream>
+#include <functional>
+#include <mutex>
+#include <set>
+#include <stdexcept>
+#include <thread>
+
+#include "reference/reference.hpp"
 #include "test_util.hpp"
 
 namespace fmtest {
@@ -133,6 +144,24 @@ TEST_P(BadInput, IsRejectedAndWritesNothing) {
   for (size_t i = 0; i < after.size(); ++i)
     EXPECT_TRUE(after[i]->bytes() == before[i]) << "buffer " << i << " changed; " << msg;
 }
+
+// Rewrites a view's shape and strides; the data pointer stays (validation must stop first).
+void reshape_view(flashmsa_tensor_t& t, std::vector<int64_t> shape, std::vector<int64_t> strides) {
+  t.ndim = int32_t(shape.size());
+  for (size_t i = 0; i < shape.size(); ++i) {
+    t.shape[i] = shape[i];
+    t.strides[i] = strides[i];
+  }
+}
+
+// The forward's per-token tensors as one batched sequence [1, 300, H, X]; no cu_seqlens.
+void make_batched(ValidCall& s) {
+  for (flashmsa_tensor_t* t : {&s.fa.q, &s.fa.k, &s.fa.v, &s.fa.qp, &s.fa.kp, &s.fa.out})
+    reshape_view(*t, {1, 300, t->shape[1], t->shape[2]}, {300 * t->strides[0], t->strides[0], t->strides[1], 1});
+  s.fa.cu_seqlens = flashmsa::none();
+}
+
+constexpr int64_t kTwo31 = int64_t(1) << 31, kTwo32 = int64_t(1) << 32;
 
 using E = Entry;
 constexpr auto I32 = FLASHMSA_DTYPE_INT32;
@@ -329,6 +358,66 @@ std::vector<ErrorCase> error_cases() {
       {"BwdScaleInf", E::Bwd, [inf](ValidCall& s) { s.ba.proxy_scale = -inf; }, {"proxy_scale", "-inf"}},
       {"BwdCuDecreasing", E::Bwd, [](ValidCall& s) { s.ba.cu_seqlens = s.make_values(I32, {4}, {0, 100, 50, 300}); },
        {"cu_seqlens", "non-decreasing"}},
+      // ---- issue 13: sizes are checked before they are narrowed to int (no wrap)
+      {"FwdHqAboveInt32", E::Fwd, [](ValidCall& s) { reshape_view(s.fa.q, {300, kTwo32 + 4, 8}, {0, 0, 1}); },
+       {"q", "Hq <= 2147483647", "got 4294967300"}},
+      {"FwdDAboveInt32", E::Fwd, [](ValidCall& s) { reshape_view(s.fa.q, {300, 4, kTwo31}, {0, 0, 1}); },
+       {"q", "D <= 2147483647", "got 2147483648"}},
+      {"FwdHkvAboveInt32", E::Fwd, [](ValidCall& s) { reshape_view(s.fa.k, {300, kTwo31, 8}, {0, 0, 1}); },
+       {"k", "Hkv <= 2147483647"}},
+      {"FwdHpkAboveInt32", E::Fwd, [](ValidCall& s) { reshape_view(s.fa.kp, {300, kTwo32 + 1, 8}, {0, 0, 1}); },
+       {"kp", "Hpk <= 2147483647"}},
+      {"SelectHpAboveInt32", E::Select, [](ValidCall& s) { reshape_view(s.sa.qp, {300, kTwo32 + 2, 8}, {0, 0, 1}); },
+       {"qp", "Hp <= 2147483647"}},
+      {"BwdHqAboveInt32", E::Bwd, [](ValidCall& s) { reshape_view(s.ba.q, {300, kTwo32 + 4, 8}, {0, 0, 1}); },
+       {"q", "Hq <= 2147483647"}},
+      {"FwdTotalAboveInt32", E::Fwd, [](ValidCall& s) { reshape_view(s.fa.q, {kTwo31, 4, 8}, {0, 8, 1}); },
+       {"q", "total <= 2147483647", "int32"}},
+      {"FwdCuLengthAboveInt32", E::Fwd, [](ValidCall& s) { reshape_view(s.fa.cu_seqlens, {kTwo31 + 2}, {1}); },
+       {"cu_seqlens", "B (its length - 1) <= 2147483647"}},
+      {"FwdNumelOverflow", E::Fwd,
+       [](ValidCall& s) { reshape_view(s.fa.k, {300, int64_t(1) << 40, int64_t(1) << 30}, {0, 0, 1}); },
+       {"k", "more than 2^63 - 1 elements"}},
+      {"FwdOffsetOverflow", E::Fwd, [](ValidCall& s) { reshape_view(s.fa.v, {300, 2, 8}, {int64_t(1) << 62, 8, 1}); },
+       {"v", "beyond offset 2^63 - 1"}},
+      {"FwdBatchedBAboveInt32", E::Fwd,
+       [](ValidCall& s) {
+         make_batched(s);
+         reshape_view(s.fa.q, {kTwo31 + 1, 1, 4, 8}, {0, 0, 8, 1});
+       },
+       {"q", "B <= 2147483647"}},
+      {"FwdBatchedTokensAboveInt32", E::Fwd,
+       [](ValidCall& s) {
+         make_batched(s);
+         reshape_view(s.fa.q, {65536, 65536, 4, 8}, {0, 0, 8, 1});
+       },
+       {"q", "B * S <= 2147483647"}},
+      // ---- issue 13: max_seqlen (varlen 0..2^31-1; batched 0 or S), scales (0 or (0, 1e4])
+      {"FwdMaxSeqlenAboveInt32", E::Fwd, [](ValidCall& s) { s.fa.max_seqlen = kTwo31; },
+       {"max_seqlen", "0 <= max_seqlen <= 2147483647", "got 2147483648"}},
+      {"SelectMaxSeqlenInt64Max", E::Select, [](ValidCall& s) { s.sa.max_seqlen = std::numeric_limits<int64_t>::max(); },
+       {"max_seqlen", "2147483647"}},
+      {"FwdBatchedMaxSeqlenNotS", E::Fwd,
+       [](ValidCall& s) {
+         make_batched(s);
+         s.fa.max_seqlen = 301;
+       },
+       {"max_seqlen", "0 or S = 300", "got 301"}},
+      {"FwdBatchedMaxSeqlenSmaller", E::Fwd,
+       [](ValidCall& s) {
+         make_batched(s);
+         s.fa.max_seqlen = 200;
+       },
+       {"max_seqlen", "S = 300", "got 200"}},
+      {"FwdScale1e300", E::Fwd, [](ValidCall& s) { s.fa.softmax_scale = 1e300; },
+       {"softmax_scale", "finite value > 0 and <= 10000", "1e+300"}},
+      {"FwdScaleJustAboveMax", E::Fwd, [](ValidCall& s) { s.fa.softmax_scale = 10000.5; },
+       {"softmax_scale", "<= 10000", "10000.5"}},
+      {"FwdProxyScale1e5", E::Fwd, [](ValidCall& s) { s.fa.proxy_scale = 1e5; }, {"proxy_scale", "<= 10000"}},
+      {"SelectProxyScale1e300", E::Select, [](ValidCall& s) { s.sa.proxy_scale = 1e300; }, {"proxy_scale", "<= 10000"}},
+      {"BwdScale1e300", E::Bwd, [](ValidCall& s) { s.ba.softmax_scale = 1e300; }, {"softmax_scale", "<= 10000"}},
+      {"BwdDklInf", E::Bwd, [inf](ValidCall& s) { s.ba.dkl = s.make_values(F64, {1}, {inf}); }, {"dkl", "finite"}},
+      {"FwdValidateNotFlag", E::Fwd, [](ValidCall& s) { s.fa.validate = 256; }, {"validate", "got 256"}},
   };
 }
 
@@ -353,6 +442,164 @@ TEST_F(BadInputBaseline, ValidCallsSucceedAndWrite) {
                           &s.fwd.proxy_lse, &s.fwd.kl, &s.bwd.dq, &s.bwd.dk, &s.bwd.dv, &s.bwd.dqp,
                           &s.bwd.dkp})
     EXPECT_TRUE(fully_written(*t));
+}
+
+// ---- issue 13: the thread setting of the CPU backend -------------------------------------
+
+// Sets FLASHMSA_NUM_THREADS for a scope and restores it.
+class ThreadsEnv {
+ public:
+  explicit ThreadsEnv(const char* value) {
+    if (const char* old = std::getenv("FLASHMSA_NUM_THREADS")) old_ = old, had_ = true;
+    setenv("FLASHMSA_NUM_THREADS", value, 1);
+  }
+  ~ThreadsEnv() {
+    if (had_) setenv("FLASHMSA_NUM_THREADS", old_.c_str(), 1);
+    else unsetenv("FLASHMSA_NUM_THREADS");
+  }
+
+ private:
+  std::string old_;
+  bool had_ = false;
+};
+
+class ThreadSetting : public SeededTest {};
+
+TEST_F(ThreadSetting, BadValuesAreInvalidArgumentsAndWriteNothing) {
+  for (const char* value : {"0", "-1", "1025", "40000", "abc", "4x", " 2", "+2", "2.0",
+                            "99999999999999999999"}) {
+    for (Entry e : {Entry::Select, Entry::Fwd, Entry::Bwd}) {
+      ValidCall s(rng);
+      std::vector<std::vector<unsigned char>> before;
+      for (const Tensor* t : s.buffers()) before.push_back(t->bytes());
+      ThreadsEnv env(value);
+      const flashmsa_status_t st = s.call(e);
+      const std::string msg = flashmsa_last_error();
+      EXPECT_EQ(st, FLASHMSA_ERROR_INVALID_ARGUMENT) << value << ": " << msg;
+      EXPECT_EQ(msg.rfind(entry_name(e), 0), 0u) << msg;
+      EXPECT_NE(msg.find("FLASHMSA_NUM_THREADS: expected an integer in [1, 1024]"), std::string::npos) << msg;
+      EXPECT_NE(msg.find(std::string("'") + value + "'"), std::string::npos) << msg;
+      const auto after = s.buffers();
+      for (size_t i = 0; i < after.size(); ++i) EXPECT_TRUE(after[i]->bytes() == before[i]) << value;
+    }
+  }
+}
+
+TEST_F(ThreadSetting, EmptyIsUnsetAndTheBoundsRun) {
+  for (const char* value : {"", "1", "1024"}) {
+    ThreadsEnv env(value);
+    EXPECT_GE(flashmsa::ref::num_threads(), 1);
+    EXPECT_LE(flashmsa::ref::num_threads(), flashmsa::ref::kMaxThreads);
+    ValidCall s(rng);
+    EXPECT_EQ(s.call(Entry::Fwd), FLASHMSA_SUCCESS) << value << ": " << flashmsa_last_error();
+    EXPECT_TRUE(fully_written(s.fwd.out));
+  }
+}
+
+// ---- issue 13: parallel_for never terminates the process ---------------------------------
+
+TEST(ParallelFor, EveryTidRunsOnceWithItsOwnIndex) {
+  for (int T : {1, 2, 7, 64}) {
+    std::vector<std::atomic<int>> runs(static_cast<size_t>(T));
+    flashmsa::ref::parallel_for(1000, T, [&](int64_t first, int64_t n, int tid) {
+      EXPECT_EQ(first, tid);
+      EXPECT_EQ(n, 1000);
+      runs[size_t(tid)]++;
+    });
+    for (auto& r : runs) EXPECT_EQ(r.load(), 1);
+  }
+}
+
+TEST(ParallelFor, AnExceptionOnAnyThreadIsRethrownToTheCaller) {
+  for (int bad : {0, 3, 63}) {
+    std::atomic<int> ran{0};
+    EXPECT_THROW(flashmsa::ref::parallel_for(1000, 64,
+                                             [&](int64_t, int64_t, int tid) {
+                                               ++ran;
+                                               if (tid == bad) throw std::bad_alloc();
+                                             }),
+                 std::bad_alloc)
+        << "tid " << bad;
+    EXPECT_GE(ran.load(), 1);
+  }
+  EXPECT_THROW(flashmsa::ref::parallel_for(10, 1, [](int64_t, int64_t, int) { throw std::runtime_error("x"); }),
+               std::runtime_error);
+}
+
+// Virtual memory of this process, bytes.
+size_t vm_size() {
+  std::ifstream f("/proc/self/status");
+  std::string key;
+  size_t kb = 0;
+  while (f >> key) {
+    if (key == "VmSize:") {
+      f >> kb;
+      return kb * 1024;
+    }
+    std::getline(f, key);
+  }
+  return 0;
+}
+
+// Limits this process's address space to its current size plus `extra` bytes.
+bool limit_address_space(size_t extra) {
+  const size_t vm = vm_size();
+  if (vm == 0) return false;
+  rlimit lim;
+  lim.rlim_cur = lim.rlim_max = vm + extra;
+  return setrlimit(RLIMIT_AS, &lim) == 0;
+}
+
+// The child of ThreadCreationFailureFallsBackToTheCallingThread: its exit code.
+int fallback_child() {
+  if (!limit_address_space(size_t(64) << 20)) return 3;  // ~8 stacks of 8 MiB
+  const int T = 512;
+  std::vector<int> runs(size_t(T), 0);
+  std::vector<std::thread::id> where(static_cast<size_t>(T));
+  std::mutex m;
+  flashmsa::ref::parallel_for(100000, T, [&](int64_t, int64_t, int tid) {
+    std::lock_guard<std::mutex> lock(m);
+    runs[size_t(tid)]++;
+    where[size_t(tid)] = std::this_thread::get_id();
+  });
+  int on_caller = 0;
+  for (int tid = 0; tid < T; ++tid) {
+    if (runs[size_t(tid)] != 1) return 5;
+    on_caller += where[size_t(tid)] == std::this_thread::get_id();
+  }
+  return on_caller > 1 ? 0 : 6;  // > 1: threads failed to start and the caller took over
+}
+
+// In a child process whose address space holds a few thread stacks but not 512: thread creation
+// fails part way, the calling thread runs the rest, every tid runs exactly once, no abort.
+TEST(ParallelForDeathTest, ThreadCreationFailureFallsBackToTheCallingThread) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(std::exit(fallback_child()), ::testing::ExitedWithCode(0), "");
+}
+
+// The child of ForwardUnderAnAddressSpaceLimitIsExact.
+int limited_forward_child(const Config& c, const Inputs& in, const FwdResult& free_run) {
+  if (!limit_address_space(size_t(128) << 20)) return 3;
+  const FwdResult limited = run_fwd(c, in);
+  if (limited.status != FLASHMSA_SUCCESS) return 4;
+  if (free_run.out.bytes() != limited.out.bytes() || free_run.lse.bytes() != limited.lse.bytes() ||
+      free_run.kl.bytes() != limited.kl.bytes())
+    return 5;
+  return 0;
+}
+
+// The forward (1024 threads asked for) under the same kind of limit: bitwise the result of the
+// same thread count without the limit.
+TEST(ParallelForDeathTest, ForwardUnderAnAddressSpaceLimitIsExact) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  Rng rng(test_seed());
+  Config c;
+  c.lens = {700, 300};
+  c.topk = 2;
+  const Inputs in = make_inputs(c, rng);
+  ThreadsEnv env("1024");
+  const FwdResult free_run = run_fwd(c, in);
+  EXPECT_EXIT(std::exit(limited_forward_child(c, in, free_run)), ::testing::ExitedWithCode(0), "");
 }
 
 }  // namespace

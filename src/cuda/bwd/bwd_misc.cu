@@ -80,7 +80,8 @@ __global__ void inversion_keys_kernel(const InversionArgs a, const int32_t* blk_
   a.seqs.get(b, s0, L);
   const int32_t* row = a.indices.at(p, t);
   const int64_t j = row[s];
-  bool ok = j >= 0 && j <= (t - s0) / 128;
+  // t inside its sequence: always, unless the guard emptied every sequence (cu_seqlens fault)
+  bool ok = t - s0 < L && j >= 0 && j <= (t - s0) / 128;
   for (int s2 = 0; ok && s2 < s; ++s2) ok = row[s2] != j;
   keys[e] = ok ? uint32_t(int64_t(p) * a.nblk + blk_off[b] + j) : uint32_t(int64_t(a.Hp) * a.nblk);
   vals[e] = int32_t(t);

@@ -4,20 +4,10 @@
 
 #include <cuda_runtime.h>
 
-#include <string>
-
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_types.h>
 
-#include "api/validate.hpp"
-
-#define FLASHMSA_CUDA_CHECK(expr)                                                           \
-  do {                                                                                      \
-    cudaError_t err_ = (expr);                                                              \
-    if (err_ != cudaSuccess)                                                                \
-      ::flashmsa::fail(FLASHMSA_ERROR_DEVICE, std::string("CUDA error: ") +                 \
-                                                  cudaGetErrorString(err_) + " at " #expr); \
-  } while (0)
+#include "cuda/common/error.cuh"
 
 namespace flashmsa::cuda {
 
@@ -115,11 +105,6 @@ __device__ __forceinline__ float quad_sum(float x) {
   x += __shfl_xor_sync(0xffffffff, x, 1);
   return x + __shfl_xor_sync(0xffffffff, x, 2);
 }
-
-// Element type of the API dtype.
-template <flashmsa_dtype_t T> struct ElementOf;
-template <> struct ElementOf<FLASHMSA_DTYPE_BF16> { using type = cutlass::bfloat16_t; };
-template <> struct ElementOf<FLASHMSA_DTYPE_FP16> { using type = cutlass::half_t; };
 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;

@@ -60,9 +60,9 @@ struct Config {
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>, 1024> q;
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutK>, 1024> k;
     // top-k lists, [slot][row] so that the 8 row owners of a warp hit different banks
-    float score[FLASHMSA_MAX_TOPK][kBlockM];
-    float lse2[FLASHMSA_MAX_TOPK][kBlockM];
-    int16_t idx[FLASHMSA_MAX_TOPK][kBlockM];
+    float score[kMaxTopk][kBlockM];
+    float lse2[kMaxTopk][kBlockM];
+    int16_t idx[kMaxTopk][kBlockM];
     typename Pipeline::SharedStorage pipe;
   };
   static constexpr size_t kSmemBytes = sizeof(Smem) + 1024;  // + alignment slack
