@@ -13,8 +13,10 @@
 #   balance    the backward's CTA balance on the real m3 32k selections (bench/list_balance.py)
 #   metadata   the metadata-guard tests (Metadata.*) alone, under compute-sanitizer memcheck
 #              (the 200-corruption fuzz included), and the Python GPU tests of invalid cu_seqlens
-#   guardcost  the guard's cost: .gpu/flashmsa_bench and .gpu/flashmsa_bench_noguard (a variant
-#              without the guard, built by session 5 with a knob since deleted), m3 32k, alternated
+#   alternate  two or more bench binaries (ALT_BINS, default .gpu/flashmsa_bench_before and
+#              .gpu/flashmsa_bench: the last commit's and this tree's) alternated ALT_ROUNDS times
+#              (default 2), m3 32k clustered, --options 0: a before/after in one call (session 5
+#              measured the metadata guard's cost this way, against a variant without it)
 #   cp         context parallelism over NCCL on every GPU of the machine (needs 2 or more):
 #              tests/python/test_distributed.py::test_nccl_two_gpus_m3 for each token count in
 #              CP_LENGTHS (default "16384,9000,7384 65536,40000,25536": 32k and 128k tokens)
@@ -46,12 +48,12 @@ if has metadata; then
   FLASHMSA_BUILD_DIR=.gpu timeout 200 python3 -m pytest -q tests/python/test_metadata_cuda.py > "$OUT/pytest-metadata.log" 2>&1
   echo "pytest (metadata) rc=$?"; tail -3 "$OUT/pytest-metadata.log"
 fi
-if has guardcost; then
-  stamp "guard cost (A/B)"
-  for round in 1 2; do
-    for bin in ./.gpu/flashmsa_bench ./.gpu/flashmsa_bench_noguard; do
+if has alternate; then
+  stamp "alternated benches"
+  for round in $(seq ${ALT_ROUNDS:-2}); do
+    for bin in ${ALT_BINS:-./.gpu/flashmsa_bench_before ./.gpu/flashmsa_bench}; do
       [ -x "$bin" ] || continue
-      timeout 120 "$bin" --config m3 --seqlens 32768 --patterns clustered --options 0 | tee -a "$OUT/guardcost.jsonl" |
+      timeout 120 "$bin" --config m3 --seqlens 32768 --patterns clustered --options 0 | tee -a "$OUT/alternate.jsonl" |
         python3 -c "import json,sys; [print(f\"  $bin round $round: select {r['select_ms']:.3f} fwd {r['fwd_train_ms']:.3f} bwd {r['bwd_ms']:.3f} step {r['step_ms']:.3f} ms\") for r in map(json.loads, sys.stdin)]"
     done
   done

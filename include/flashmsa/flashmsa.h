@@ -238,6 +238,15 @@ typedef enum flashmsa_struct {
 FLASHMSA_API int flashmsa_abi_version(void);
 /* sizeof the struct in this build; 0 for an unknown id. */
 FLASHMSA_API size_t flashmsa_struct_size(flashmsa_struct_t which);
+/* The value this build gives a constant of this header, looked up by its name as spelled here
+ * ("FLASHMSA_MODE_GIVEN", "FLASHMSA_MAX_TOPK", ...), so that bindings can compare every value
+ * they mirror: each enumerator of flashmsa_status_t, flashmsa_dtype_t, flashmsa_device_type_t,
+ * flashmsa_mode_t, flashmsa_numerics_t and flashmsa_struct_t, and each numeric macro
+ * (FLASHMSA_VERSION_*, FLASHMSA_BLOCK_SIZE, FLASHMSA_MAX_TOPK, FLASHMSA_MAX_DIMS,
+ * FLASHMSA_MAX_SCALE (an integral value, reported exactly), FLASHMSA_STATUS_WORDS,
+ * FLASHMSA_FAULT_*, FLASHMSA_CHECK_*, FLASHMSA_ABI_VERSION). Returns 1 and writes *value (when
+ * value is not NULL) for a known name; returns 0 and writes nothing for an unknown name or NULL. */
+FLASHMSA_API int flashmsa_abi_constant(const char* name, int64_t* value);
 
 #ifdef __cplusplus
 } /* extern "C" */

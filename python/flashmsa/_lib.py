@@ -14,9 +14,12 @@ from typing import Optional
 
 import torch
 
+# The header's constants these bindings mirror. _check_abi compares every one of them with the
+# library's value (flashmsa_abi_constant) before the first call: ABI_CONSTANTS below names each.
 BLOCK_SIZE = 128  # FLASHMSA_BLOCK_SIZE
 MAX_TOPK = 64  # FLASHMSA_MAX_TOPK
 MAX_DIMS = 4  # FLASHMSA_MAX_DIMS
+MAX_SCALE = 1e4  # FLASHMSA_MAX_SCALE
 
 # flashmsa_status_t
 SUCCESS, INVALID_ARGUMENT, NOT_SUPPORTED, DEVICE, WORKSPACE, INTERNAL = range(6)
@@ -28,6 +31,8 @@ DEVICE_CPU, DEVICE_CUDA = range(2)
 MODE_SPARSE, MODE_DENSE, MODE_GIVEN = range(3)
 # flashmsa_numerics_t
 NUMERICS_TRAIN, NUMERICS_INFER = range(2)
+# flashmsa_struct_t
+STRUCT_TENSOR, STRUCT_SELECT_ARGS, STRUCT_FWD_ARGS, STRUCT_BWD_ARGS = range(4)
 
 DTYPES = {
     torch.bfloat16: DTYPE_BF16,
@@ -196,17 +201,57 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 ABI_VERSION = 3  # FLASHMSA_ABI_VERSION of the header these structs mirror
 
+# Every constant of this module that mirrors flashmsa.h -> its name there. _check_abi compares each
+# with the library (tests/python/test_abi.py checks that no int constant of the module is missing).
+ABI_CONSTANTS = {name: "FLASHMSA_" + name for name in (
+    "BLOCK_SIZE", "MAX_TOPK", "MAX_DIMS", "MAX_SCALE", "ABI_VERSION",
+    "SUCCESS",
+    "DTYPE_BF16", "DTYPE_FP16", "DTYPE_FP32", "DTYPE_FP64", "DTYPE_INT32",
+    "DEVICE_CPU", "DEVICE_CUDA",
+    "MODE_SPARSE", "MODE_DENSE", "MODE_GIVEN",
+    "NUMERICS_TRAIN", "NUMERICS_INFER",
+    "STRUCT_TENSOR", "STRUCT_SELECT_ARGS", "STRUCT_FWD_ARGS", "STRUCT_BWD_ARGS",
+    "STATUS_WORDS", "CHECK_SYNC", "CHECK_RESET",
+)}
+ABI_CONSTANTS.update({name: "FLASHMSA_ERROR_" + name for name in (
+    "INVALID_ARGUMENT", "NOT_SUPPORTED", "DEVICE", "WORKSPACE", "INTERNAL")})
+# the struct each flashmsa_struct_t id stands for (this module's constant names)
+_STRUCT_IDS = {"STRUCT_TENSOR": Tensor, "STRUCT_SELECT_ARGS": SelectArgs, "STRUCT_FWD_ARGS": FwdArgs,
+               "STRUCT_BWD_ARGS": BwdArgs}
+
+
+def abi_constant(lib: ctypes.CDLL, c_name: str) -> Optional[int]:
+    """The library's value of the header constant `c_name` (None when it does not know it)."""
+    value = ctypes.c_int64(0)
+    return value.value if lib.flashmsa_abi_constant(c_name.encode(), ctypes.byref(value)) else None
+
 
 def _check_abi(lib: ctypes.CDLL) -> None:
-    """Refuse a library whose ABI (version or struct layout) differs from these bindings."""
+    """Refuse a library whose ABI (version, struct layout or any constant these bindings mirror)
+    differs from these bindings: ImportError naming what differs."""
+    g = globals()  # read at call time: the module's current values
     lib.flashmsa_abi_version.argtypes, lib.flashmsa_abi_version.restype = [], ctypes.c_int
     lib.flashmsa_struct_size.argtypes, lib.flashmsa_struct_size.restype = [ctypes.c_int], ctypes.c_size_t
     got = lib.flashmsa_abi_version()
-    if got != ABI_VERSION:
+    if got != g["ABI_VERSION"]:
         raise ImportError(f"flashmsa: the library has ABI version {got}, these Python bindings expect "
-                          f"{ABI_VERSION}: rebuild the library or update the package")
-    for which, struct in enumerate((Tensor, SelectArgs, FwdArgs, BwdArgs)):
-        size = lib.flashmsa_struct_size(which)
+                          f"{g['ABI_VERSION']}: rebuild the library or update the package")
+    try:
+        query = lib.flashmsa_abi_constant
+    except AttributeError:
+        raise ImportError("flashmsa: the library has no flashmsa_abi_constant (built from an older "
+                          "checkout): rebuild the library") from None
+    query.argtypes, query.restype = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_int64)], ctypes.c_int
+    for py_name, c_name in ABI_CONSTANTS.items():
+        ours, theirs = g[py_name], abi_constant(lib, c_name)
+        if theirs is None:
+            raise ImportError(f"flashmsa: the library does not know the constant {c_name} that the Python "
+                              f"bindings mirror as {py_name}: rebuild the library or update the package")
+        if ours != theirs:
+            raise ImportError(f"flashmsa: constant {c_name} is {theirs} in the library but {py_name} = {ours} "
+                              "in the Python bindings: rebuild the library or update the package")
+    for py_name, struct in _STRUCT_IDS.items():
+        size = lib.flashmsa_struct_size(g[py_name])
         if size != ctypes.sizeof(struct):
             raise ImportError(f"flashmsa: struct {struct.__name__} is {size} bytes in the library but "
                               f"{ctypes.sizeof(struct)} in the Python bindings: rebuild the library")

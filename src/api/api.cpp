@@ -1,4 +1,5 @@
 // The C ABI: argument checks, error capture, dispatch by device.
+#include <cstring>
 #include <exception>
 #include <new>
 #include <string>
@@ -291,6 +292,75 @@ size_t flashmsa_struct_size(flashmsa_struct_t which) {
     case FLASHMSA_STRUCT_FWD_ARGS: return sizeof(flashmsa_fwd_args_t);
     case FLASHMSA_STRUCT_BWD_ARGS: return sizeof(flashmsa_bwd_args_t);
   }
+  return 0;
+}
+
+int flashmsa_abi_constant(const char* name, int64_t* value) {
+  // FLASHMSA_MAX_SCALE is a double in the header; this table reports it as an integer, exactly.
+  static_assert(double(int64_t(FLASHMSA_MAX_SCALE)) == FLASHMSA_MAX_SCALE, "FLASHMSA_MAX_SCALE is not integral");
+  struct Constant {
+    const char* name;
+    int64_t value;
+  };
+#define FLASHMSA_CONSTANT(c) Constant{#c, static_cast<int64_t>(c)}
+  static const Constant table[] = {
+      FLASHMSA_CONSTANT(FLASHMSA_VERSION_MAJOR),
+      FLASHMSA_CONSTANT(FLASHMSA_VERSION_MINOR),
+      FLASHMSA_CONSTANT(FLASHMSA_VERSION_PATCH),
+      FLASHMSA_CONSTANT(FLASHMSA_BLOCK_SIZE),
+      FLASHMSA_CONSTANT(FLASHMSA_MAX_TOPK),
+      FLASHMSA_CONSTANT(FLASHMSA_MAX_SCALE),
+      FLASHMSA_CONSTANT(FLASHMSA_MAX_DIMS),
+      // flashmsa_status_t
+      FLASHMSA_CONSTANT(FLASHMSA_SUCCESS),
+      FLASHMSA_CONSTANT(FLASHMSA_ERROR_INVALID_ARGUMENT),
+      FLASHMSA_CONSTANT(FLASHMSA_ERROR_NOT_SUPPORTED),
+      FLASHMSA_CONSTANT(FLASHMSA_ERROR_DEVICE),
+      FLASHMSA_CONSTANT(FLASHMSA_ERROR_WORKSPACE),
+      FLASHMSA_CONSTANT(FLASHMSA_ERROR_INTERNAL),
+      // flashmsa_dtype_t
+      FLASHMSA_CONSTANT(FLASHMSA_DTYPE_BF16),
+      FLASHMSA_CONSTANT(FLASHMSA_DTYPE_FP16),
+      FLASHMSA_CONSTANT(FLASHMSA_DTYPE_FP32),
+      FLASHMSA_CONSTANT(FLASHMSA_DTYPE_FP64),
+      FLASHMSA_CONSTANT(FLASHMSA_DTYPE_INT32),
+      // flashmsa_device_type_t
+      FLASHMSA_CONSTANT(FLASHMSA_DEVICE_CPU),
+      FLASHMSA_CONSTANT(FLASHMSA_DEVICE_CUDA),
+      // flashmsa_mode_t
+      FLASHMSA_CONSTANT(FLASHMSA_MODE_SPARSE),
+      FLASHMSA_CONSTANT(FLASHMSA_MODE_DENSE),
+      FLASHMSA_CONSTANT(FLASHMSA_MODE_GIVEN),
+      // flashmsa_numerics_t
+      FLASHMSA_CONSTANT(FLASHMSA_NUMERICS_TRAIN),
+      FLASHMSA_CONSTANT(FLASHMSA_NUMERICS_INFER),
+      // metadata faults
+      FLASHMSA_CONSTANT(FLASHMSA_STATUS_WORDS),
+      FLASHMSA_CONSTANT(FLASHMSA_FAULT_FIRST_NOT_ZERO),
+      FLASHMSA_CONSTANT(FLASHMSA_FAULT_NEGATIVE),
+      FLASHMSA_CONSTANT(FLASHMSA_FAULT_DECREASING),
+      FLASHMSA_CONSTANT(FLASHMSA_FAULT_ABOVE_TOTAL),
+      FLASHMSA_CONSTANT(FLASHMSA_FAULT_LAST_NOT_TOTAL),
+      FLASHMSA_CONSTANT(FLASHMSA_FAULT_ABOVE_MAX_SEQLEN),
+      FLASHMSA_CONSTANT(FLASHMSA_FAULT_OP_SELECT),
+      FLASHMSA_CONSTANT(FLASHMSA_FAULT_OP_FWD),
+      FLASHMSA_CONSTANT(FLASHMSA_FAULT_OP_BWD),
+      FLASHMSA_CONSTANT(FLASHMSA_CHECK_SYNC),
+      FLASHMSA_CONSTANT(FLASHMSA_CHECK_RESET),
+      // ABI
+      FLASHMSA_CONSTANT(FLASHMSA_ABI_VERSION),
+      FLASHMSA_CONSTANT(FLASHMSA_STRUCT_TENSOR),
+      FLASHMSA_CONSTANT(FLASHMSA_STRUCT_SELECT_ARGS),
+      FLASHMSA_CONSTANT(FLASHMSA_STRUCT_FWD_ARGS),
+      FLASHMSA_CONSTANT(FLASHMSA_STRUCT_BWD_ARGS),
+  };
+#undef FLASHMSA_CONSTANT
+  if (name == nullptr) return 0;
+  for (const Constant& c : table)
+    if (std::strcmp(c.name, name) == 0) {
+      if (value) *value = c.value;
+      return 1;
+    }
   return 0;
 }
 

@@ -17,6 +17,55 @@ TEST(Abi, VersionAndStructSizes) {
   EXPECT_EQ(flashmsa_struct_size(static_cast<flashmsa_struct_t>(99)), 0u);
 }
 
+// Every constant bindings mirror, by name: the value the header gives it (tests/python/test_abi.py
+// also checks that no numeric constant of the header is missing from the library's table).
+TEST(Abi, ConstantsByName) {
+  struct Named {
+    const char* name;
+    int64_t value;
+  };
+#define NAMED(c) Named{#c, static_cast<int64_t>(c)}
+  const Named all[] = {
+      NAMED(FLASHMSA_VERSION_MAJOR), NAMED(FLASHMSA_VERSION_MINOR), NAMED(FLASHMSA_VERSION_PATCH),
+      NAMED(FLASHMSA_BLOCK_SIZE), NAMED(FLASHMSA_MAX_TOPK), NAMED(FLASHMSA_MAX_DIMS),
+      NAMED(FLASHMSA_SUCCESS), NAMED(FLASHMSA_ERROR_INVALID_ARGUMENT), NAMED(FLASHMSA_ERROR_NOT_SUPPORTED),
+      NAMED(FLASHMSA_ERROR_DEVICE), NAMED(FLASHMSA_ERROR_WORKSPACE), NAMED(FLASHMSA_ERROR_INTERNAL),
+      NAMED(FLASHMSA_DTYPE_BF16), NAMED(FLASHMSA_DTYPE_FP16), NAMED(FLASHMSA_DTYPE_FP32), NAMED(FLASHMSA_DTYPE_FP64),
+      NAMED(FLASHMSA_DTYPE_INT32), NAMED(FLASHMSA_DEVICE_CPU), NAMED(FLASHMSA_DEVICE_CUDA),
+      NAMED(FLASHMSA_MODE_SPARSE), NAMED(FLASHMSA_MODE_DENSE), NAMED(FLASHMSA_MODE_GIVEN),
+      NAMED(FLASHMSA_NUMERICS_TRAIN), NAMED(FLASHMSA_NUMERICS_INFER), NAMED(FLASHMSA_STATUS_WORDS),
+      NAMED(FLASHMSA_FAULT_FIRST_NOT_ZERO), NAMED(FLASHMSA_FAULT_NEGATIVE), NAMED(FLASHMSA_FAULT_DECREASING),
+      NAMED(FLASHMSA_FAULT_ABOVE_TOTAL), NAMED(FLASHMSA_FAULT_LAST_NOT_TOTAL), NAMED(FLASHMSA_FAULT_ABOVE_MAX_SEQLEN),
+      NAMED(FLASHMSA_FAULT_OP_SELECT), NAMED(FLASHMSA_FAULT_OP_FWD), NAMED(FLASHMSA_FAULT_OP_BWD),
+      NAMED(FLASHMSA_CHECK_SYNC), NAMED(FLASHMSA_CHECK_RESET), NAMED(FLASHMSA_ABI_VERSION),
+      NAMED(FLASHMSA_STRUCT_TENSOR), NAMED(FLASHMSA_STRUCT_SELECT_ARGS), NAMED(FLASHMSA_STRUCT_FWD_ARGS),
+      NAMED(FLASHMSA_STRUCT_BWD_ARGS),
+  };
+#undef NAMED
+  for (const Named& c : all) {
+    int64_t got = -12345;
+    EXPECT_EQ(flashmsa_abi_constant(c.name, &got), 1) << c.name;
+    EXPECT_EQ(got, c.value) << c.name;
+    EXPECT_EQ(flashmsa_abi_constant(c.name, nullptr), 1) << c.name << ": value may be NULL";
+  }
+  // the one floating-point macro, reported as the integer it is
+  int64_t scale = 0;
+  ASSERT_EQ(flashmsa_abi_constant("FLASHMSA_MAX_SCALE", &scale), 1);
+  EXPECT_EQ(double(scale), FLASHMSA_MAX_SCALE);
+}
+
+TEST(Abi, UnknownConstant) {
+  for (const char* name : {"FLASHMSA_NO_SUCH_CONSTANT", "", "flashmsa_mode_given", "FLASHMSA_MODE_GIVEN ",
+                           "MODE_GIVEN", "FLASHMSA_API", "FLASHMSA_FLASHMSA_H_"}) {
+    int64_t v = 77;
+    EXPECT_EQ(flashmsa_abi_constant(name, &v), 0) << "'" << name << "'";
+    EXPECT_EQ(v, 77) << "an unknown name must leave the value alone";
+  }
+  int64_t v = 77;
+  EXPECT_EQ(flashmsa_abi_constant(nullptr, &v), 0);
+  EXPECT_EQ(v, 77);
+}
+
 // torch gives zero-element tensors arbitrary strides (often all 0): they must be accepted.
 TEST(Abi, EmptyTensorsWithZeroStrides) {
   auto empty = [](std::initializer_list<int64_t> shape) {

@@ -59,11 +59,60 @@ struct PoolScope {
   ~PoolScope() { Pool::get().release_all(); }
 };
 
+// The shapes of one test problem. Built by named steps, each returning a modified copy:
+//   Problem().heads(64, 4).proxy_heads(4, 1).with_topk(16).seqlens({1300})
+//   Problem().heads(16, 2).proxy_heads(4, 1).with_topk(8).batched(2, 700).fp16()
 struct Problem {
   int Hq = 16, Hkv = 2, Hp = 4, Hpk = 1, D = 128, Dp = 128, topk = 16;
   std::vector<int64_t> lengths{1000};
   int batch = 0;  // > 0: batched [B, S, ...] with S = lengths[0]
   flashmsa_dtype_t dtype = FLASHMSA_DTYPE_BF16;
+
+  // attention heads: Hq query heads sharing Hkv key/value heads
+  [[nodiscard]] Problem heads(int q, int kv) const {
+    Problem p = *this;
+    p.Hq = q;
+    p.Hkv = kv;
+    return p;
+  }
+  // proxy heads: Hp proxy query heads (one per MSA group) sharing Hpk proxy key heads
+  [[nodiscard]] Problem proxy_heads(int p_q, int p_kv) const {
+    Problem p = *this;
+    p.Hp = p_q;
+    p.Hpk = p_kv;
+    return p;
+  }
+  [[nodiscard]] Problem head_dim(int d) const {
+    Problem p = *this;
+    p.D = d;
+    return p;
+  }
+  // blocks per (proxy head, token) in SPARSE and GIVEN mode (DENSE ignores it)
+  [[nodiscard]] Problem with_topk(int k) const {
+    Problem p = *this;
+    p.topk = k;
+    return p;
+  }
+  // varlen: one sequence per length (cu_seqlens on the device)
+  [[nodiscard]] Problem seqlens(std::vector<int64_t> l) const {
+    Problem p = *this;
+    p.lengths = std::move(l);
+    p.batch = 0;
+    return p;
+  }
+  // batched [B, S, ...] inputs: b sequences of length s (no cu_seqlens)
+  [[nodiscard]] Problem batched(int b, int64_t s) const {
+    Problem p = *this;
+    p.lengths = {s};
+    p.batch = b;
+    return p;
+  }
+  [[nodiscard]] Problem fp16() const {
+    Problem p = *this;
+    p.dtype = FLASHMSA_DTYPE_FP16;
+    return p;
+  }
+
   int64_t total() const {
     if (batch > 0) return int64_t(batch) * lengths.at(0);
     int64_t t = 0;

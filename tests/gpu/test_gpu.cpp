@@ -87,10 +87,52 @@ struct FwdRun {
   Tensor out, lse, indices, proxy_lse, out_lo;  // out_lo: with_out_lo only
 };
 
-// Runs flashmsa_fwd on the device (SPARSE computes indices; GIVEN takes them); with_out_lo also
+// What one device forward computes (run_fwd), built by named steps, each returning a modified copy:
+//   FwdCall().sparse(pb.topk).with_proxy_lse()      FwdCall().given(idx, K).with_out_lo()
+struct FwdCall {
+  flashmsa_mode_t mode = FLASHMSA_MODE_SPARSE;
+  int topk = 0;                                         // SPARSE, GIVEN (DENSE: 0)
+  const std::vector<int32_t>* given_indices = nullptr;  // GIVEN: [Hp, total, topk]
+  flashmsa_numerics_t numerics = FLASHMSA_NUMERICS_TRAIN;
+  bool proxy_lse = false;  // SPARSE: write proxy_lse; GIVEN: pass qp, kp (no proxy_lse output)
+  bool out_lo = false;     // write the low part of the output too
+
+  // the key sets: SPARSE selects (indices out), GIVEN reads `idx` (GIVEN only), DENSE neither
+  [[nodiscard]] FwdCall key_sets(flashmsa_mode_t m, int k, const std::vector<int32_t>* idx) const {
+    FwdCall c = *this;
+    c.mode = m;
+    c.topk = k;
+    c.given_indices = idx;
+    return c;
+  }
+  [[nodiscard]] FwdCall sparse(int k) const { return key_sets(FLASHMSA_MODE_SPARSE, k, nullptr); }
+  [[nodiscard]] FwdCall dense() const { return key_sets(FLASHMSA_MODE_DENSE, 0, nullptr); }
+  [[nodiscard]] FwdCall given(const std::vector<int32_t>& idx, int k) const {
+    return key_sets(FLASHMSA_MODE_GIVEN, k, &idx);
+  }
+  [[nodiscard]] FwdCall with_numerics(flashmsa_numerics_t n) const {
+    FwdCall c = *this;
+    c.numerics = n;
+    return c;
+  }
+  [[nodiscard]] FwdCall with_proxy_lse(bool on = true) const {
+    FwdCall c = *this;
+    c.proxy_lse = on;
+    return c;
+  }
+  [[nodiscard]] FwdCall with_out_lo() const {
+    FwdCall c = *this;
+    c.out_lo = true;
+    return c;
+  }
+};
+
+// Runs flashmsa_fwd on the device (SPARSE computes indices; GIVEN takes them); out_lo also
 // writes the low part of the fp32 output.
-FwdRun run_fwd(const Problem& pb, Inputs& in, flashmsa_mode_t mode, flashmsa_numerics_t num,
-               const std::vector<int32_t>* given, int topk, bool with_proxy_lse, bool with_out_lo = false) {
+FwdRun run_fwd(const Problem& pb, Inputs& in, const FwdCall& call) {
+  const flashmsa_mode_t mode = call.mode;
+  const int topk = call.topk;
+  const bool with_proxy_lse = call.proxy_lse, with_out_lo = call.out_lo;
   FwdRun r;
   const int64_t T = pb.total();
   r.out = output(token_shape(pb, pb.Hq, pb.D), pb.dtype);
@@ -106,7 +148,7 @@ FwdRun run_fwd(const Problem& pb, Inputs& in, flashmsa_mode_t mode, flashmsa_num
   if (pb.batch == 0) a.cu_seqlens = dev_view(in.cu);
   a.max_seqlen = pb.batch ? 0 : pb.max_len();
   a.mode = mode;
-  a.numerics = num;
+  a.numerics = call.numerics;
   a.topk = topk;
   if (mode == FLASHMSA_MODE_SPARSE) {
     r.indices = output({pb.Hp, T, topk}, FLASHMSA_DTYPE_INT32);
@@ -118,7 +160,7 @@ FwdRun run_fwd(const Problem& pb, Inputs& in, flashmsa_mode_t mode, flashmsa_num
   } else if (mode == FLASHMSA_MODE_GIVEN) {
     r.indices.shape = {pb.Hp, T, topk};
     r.indices.dtype = FLASHMSA_DTYPE_INT32;
-    r.indices.host.assign(given->begin(), given->end());
+    r.indices.host.assign(call.given_indices->begin(), call.given_indices->end());
     upload(r.indices);
     a.indices = dev_view(r.indices);
   }
@@ -164,18 +206,13 @@ void check_forward(const Problem& pb, Inputs& in, const FwdRun& r, flashmsa_mode
 
 // ---- tests ----------------------------------------------------------------------------------
 
-struct SparseCase {
-  const char* name;
-  Problem pb;
-  flashmsa_numerics_t num;
-};
-
-void run_sparse_case(const SparseCase& c) {
+// The sparse forward (selection, proxy lse, out, lse) with the given numerics.
+void run_sparse_case(const Problem& pb0, flashmsa_numerics_t num) {
   PoolScope scope;
   std::mt19937_64 rng(fresh_seed());
-  Problem pb = c.pb;
+  Problem pb = pb0;
   Inputs in = make_inputs(pb, rng);
-  FwdRun r = run_fwd(pb, in, FLASHMSA_MODE_SPARSE, c.num, nullptr, pb.topk, /*proxy_lse=*/true);
+  FwdRun r = run_fwd(pb, in, FwdCall().sparse(pb.topk).with_numerics(num).with_proxy_lse());
   ASSERT_TRUE(all_finite(r.proxy_lse.host)) << "proxy_lse unwritten";
   // selection vs the fp64 reference
   std::vector<double> qp = in.qp.host, kp = in.kp.host;
@@ -200,51 +237,57 @@ void run_sparse_case(const SparseCase& c) {
   check_forward(pb, in, r, FLASHMSA_MODE_SPARSE, pb.topk);
 }
 
-Problem make(int Hq, int Hkv, int Hp, int Hpk, int topk, std::vector<int64_t> lengths, int batch = 0,
-             flashmsa_dtype_t dt = FLASHMSA_DTYPE_BF16) {
-  Problem p;
-  p.Hq = Hq; p.Hkv = Hkv; p.Hp = Hp; p.Hpk = Hpk; p.topk = topk;
-  p.lengths = std::move(lengths);
-  p.batch = batch;
-  p.dtype = dt;
-  return p;
-}
+// The head layouts most cases use: m3 (Hq 64, Hkv 4, Hp 4, Hpk 1) and fmsa (Hq 16, Hkv 2, Hp 4,
+// Hpk 1); D = Dp = 128, bf16.
+Problem m3() { return Problem().heads(64, 4).proxy_heads(4, 1); }
+Problem fmsa() { return Problem().heads(16, 2).proxy_heads(4, 1); }
 
-TEST(Sparse, M3) { run_sparse_case({"m3", make(64, 4, 4, 1, 16, {2300}), FLASHMSA_NUMERICS_TRAIN}); }
+TEST(Sparse, M3) { run_sparse_case(m3().with_topk(16).seqlens({2300}), FLASHMSA_NUMERICS_TRAIN); }
 TEST(Sparse, FmsaVarlen) {
-  run_sparse_case({"fmsa", make(16, 2, 4, 1, 16, {0, 1, 127, 129, 1000, 4097}), FLASHMSA_NUMERICS_TRAIN});
+  run_sparse_case(fmsa().with_topk(16).seqlens({0, 1, 127, 129, 1000, 4097}), FLASHMSA_NUMERICS_TRAIN);
 }
 TEST(Sparse, FmsaInferFp16) {
-  run_sparse_case({"fmsa", make(16, 2, 4, 1, 16, {1500}, 0, FLASHMSA_DTYPE_FP16), FLASHMSA_NUMERICS_INFER});
+  run_sparse_case(fmsa().with_topk(16).seqlens({1500}).fp16(), FLASHMSA_NUMERICS_INFER);
 }
-TEST(Sparse, M3InferBatched) { run_sparse_case({"m3", make(64, 4, 4, 1, 16, {1100}, 2), FLASHMSA_NUMERICS_INFER}); }
-TEST(Sparse, HpBelowHkv) { run_sparse_case({"hp<hkv", make(8, 4, 2, 1, 4, {700, 333}), FLASHMSA_NUMERICS_TRAIN}); }
-TEST(Sparse, G1Hpk2Topk32) { run_sparse_case({"g1", make(4, 2, 4, 2, 32, {4500}), FLASHMSA_NUMERICS_TRAIN}); }
-TEST(Sparse, Topk64Gcd3) { run_sparse_case({"gcd3", make(12, 2, 4, 2, 64, {9000}), FLASHMSA_NUMERICS_TRAIN}); }
-TEST(Sparse, SmallTopk1) { run_sparse_case({"topk1", make(8, 2, 2, 1, 1, {300, 5}), FLASHMSA_NUMERICS_TRAIN}); }
-TEST(Sparse, SmallTopk2) { run_sparse_case({"small", make(8, 2, 2, 1, 2, {0, 1, 127, 129, 400}), FLASHMSA_NUMERICS_TRAIN}); }
+TEST(Sparse, M3InferBatched) { run_sparse_case(m3().with_topk(16).batched(2, 1100), FLASHMSA_NUMERICS_INFER); }
+TEST(Sparse, HpBelowHkv) {
+  run_sparse_case(Problem().heads(8, 4).proxy_heads(2, 1).with_topk(4).seqlens({700, 333}), FLASHMSA_NUMERICS_TRAIN);
+}
+TEST(Sparse, G1Hpk2Topk32) {
+  run_sparse_case(Problem().heads(4, 2).proxy_heads(4, 2).with_topk(32).seqlens({4500}), FLASHMSA_NUMERICS_TRAIN);
+}
+TEST(Sparse, Topk64Gcd3) {
+  run_sparse_case(Problem().heads(12, 2).proxy_heads(4, 2).with_topk(64).seqlens({9000}), FLASHMSA_NUMERICS_TRAIN);
+}
+TEST(Sparse, SmallTopk1) {
+  run_sparse_case(Problem().heads(8, 2).proxy_heads(2, 1).with_topk(1).seqlens({300, 5}), FLASHMSA_NUMERICS_TRAIN);
+}
+TEST(Sparse, SmallTopk2) {
+  run_sparse_case(Problem().heads(8, 2).proxy_heads(2, 1).with_topk(2).seqlens({0, 1, 127, 129, 400}),
+                  FLASHMSA_NUMERICS_TRAIN);
+}
 
 TEST(Dense, FmsaVarlen) {
   PoolScope scope;
   std::mt19937_64 rng(fresh_seed());
-  Problem pb = make(16, 2, 4, 1, 1, {129, 1000, 0, 1777});
+  Problem pb = fmsa().with_topk(1).seqlens({129, 1000, 0, 1777});
   Inputs in = make_inputs(pb, rng);
-  FwdRun r = run_fwd(pb, in, FLASHMSA_MODE_DENSE, FLASHMSA_NUMERICS_TRAIN, nullptr, 0, false);
+  FwdRun r = run_fwd(pb, in, FwdCall().dense());
   check_forward(pb, in, r, FLASHMSA_MODE_DENSE, 0);
 }
 
 TEST(Dense, SmallM3) {
   PoolScope scope;
   std::mt19937_64 rng(fresh_seed());
-  Problem pb = make(64, 4, 4, 1, 1, {300, 1});
+  Problem pb = m3().with_topk(1).seqlens({300, 1});
   Inputs in = make_inputs(pb, rng);
-  FwdRun r = run_fwd(pb, in, FLASHMSA_MODE_DENSE, FLASHMSA_NUMERICS_TRAIN, nullptr, 0, false);
+  FwdRun r = run_fwd(pb, in, FwdCall().dense());
   check_forward(pb, in, r, FLASHMSA_MODE_DENSE, 0);
 }
 
 // Given indices with empty slots of every kind, blocks after the query's own, and rows with no
 // valid slot at all (out = 0, lse = -inf).
-void run_given(const Problem& pb0, bool small) {
+void run_given(const Problem& pb0) {
   PoolScope scope;
   std::mt19937_64 rng(fresh_seed());
   Problem pb = pb0;
@@ -275,7 +318,7 @@ void run_given(const Problem& pb0, bool small) {
         }
       }
     }
-  FwdRun r = run_fwd(pb, in, FLASHMSA_MODE_GIVEN, FLASHMSA_NUMERICS_TRAIN, &idx, K, false);
+  FwdRun r = run_fwd(pb, in, FwdCall().given(idx, K));
   r.indices.host.assign(idx.begin(), idx.end());
   check_forward(pb, in, r, FLASHMSA_MODE_GIVEN, K);
   // empty rows: exactly 0 and -inf
@@ -287,24 +330,74 @@ void run_given(const Problem& pb0, bool small) {
       EXPECT_TRUE(std::isinf(r.lse.host[x]) && r.lse.host[x] < 0) << "lse of an empty row at " << x;
     }
   std::printf("    %lld empty (head, token) rows\n", (long long)empty_rows);
-  (void)small;
 }
 
-TEST(Given, FmsaVarlen) { run_given(make(16, 2, 4, 1, 16, {129, 2000, 1}), false); }
-TEST(Given, SmallOdd) { run_given(make(8, 4, 2, 1, 3, {0, 300, 127}), true); }
+TEST(Given, FmsaVarlen) { run_given(fmsa().with_topk(16).seqlens({129, 2000, 1})); }
+TEST(Given, SmallOdd) { run_given(Problem().heads(8, 4).proxy_heads(2, 1).with_topk(3).seqlens({0, 300, 127})); }
 
 // ---- backward ------------------------------------------------------------------------------
 
-// Runs the CUDA forward then the CUDA backward (no kl gradient) with the outputs and the whole
-// workspace poisoned (NaN bytes), and checks dq, dk, dv against the fp64 reference fed the
-// kernel's own indices, at the accuracy bar; the proxy gradients must be exactly zero.
+// One backward case, built by named steps, each returning a modified copy:
+//   BwdCase().sparse().with_dlse().with_dkl(0.7).deterministic()
+struct BwdCase {
+  flashmsa_mode_t mode = FLASHMSA_MODE_SPARSE;
+  bool has_dlse = false;          // a random lse gradient
+  double dkl = NAN;               // the kl gradient g (a device scalar); NaN: none (dkl absent)
+  bool has_proxy_lse = false;     // the forward writes proxy_lse and the backward reads it
+  bool is_deterministic = false;  // the ordered backward, run twice
+  bool has_repeats = false;       // GIVEN: some rows repeat a block in a later slot
+
+  [[nodiscard]] BwdCase with_mode(flashmsa_mode_t m) const {
+    BwdCase c = *this;
+    c.mode = m;
+    return c;
+  }
+  [[nodiscard]] BwdCase sparse() const { return with_mode(FLASHMSA_MODE_SPARSE); }
+  [[nodiscard]] BwdCase dense() const { return with_mode(FLASHMSA_MODE_DENSE); }
+  [[nodiscard]] BwdCase given() const { return with_mode(FLASHMSA_MODE_GIVEN); }
+  [[nodiscard]] BwdCase with_dlse() const {
+    BwdCase c = *this;
+    c.has_dlse = true;
+    return c;
+  }
+  [[nodiscard]] BwdCase with_dkl(double g) const {
+    BwdCase c = *this;
+    c.dkl = g;
+    return c;
+  }
+  [[nodiscard]] BwdCase with_proxy_lse() const {
+    BwdCase c = *this;
+    c.has_proxy_lse = true;
+    return c;
+  }
+  [[nodiscard]] BwdCase deterministic() const {
+    BwdCase c = *this;
+    c.is_deterministic = true;
+    return c;
+  }
+  [[nodiscard]] BwdCase with_repeated_blocks() const {
+    BwdCase c = *this;
+    c.has_repeats = true;
+    return c;
+  }
+};
+
+// Runs the CUDA forward then the CUDA backward with the outputs and the whole workspace poisoned
+// (NaN bytes), and checks dq, dk, dv against the fp64 reference fed the kernel's own indices, at
+// the accuracy bar; without a kl gradient (or with g = 0) the proxy gradients must be exactly
+// zero, with one dqp and dkp are checked at the bar too.
+// with_dlse: a random lse gradient. with_dkl(g): the kl gradient g. with_proxy_lse: the forward
+// writes proxy_lse and the backward reads it (else the backward recomputes it).
 // deterministic: the ordered backward, run twice on freshly poisoned outputs and workspace; the
 // two results must be bitwise equal (and each within the accuracy bar).
-// repeats (GIVEN): some rows repeat a block in a later slot; SPEC forbids that, only the opt-in
-// validation reports it on the GPU, and the kernels must then count the block once (the
-// reference gets the rows without the repeats).
-void run_bwd_case(const Problem& pb0, flashmsa_mode_t mode, bool with_dlse, double dkl = NAN,
-                  bool pass_proxy_lse = false, bool deterministic = false, bool repeats = false) {
+// with_repeated_blocks (GIVEN): some rows repeat a block in a later slot; SPEC forbids that, only
+// the opt-in validation reports it on the GPU, and the kernels must then count the block once
+// (the reference gets the rows without the repeats).
+void run_bwd_case(const Problem& pb0, const BwdCase& c) {
+  const flashmsa_mode_t mode = c.mode;
+  const bool with_dlse = c.has_dlse, pass_proxy_lse = c.has_proxy_lse, deterministic = c.is_deterministic,
+             repeats = c.has_repeats;
+  const double dkl = c.dkl;
   PoolScope scope;
   std::mt19937_64 rng(fresh_seed());
   Problem pb = pb0;
@@ -329,8 +422,10 @@ void run_bwd_case(const Problem& pb0, flashmsa_mode_t mode, bool with_dlse, doub
         }
   }
   const bool with_dkl = !std::isnan(dkl);
-  FwdRun f = run_fwd(pb, in, mode, FLASHMSA_NUMERICS_TRAIN, mode == FLASHMSA_MODE_GIVEN ? &given : nullptr, K,
-                     pass_proxy_lse);
+  FwdRun f = run_fwd(pb, in,
+                     FwdCall()
+                         .key_sets(mode, K, mode == FLASHMSA_MODE_GIVEN ? &given : nullptr)
+                         .with_proxy_lse(pass_proxy_lse));
   Tensor dout = random_input(token_shape(pb, pb.Hq, pb.D), pb.dtype, rng);
   Tensor dlse;
   if (with_dlse) dlse = random_input({pb.Hq, T}, FLASHMSA_DTYPE_FP32, rng);
@@ -412,67 +507,122 @@ void run_bwd_case(const Problem& pb0, flashmsa_mode_t mode, bool with_dlse, doub
   expect_bar("dkp", dkp.host, pref.dkp, pplain.dkp);
 }
 
-TEST(Proxy, M3SparseWithProxyLse) { run_bwd_case(make(64, 4, 4, 1, 16, {1300}), FLASHMSA_MODE_SPARSE, true, 0.7, true); }
-TEST(Proxy, FmsaVarlenRecomputedLse) {
-  run_bwd_case(make(16, 2, 4, 1, 16, {0, 1, 127, 129, 1000, 2100}), FLASHMSA_MODE_SPARSE, false, 1.0);
+TEST(Proxy, M3SparseWithProxyLse) {
+  run_bwd_case(m3().with_topk(16).seqlens({1300}), BwdCase().sparse().with_dlse().with_dkl(0.7).with_proxy_lse());
 }
-TEST(Proxy, G1Hpk2Tok64) { run_bwd_case(make(4, 2, 4, 2, 8, {1500}), FLASHMSA_MODE_SPARSE, false, 1.3, true); }
-TEST(Proxy, DenseWarmup) { run_bwd_case(make(16, 2, 4, 1, 1, {300, 57, 0, 130}), FLASHMSA_MODE_DENSE, true, 1.0); }
-TEST(Proxy, GivenWithEmptyRows) { run_bwd_case(make(16, 2, 4, 1, 5, {900, 3}), FLASHMSA_MODE_GIVEN, false, 2.0); }
-TEST(Proxy, BatchedFp16) { run_bwd_case(make(16, 2, 4, 1, 16, {700}, 2, FLASHMSA_DTYPE_FP16), FLASHMSA_MODE_SPARSE, false, 1.0); }
-TEST(Proxy, ZeroGradientIsExactlyZero) { run_bwd_case(make(16, 2, 4, 1, 4, {600}), FLASHMSA_MODE_SPARSE, false, 0.0); }
-TEST(Proxy, SmallSparse) { run_bwd_case(make(8, 2, 4, 1, 2, {130, 5, 300}), FLASHMSA_MODE_SPARSE, true, 1.0, true); }
+TEST(Proxy, FmsaVarlenRecomputedLse) {
+  run_bwd_case(fmsa().with_topk(16).seqlens({0, 1, 127, 129, 1000, 2100}), BwdCase().sparse().with_dkl(1.0));
+}
+TEST(Proxy, G1Hpk2Tok64) {
+  run_bwd_case(Problem().heads(4, 2).proxy_heads(4, 2).with_topk(8).seqlens({1500}),
+               BwdCase().sparse().with_dkl(1.3).with_proxy_lse());
+}
+TEST(Proxy, DenseWarmup) {
+  run_bwd_case(fmsa().with_topk(1).seqlens({300, 57, 0, 130}), BwdCase().dense().with_dlse().with_dkl(1.0));
+}
+TEST(Proxy, GivenWithEmptyRows) {
+  run_bwd_case(fmsa().with_topk(5).seqlens({900, 3}), BwdCase().given().with_dkl(2.0));
+}
+TEST(Proxy, BatchedFp16) {
+  run_bwd_case(fmsa().with_topk(16).batched(2, 700).fp16(), BwdCase().sparse().with_dkl(1.0));
+}
+TEST(Proxy, ZeroGradientIsExactlyZero) {
+  run_bwd_case(fmsa().with_topk(4).seqlens({600}), BwdCase().sparse().with_dkl(0.0));
+}
+TEST(Proxy, SmallSparse) {
+  run_bwd_case(Problem().heads(8, 2).proxy_heads(4, 1).with_topk(2).seqlens({130, 5, 300}),
+               BwdCase().sparse().with_dlse().with_dkl(1.0).with_proxy_lse());
+}
 // The main backward's teacher reduction over each token's head slots, for every slot width:
 // Rp = 4 with R = 3 (a padding head per token), 8, 32 and 64 (m3 = 16, fmsa = 4, G1 = 1, Small = 2 above).
-TEST(Proxy, Gcd3PaddedHeadSlots) { run_bwd_case(make(12, 2, 4, 2, 8, {1000, 77}), FLASHMSA_MODE_SPARSE, false, 1.0); }
-TEST(Proxy, G8) { run_bwd_case(make(16, 2, 2, 1, 8, {900}), FLASHMSA_MODE_SPARSE, false, 1.0); }
-TEST(Proxy, G32) { run_bwd_case(make(64, 2, 2, 1, 8, {700}), FLASHMSA_MODE_SPARSE, true, 1.0); }
-TEST(Proxy, G64Given) { run_bwd_case(make(64, 1, 1, 1, 4, {500, 130}), FLASHMSA_MODE_GIVEN, false, 1.0); }
+TEST(Proxy, Gcd3PaddedHeadSlots) {
+  run_bwd_case(Problem().heads(12, 2).proxy_heads(4, 2).with_topk(8).seqlens({1000, 77}),
+               BwdCase().sparse().with_dkl(1.0));
+}
+TEST(Proxy, G8) {
+  run_bwd_case(Problem().heads(16, 2).proxy_heads(2, 1).with_topk(8).seqlens({900}), BwdCase().sparse().with_dkl(1.0));
+}
+TEST(Proxy, G32) {
+  run_bwd_case(Problem().heads(64, 2).proxy_heads(2, 1).with_topk(8).seqlens({700}),
+               BwdCase().sparse().with_dlse().with_dkl(1.0));
+}
+TEST(Proxy, G64Given) {
+  run_bwd_case(Problem().heads(64, 1).proxy_heads(1, 1).with_topk(4).seqlens({500, 130}),
+               BwdCase().given().with_dkl(1.0));
+}
 // The deterministic backward: bitwise equal across two runs. m3 (16 blocks per token's dq, four
 // proxy heads per proxy key head), fmsa varlen (two units per kv head), four units per kv head
 // (Hq 12, Hkv 1, Hp 4: R = 3 in 4 head slots), given indices with empty rows, dense warmup.
-TEST(Deterministic, M3Sparse) { run_bwd_case(make(64, 4, 4, 1, 16, {1300}), FLASHMSA_MODE_SPARSE, true, 0.7, false, true); }
-TEST(Deterministic, FmsaVarlen) {
-  run_bwd_case(make(16, 2, 4, 1, 8, {0, 1, 127, 129, 1000}), FLASHMSA_MODE_SPARSE, false, 1.0, false, true);
+TEST(Deterministic, M3Sparse) {
+  run_bwd_case(m3().with_topk(16).seqlens({1300}), BwdCase().sparse().with_dlse().with_dkl(0.7).deterministic());
 }
-TEST(Deterministic, FourUnitsPerKvHead) { run_bwd_case(make(12, 1, 4, 1, 8, {900}), FLASHMSA_MODE_SPARSE, false, 1.0, false, true); }
-TEST(Deterministic, GivenWithEmptyRows) { run_bwd_case(make(16, 2, 4, 1, 5, {900, 3}), FLASHMSA_MODE_GIVEN, false, 2.0, false, true); }
-TEST(Deterministic, DenseWarmup) { run_bwd_case(make(16, 2, 4, 1, 1, {300, 57, 0, 130}), FLASHMSA_MODE_DENSE, true, 1.0, false, true); }
+TEST(Deterministic, FmsaVarlen) {
+  run_bwd_case(fmsa().with_topk(8).seqlens({0, 1, 127, 129, 1000}), BwdCase().sparse().with_dkl(1.0).deterministic());
+}
+TEST(Deterministic, FourUnitsPerKvHead) {
+  run_bwd_case(Problem().heads(12, 1).proxy_heads(4, 1).with_topk(8).seqlens({900}),
+               BwdCase().sparse().with_dkl(1.0).deterministic());
+}
+TEST(Deterministic, GivenWithEmptyRows) {
+  run_bwd_case(fmsa().with_topk(5).seqlens({900, 3}), BwdCase().given().with_dkl(2.0).deterministic());
+}
+TEST(Deterministic, DenseWarmup) {
+  run_bwd_case(fmsa().with_topk(1).seqlens({300, 57, 0, 130}),
+               BwdCase().dense().with_dlse().with_dkl(1.0).deterministic());
+}
 TEST(Bwd, GivenRepeatedBlocksCountOnce) {
-  run_bwd_case(make(16, 2, 4, 1, 5, {900, 3}), FLASHMSA_MODE_GIVEN, false, 1.0, false, false, true);
+  run_bwd_case(fmsa().with_topk(5).seqlens({900, 3}), BwdCase().given().with_dkl(1.0).with_repeated_blocks());
 }
 TEST(Deterministic, GivenRepeatedBlocksCountOnce) {
-  run_bwd_case(make(16, 2, 4, 1, 5, {900, 3}), FLASHMSA_MODE_GIVEN, false, 1.0, false, true, true);
+  run_bwd_case(fmsa().with_topk(5).seqlens({900, 3}),
+               BwdCase().given().with_dkl(1.0).deterministic().with_repeated_blocks());
 }
 // every deterministic instantiation runs: fp16 main and kl kernels, the dense proxy kernel in both
 // chunk widths (G = 4: 16 tokens per chunk; G = 1: 64) and both dtypes
 TEST(Deterministic, BatchedFp16) {
-  run_bwd_case(make(16, 2, 4, 1, 8, {700}, 2, FLASHMSA_DTYPE_FP16), FLASHMSA_MODE_SPARSE, true, 1.0, false, true);
+  run_bwd_case(fmsa().with_topk(8).batched(2, 700).fp16(),
+               BwdCase().sparse().with_dlse().with_dkl(1.0).deterministic());
 }
 TEST(Deterministic, DenseFp16) {
-  run_bwd_case(make(16, 2, 4, 1, 1, {300, 57, 0, 130}, 0, FLASHMSA_DTYPE_FP16), FLASHMSA_MODE_DENSE, false, 1.0, false, true);
+  run_bwd_case(fmsa().with_topk(1).seqlens({300, 57, 0, 130}).fp16(), BwdCase().dense().with_dkl(1.0).deterministic());
 }
-TEST(Deterministic, DenseG1Tok64) { run_bwd_case(make(4, 2, 4, 2, 1, {300, 130}), FLASHMSA_MODE_DENSE, false, 1.0, false, true); }
+TEST(Deterministic, DenseG1Tok64) {
+  run_bwd_case(Problem().heads(4, 2).proxy_heads(4, 2).with_topk(1).seqlens({300, 130}),
+               BwdCase().dense().with_dkl(1.0).deterministic());
+}
 TEST(Deterministic, DenseG1Tok64Fp16) {
-  run_bwd_case(make(4, 2, 4, 2, 1, {300, 130}, 0, FLASHMSA_DTYPE_FP16), FLASHMSA_MODE_DENSE, true, 1.0, false, true);
+  run_bwd_case(Problem().heads(4, 2).proxy_heads(4, 2).with_topk(1).seqlens({300, 130}).fp16(),
+               BwdCase().dense().with_dlse().with_dkl(1.0).deterministic());
 }
-TEST(Deterministic, SmallSparse) { run_bwd_case(make(8, 2, 4, 1, 2, {130, 5, 300}), FLASHMSA_MODE_SPARSE, true, 1.0, false, true); }
-TEST(Proxy, SmallDense) { run_bwd_case(make(8, 2, 2, 1, 1, {200, 1}), FLASHMSA_MODE_DENSE, false, 1.0); }
+TEST(Deterministic, SmallSparse) {
+  run_bwd_case(Problem().heads(8, 2).proxy_heads(4, 1).with_topk(2).seqlens({130, 5, 300}),
+               BwdCase().sparse().with_dlse().with_dkl(1.0).deterministic());
+}
+TEST(Proxy, SmallDense) {
+  run_bwd_case(Problem().heads(8, 2).proxy_heads(2, 1).with_topk(1).seqlens({200, 1}), BwdCase().dense().with_dkl(1.0));
+}
 
-TEST(Bwd, M3SparseDlse) { run_bwd_case(make(64, 4, 4, 1, 16, {1300}), FLASHMSA_MODE_SPARSE, true); }
+TEST(Bwd, M3SparseDlse) { run_bwd_case(m3().with_topk(16).seqlens({1300}), BwdCase().sparse().with_dlse()); }
 // Odd per-sequence lengths with a NaN-filled workspace: a tile mismatch between the padded
 // buffers' writer (preprocess) and reader (main backward) would read NaN.
 TEST(Bwd, FmsaVarlenOddLengthsPoisonedWorkspace) {
-  run_bwd_case(make(16, 2, 4, 1, 16, {0, 1, 127, 129, 1000, 2100}), FLASHMSA_MODE_SPARSE, false);
+  run_bwd_case(fmsa().with_topk(16).seqlens({0, 1, 127, 129, 1000, 2100}), BwdCase().sparse());
 }
 TEST(Bwd, FmsaBatchedFp16) {
-  run_bwd_case(make(16, 2, 4, 1, 16, {700}, 2, FLASHMSA_DTYPE_FP16), FLASHMSA_MODE_SPARSE, true);
+  run_bwd_case(fmsa().with_topk(16).batched(2, 700).fp16(), BwdCase().sparse().with_dlse());
 }
-TEST(Bwd, G1Topk32) { run_bwd_case(make(4, 4, 4, 2, 32, {1500}), FLASHMSA_MODE_SPARSE, false); }
-TEST(Bwd, DenseVarlen) { run_bwd_case(make(16, 2, 4, 1, 1, {300, 57, 0, 130}), FLASHMSA_MODE_DENSE, true); }
-TEST(Bwd, GivenWithEmptyRows) { run_bwd_case(make(16, 2, 4, 1, 5, {900, 3}), FLASHMSA_MODE_GIVEN, false); }
-TEST(Bwd, SmallSparse) { run_bwd_case(make(8, 2, 4, 1, 2, {130, 5, 300}), FLASHMSA_MODE_SPARSE, true); }
-TEST(Bwd, SmallDense) { run_bwd_case(make(8, 2, 2, 1, 1, {200, 1}), FLASHMSA_MODE_DENSE, false); }
+TEST(Bwd, G1Topk32) {
+  run_bwd_case(Problem().heads(4, 4).proxy_heads(4, 2).with_topk(32).seqlens({1500}), BwdCase().sparse());
+}
+TEST(Bwd, DenseVarlen) { run_bwd_case(fmsa().with_topk(1).seqlens({300, 57, 0, 130}), BwdCase().dense().with_dlse()); }
+TEST(Bwd, GivenWithEmptyRows) { run_bwd_case(fmsa().with_topk(5).seqlens({900, 3}), BwdCase().given()); }
+TEST(Bwd, SmallSparse) {
+  run_bwd_case(Problem().heads(8, 2).proxy_heads(4, 1).with_topk(2).seqlens({130, 5, 300}),
+               BwdCase().sparse().with_dlse());
+}
+TEST(Bwd, SmallDense) {
+  run_bwd_case(Problem().heads(8, 2).proxy_heads(2, 1).with_topk(1).seqlens({200, 1}), BwdCase().dense());
+}
 
 // ---- numerics: order invariance of the online softmax (SPEC section 3) ----------------------
 // Peaked rows: each query of the last block leans on one key of block 0 (about half of its
@@ -512,10 +662,34 @@ struct OrderStats {
   double grad_err[2][3] = {};  // [first, last][dq, dk, dv] rel-L2 vs fp64 (TRAIN only)
 };
 
-OrderStats run_order_case(flashmsa_numerics_t num, bool grads) {
+// The order-invariance case: the forward under the given numerics; with_grads: the backward too.
+struct OrderCase {
+  flashmsa_numerics_t numerics = FLASHMSA_NUMERICS_TRAIN;
+  bool grads = false;
+
+  [[nodiscard]] OrderCase train() const {
+    OrderCase c = *this;
+    c.numerics = FLASHMSA_NUMERICS_TRAIN;
+    return c;
+  }
+  [[nodiscard]] OrderCase infer() const {
+    OrderCase c = *this;
+    c.numerics = FLASHMSA_NUMERICS_INFER;
+    return c;
+  }
+  [[nodiscard]] OrderCase with_grads() const {
+    OrderCase c = *this;
+    c.grads = true;
+    return c;
+  }
+};
+
+OrderStats run_order_case(const OrderCase& oc) {
+  const flashmsa_numerics_t num = oc.numerics;
+  const bool grads = oc.grads;
   PoolScope scope;
   std::mt19937_64 rng(fresh_seed());
-  Problem pb = make(4, 1, 1, 1, 9, {9 * 128});
+  Problem pb = Problem().heads(4, 1).proxy_heads(1, 1).with_topk(9).seqlens({9 * 128});
   const int64_t T = pb.total(), q0 = 8 * 128;  // queries checked: the last block
   const int K = pb.topk, D = pb.D;
   Inputs in = make_inputs(pb, rng);
@@ -547,7 +721,7 @@ OrderStats run_order_case(flashmsa_numerics_t num, bool grads) {
         upload(*x);
       }
     }
-    FwdRun f = run_fwd(pb, in, FLASHMSA_MODE_GIVEN, num, &given, K, false);
+    FwdRun f = run_fwd(pb, in, FwdCall().given(given, K).with_numerics(num));
     out_case[cs] = f.out.host;
     ref_case[cs] = reference_fwd(pb, in.q, in.k, in.v, nullptr, nullptr, &given, K, FLASHMSA_MODE_GIVEN);
     if (cs == 0) {  // the dominant key's probability in the fp64 reference, averaged
@@ -625,7 +799,7 @@ OrderStats run_order_case(flashmsa_numerics_t num, bool grads) {
 
 // Training numerics (exact running max): the order of the blocks does not show.
 TEST(Numerics, ExactMaxOrderInvariance) {
-  const OrderStats s = run_order_case(FLASHMSA_NUMERICS_TRAIN, true);
+  const OrderStats s = run_order_case(OrderCase().train().with_grads());
   EXPECT_GT(s.self_weight, 0.3) << "the construction must give peaked rows";
   EXPECT_LT(s.self_weight, 0.7) << "the construction must give peaked rows";
   EXPECT_FALSE(s.bitwise_equal) << "the two orders must round differently, or the test proves nothing";
@@ -641,7 +815,7 @@ TEST(Numerics, ExactMaxOrderInvariance) {
 // The same test with the lazy rescale (threshold 8, the inference forward) fails by a clear
 // margin when the dominant key comes last: the test above can fail.
 TEST(Numerics, LazyThresholdFailsOrderInvariance) {
-  const OrderStats s = run_order_case(FLASHMSA_NUMERICS_INFER, false);
+  const OrderStats s = run_order_case(OrderCase().infer());
   std::printf("    lazy, dominant last: %.1fx the bf16(ref) gain (the training bar: 2x); difference %.1fx the noise floor (bar: 2x)\n",
               s.gain_last / s.gain_bf16, s.gain_diff / s.noise_floor);
   EXPECT_LT(s.gain_first, 2 * s.gain_bf16) << "dominant first: the max is exact from the start";
@@ -664,7 +838,7 @@ struct DpsumStats {
 DpsumStats precise_dpsum_case(double c) {
   PoolScope scope;
   std::mt19937_64 rng(fresh_seed());
-  Problem pb = make(16, 2, 4, 1, 8, {2000});
+  Problem pb = fmsa().with_topk(8).seqlens({2000});
   const int64_t T = pb.total();
   const int D = pb.D, G = pb.Hq / pb.Hkv;
   Inputs in = make_inputs(pb, rng);
@@ -677,9 +851,9 @@ DpsumStats precise_dpsum_case(double c) {
   upload(in.q);
   DpsumStats st;
   // the selection, then the same forward on its indices with out_lo
-  FwdRun f = run_fwd(pb, in, FLASHMSA_MODE_SPARSE, FLASHMSA_NUMERICS_TRAIN, nullptr, pb.topk, false);
+  FwdRun f = run_fwd(pb, in, FwdCall().sparse(pb.topk));
   const std::vector<int32_t> idx = as_int(f.indices);
-  const FwdRun f_lo = run_fwd(pb, in, FLASHMSA_MODE_GIVEN, FLASHMSA_NUMERICS_TRAIN, &idx, pb.topk, false, true);
+  const FwdRun f_lo = run_fwd(pb, in, FwdCall().given(idx, pb.topk).with_out_lo());
   EXPECT_EQ(f_lo.out.host, f.out.host) << "out_lo must not change out";
   const Tensor& lo = f_lo.out_lo;
   RefFwd f64 = reference_fwd(pb, in.q, in.k, in.v, nullptr, nullptr, &idx, pb.topk, FLASHMSA_MODE_GIVEN);
@@ -752,9 +926,33 @@ TEST(Numerics, PreciseDpsumBySelfWeight) {
 
 // ---- the kl value and the proxy lse of the forward -------------------------------------------
 
-// with_plse = false: the proxy lse is not an output, so the kl must compute it itself (a GIVEN or
-// DENSE forward that skipped it read uninitialised workspace: found by the Python GPU tests).
-void run_kl_case(const Problem& pb0, flashmsa_mode_t mode, bool with_plse = true) {
+// One kl case: the forward's mode, and whether proxy_lse is an output too.
+//   KlCase().given().without_proxy_lse_output()
+struct KlCase {
+  flashmsa_mode_t mode = FLASHMSA_MODE_SPARSE;
+  bool proxy_lse_output = true;
+
+  [[nodiscard]] KlCase with_mode(flashmsa_mode_t m) const {
+    KlCase c = *this;
+    c.mode = m;
+    return c;
+  }
+  [[nodiscard]] KlCase sparse() const { return with_mode(FLASHMSA_MODE_SPARSE); }
+  [[nodiscard]] KlCase dense() const { return with_mode(FLASHMSA_MODE_DENSE); }
+  [[nodiscard]] KlCase given() const { return with_mode(FLASHMSA_MODE_GIVEN); }
+  [[nodiscard]] KlCase without_proxy_lse_output() const {
+    KlCase c = *this;
+    c.proxy_lse_output = false;
+    return c;
+  }
+};
+
+// without_proxy_lse_output: the proxy lse is not an output, so the kl must compute it itself (a
+// GIVEN or DENSE forward that skipped it read uninitialised workspace: found by the Python GPU
+// tests).
+void run_kl_case(const Problem& pb0, const KlCase& c) {
+  const flashmsa_mode_t mode = c.mode;
+  const bool with_plse = c.proxy_lse_output;
   PoolScope scope;
   std::mt19937_64 rng(fresh_seed());
   Problem pb = pb0;
@@ -832,14 +1030,25 @@ void run_kl_case(const Problem& pb0, flashmsa_mode_t mode, bool with_plse = true
   }
 }
 
-TEST(Kl, M3Sparse) { run_kl_case(make(64, 4, 4, 1, 16, {2000}), FLASHMSA_MODE_SPARSE); }
-TEST(Kl, FmsaVarlenDense) { run_kl_case(make(16, 2, 4, 1, 1, {129, 700, 0, 1}), FLASHMSA_MODE_DENSE); }
-TEST(Kl, FmsaGivenWithEmptySlots) { run_kl_case(make(16, 2, 4, 1, 8, {1500, 33}), FLASHMSA_MODE_GIVEN); }
-TEST(Kl, GivenWithoutProxyLseOutput) { run_kl_case(make(16, 2, 4, 1, 8, {1500, 33}), FLASHMSA_MODE_GIVEN, false); }
-TEST(Kl, DenseWithoutProxyLseOutput) { run_kl_case(make(16, 2, 4, 1, 1, {129, 700, 0, 1}), FLASHMSA_MODE_DENSE, false); }
-TEST(Kl, SparseWithoutProxyLseOutput) { run_kl_case(make(64, 4, 4, 1, 16, {2000}), FLASHMSA_MODE_SPARSE, false); }
-TEST(Kl, Gcd3PaddedHeadSlots) { run_kl_case(make(12, 2, 4, 2, 8, {1000, 77}), FLASHMSA_MODE_SPARSE, false); }
-TEST(Kl, SmallSparseG1) { run_kl_case(make(4, 2, 4, 2, 2, {300, 5}), FLASHMSA_MODE_SPARSE); }
+TEST(Kl, M3Sparse) { run_kl_case(m3().with_topk(16).seqlens({2000}), KlCase().sparse()); }
+TEST(Kl, FmsaVarlenDense) { run_kl_case(fmsa().with_topk(1).seqlens({129, 700, 0, 1}), KlCase().dense()); }
+TEST(Kl, FmsaGivenWithEmptySlots) { run_kl_case(fmsa().with_topk(8).seqlens({1500, 33}), KlCase().given()); }
+TEST(Kl, GivenWithoutProxyLseOutput) {
+  run_kl_case(fmsa().with_topk(8).seqlens({1500, 33}), KlCase().given().without_proxy_lse_output());
+}
+TEST(Kl, DenseWithoutProxyLseOutput) {
+  run_kl_case(fmsa().with_topk(1).seqlens({129, 700, 0, 1}), KlCase().dense().without_proxy_lse_output());
+}
+TEST(Kl, SparseWithoutProxyLseOutput) {
+  run_kl_case(m3().with_topk(16).seqlens({2000}), KlCase().sparse().without_proxy_lse_output());
+}
+TEST(Kl, Gcd3PaddedHeadSlots) {
+  run_kl_case(Problem().heads(12, 2).proxy_heads(4, 2).with_topk(8).seqlens({1000, 77}),
+              KlCase().sparse().without_proxy_lse_output());
+}
+TEST(Kl, SmallSparseG1) {
+  run_kl_case(Problem().heads(4, 2).proxy_heads(4, 2).with_topk(2).seqlens({300, 5}), KlCase().sparse());
+}
 
 // Captures calls() on stream st into a CUDA graph and launches it `launches` times (synchronised).
 template <class Calls>
@@ -862,7 +1071,7 @@ void capture_and_replay(cudaStream_t st, Calls calls, int launches) {
 TEST(Graph, TrainingStepCaptureReplay) {
   PoolScope scope;
   std::mt19937_64 rng(fresh_seed());
-  Problem pb = make(64, 4, 4, 1, 16, {2500});
+  Problem pb = m3().with_topk(16).seqlens({2500});
   Inputs in = make_inputs(pb, rng);
   const int64_t T = pb.total();
   Tensor out = output(token_shape(pb, pb.Hq, pb.D), pb.dtype), lse = output({pb.Hq, T}, FLASHMSA_DTYPE_FP32),
@@ -923,9 +1132,9 @@ TEST(Graph, TrainingStepCaptureReplay) {
 TEST(Graph, SparseForwardCaptureReplay) {
   PoolScope scope;
   std::mt19937_64 rng(fresh_seed());
-  Problem pb = make(64, 4, 4, 1, 16, {3000});
+  Problem pb = m3().with_topk(16).seqlens({3000});
   Inputs in = make_inputs(pb, rng);
-  FwdRun eager = run_fwd(pb, in, FLASHMSA_MODE_SPARSE, FLASHMSA_NUMERICS_TRAIN, nullptr, pb.topk, false);
+  FwdRun eager = run_fwd(pb, in, FwdCall().sparse(pb.topk));
   const int64_t T = pb.total();
   Tensor out = output(token_shape(pb, pb.Hq, pb.D), pb.dtype), lse = output({pb.Hq, T}, FLASHMSA_DTYPE_FP32);
   flashmsa::FwdArgs a;
@@ -958,8 +1167,7 @@ TEST(Graph, SparseForwardCaptureReplay) {
 TEST(Errors, UnsupportedHeadDim) {
   PoolScope scope;
   std::mt19937_64 rng(fresh_seed());
-  Problem pb = make(4, 2, 2, 1, 2, {200});
-  pb.D = 64;
+  Problem pb = Problem().heads(4, 2).proxy_heads(2, 1).with_topk(2).seqlens({200}).head_dim(64);
   Inputs in = make_inputs(pb, rng);
   Tensor out = output(token_shape(pb, pb.Hq, pb.D), pb.dtype), lse = output({pb.Hq, pb.total()}, FLASHMSA_DTYPE_FP32);
   flashmsa::FwdArgs a;
@@ -979,7 +1187,7 @@ TEST(Errors, UnsupportedHeadDim) {
 TEST(Errors, ProxyGradientAcrossKvHeads) {
   PoolScope scope;
   std::mt19937_64 rng(fresh_seed());
-  Problem pb = make(8, 4, 2, 1, 2, {200});  // a group spans two kv heads
+  Problem pb = Problem().heads(8, 4).proxy_heads(2, 1).with_topk(2).seqlens({200});  // a group spans two kv heads
   Inputs in = make_inputs(pb, rng);
   const int64_t T = pb.total();
   Tensor o = output(token_shape(pb, pb.Hq, pb.D), pb.dtype), l = output({pb.Hq, T}, FLASHMSA_DTYPE_FP32),

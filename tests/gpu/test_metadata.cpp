@@ -22,10 +22,11 @@ uint64_t seed_now() {
 }
 
 // Status words in device memory or in page-locked host memory (both are allowed).
+enum class StatusMemory { kDevice, kHost };
 struct Status {
   int32_t* ptr = nullptr;
   bool host = false;
-  explicit Status(bool in_host) : host(in_host) {
+  explicit Status(StatusMemory memory) : host(memory == StatusMemory::kHost) {
     if (host) cudaHostAlloc(reinterpret_cast<void**>(&ptr), FLASHMSA_STATUS_WORDS * 4, cudaHostAllocMapped);
     else ptr = static_cast<int32_t*>(Pool::get().take(FLASHMSA_STATUS_WORDS * 4));
     if (host) std::fill(ptr, ptr + FLASHMSA_STATUS_WORDS, 0);
@@ -86,10 +87,13 @@ struct Step {
   bool full = true;                          // false: selection, sparse forward, sparse backward only
 };
 
-Step make_step(const Problem& pb, std::mt19937_64& rng, bool full) {
+// The calls of a step: all of them, or the selection, sparse forward and sparse backward only.
+enum class StepCalls { kAll, kSparseOnly };
+
+Step make_step(const Problem& pb, std::mt19937_64& rng, StepCalls calls) {
   Step s;
   s.pb = pb;
-  s.full = full;
+  s.full = calls == StepCalls::kAll;
   s.q = random_input(token_shape(pb, pb.Hq, pb.D), pb.dtype, rng);
   s.k = random_input(token_shape(pb, pb.Hkv, pb.D), pb.dtype, rng);
   s.v = random_input(token_shape(pb, pb.Hkv, pb.D), pb.dtype, rng);
@@ -201,10 +205,10 @@ void run_step(Step& s, const std::vector<int64_t>& cu, int64_t max_seqlen, const
     run(a, [](auto& x, void* w, size_t n) { flashmsa::bwd(x, w, n); });
   };
   Tensor* sparse_grads[5] = {&s.dq, &s.dk, &s.dv, &s.dqp, &s.dkp};
-  bwd(FLASHMSA_MODE_SPARSE, s.out, s.lse, &s.idx, sparse_grads, true);
+  bwd(FLASHMSA_MODE_SPARSE, s.out, s.lse, &s.idx, sparse_grads, /*det=*/true);
   if (s.full) {
     Tensor* dense_grads[5] = {&s.ddq, &s.ddk, &s.ddv, &s.ddqp, &s.ddkp};
-    bwd(FLASHMSA_MODE_DENSE, s.d_out, s.d_lse, nullptr, dense_grads, false);
+    bwd(FLASHMSA_MODE_DENSE, s.d_out, s.d_lse, nullptr, dense_grads, /*det=*/false);
   }
 }
 
@@ -245,12 +249,8 @@ std::vector<std::vector<double>> snapshot(Step& s) {
   return r;
 }
 
-const Problem kTable = [] {
-  Problem p;
-  p.Hq = 16, p.Hkv = 2, p.Hp = 4, p.Hpk = 1, p.topk = 4;
-  p.lengths = {1000, 2000};  // total 3000, the table
-  return p;
-}();
+const Problem kTable =
+    Problem().heads(16, 2).proxy_heads(4, 1).with_topk(4).seqlens({1000, 2000});  // total 3000, the table
 
 // One row of the table (and more): the faults that must be found.
 struct Row {
@@ -260,13 +260,13 @@ struct Row {
   int32_t faults;
 };
 
-void run_table(bool status_in_host) {
+void run_table(StatusMemory status_memory) {
   PoolScope scope;
   std::mt19937_64 rng(seed_now());
-  Step s = make_step(kTable, rng, true);
+  Step s = make_step(kTable, rng, StepCalls::kAll);
   const int64_t T = kTable.total();
   const std::vector<int64_t> good = kTable.offsets();
-  Status st(status_in_host);
+  Status st(status_memory);
 
   // The valid step, checked against the fp64 reference (forward) before anything goes wrong.
   run_step(s, good, 2000, &st);
@@ -336,14 +336,14 @@ void run_table(bool status_in_host) {
   }
 }
 
-TEST(Metadata, SmallTableStatusInDeviceMemory) { run_table(false); }
-TEST(Metadata, SmallTableStatusInHostMemory) { run_table(true); }
+TEST(Metadata, SmallTableStatusInDeviceMemory) { run_table(StatusMemory::kDevice); }
+TEST(Metadata, SmallTableStatusInHostMemory) { run_table(StatusMemory::kHost); }
 
 // Without status words the faults still poison the outputs and touch nothing else.
 TEST(Metadata, SmallNoStatusStillPoisons) {
   PoolScope scope;
   std::mt19937_64 rng(seed_now());
-  Step s = make_step(kTable, rng, false);
+  Step s = make_step(kTable, rng, StepCalls::kSparseOnly);
   run_step(s, {0, 2000, 1000, 3000}, 3000, nullptr);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   expect_poisoned(s, "no status words");
@@ -354,11 +354,9 @@ TEST(Metadata, SmallNoStatusStillPoisons) {
 TEST(Metadata, SmallBatchedMaxSeqlen) {
   PoolScope scope;
   std::mt19937_64 rng(seed_now());
-  Problem pb = kTable;
-  pb.lengths = {700};
-  pb.batch = 2;
-  Step s = make_step(pb, rng, false);
-  Status st(true);
+  const Problem pb = kTable.batched(2, 700);
+  Step s = make_step(pb, rng, StepCalls::kSparseOnly);
+  Status st(StatusMemory::kHost);
   for (int64_t bad : {int64_t(699), int64_t(701), int64_t(-1), int64_t(1) << 40}) {
     Tensor out = output(token_shape(pb, pb.Hq, pb.D), pb.dtype), lse = output({pb.Hq, pb.total()}, FLASHMSA_DTYPE_FP32);
     flashmsa::FwdArgs a;
@@ -392,7 +390,7 @@ TEST(Metadata, SmallBatchedMaxSeqlen) {
 TEST(Metadata, PageableStatusRefused) {
   PoolScope scope;
   std::mt19937_64 rng(seed_now());
-  Step s = make_step(kTable, rng, false);
+  Step s = make_step(kTable, rng, StepCalls::kSparseOnly);
   std::vector<int32_t> pageable(FLASHMSA_STATUS_WORDS, 0);
   flashmsa::SelectArgs a;
   a.qp = dev_view(s.qp);
@@ -423,12 +421,10 @@ TEST(Metadata, SmallFuzz) {
   const uint64_t seed = seed_now();
   std::printf("    fuzz seed %llu, %d corruptions\n", (unsigned long long)seed, n);
   std::mt19937_64 rng(seed);
-  Problem pb;
-  pb.Hq = 8, pb.Hkv = 2, pb.Hp = 2, pb.Hpk = 1, pb.topk = 2;
-  pb.lengths = {300, 129, 0, 271, 5};
+  const Problem pb = Problem().heads(8, 2).proxy_heads(2, 1).with_topk(2).seqlens({300, 129, 0, 271, 5});
   const int64_t T = pb.total();
-  Step s = make_step(pb, rng, false);
-  Status st(rng() % 2 == 0);
+  Step s = make_step(pb, rng, StepCalls::kSparseOnly);
+  Status st(rng() % 2 == 0 ? StatusMemory::kHost : StatusMemory::kDevice);
   const std::vector<int64_t> good = pb.offsets();
   const int64_t good_max = pb.max_len();
   run_step(s, good, good_max, &st);

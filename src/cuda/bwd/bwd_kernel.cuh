@@ -25,7 +25,8 @@
 #include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
-#include "cuda/bwd/bwd_params.cuh"
+#include "cuda/bwd/bwd.h"
+#include "cuda/bwd/bwd_common.cuh"
 #include "cuda/common/utils.cuh"
 #include "cuda/ptx/cp_async.cuh"
 #include "cuda/ptx/order.cuh"
@@ -39,11 +40,12 @@ namespace flashmsa::cuda::attn_bwd {
 template <class Element>
 struct MainConfig {
   static constexpr int kBlockN = 128, kRows = 64, kHeadDim = 128;
-  static constexpr int kThreads = 384, kStages = FLASHMSA_BWD_STAGES, kConsumers = 256, kProducers = 128;
+  static constexpr int kThreads = kCtaThreads, kStages = FLASHMSA_BWD_STAGES, kConsumers = kConsumerThreads,
+                       kProducers = kWarpGroupThreads;
   using Pipeline = cutlass::PipelineAsync<kStages>;
   using Major = cute::GMMA::Major;
   // K, V resident: (keys, d), d contiguous; the K^T view (d, keys) for dQ = dS K
-  using SmemLayoutKV = SwizzledTile<Element, kBlockN, kHeadDim>;
+  using SmemLayoutKV = BlockLayout<Element>;
   using SmemLayoutKt = TransposedView<SmemLayoutKV, kBlockN, kHeadDim>;
   // chunk rows (rows, d) per stage, and their (d, rows) views for dV += P^T dO, dK += dS^T Q
   using SmemLayoutRows = SwizzledTiles<Element, kRows, kHeadDim, kStages>;
@@ -74,169 +76,16 @@ struct MainConfig {
     cutlass::arch::ClusterTransactionBarrier kv_bar;
   };
   static constexpr size_t kSmemBytes = sizeof(Smem) + 1024;
+  static_assert(kSmemBytes <= kMaxSmemBytes, "shared-memory plan over the SM's 227 KB");
 };
 
+// The kernel's parameters: the dispatcher's plain arguments plus the TMA descriptors of K_j, V_j.
 template <class Element>
-struct MainParams {
+struct MainParams : MainArgs {
   using StageLayout = typename MainConfig<Element>::SmemLayoutKV;
   TmaBlockLoad<Element, StageLayout> tma_k, tma_v;
   TmaShape tma_shape;
-  bool batched = false;
-  Common c;
-  int Rp = 0;                  // head slots per token: R rounded up to a power of two
-  int log_rp = 0;              // log2(Rp)
-  float* teacher = nullptr;    // [inversion entries, 128] mean_h P of the group, or null
-  bool teacher_only = false;   // the forward's kl: S, P and the teacher only
 };
-
-// ---- pieces shared by the backward kernels (main, kl, recomputing proxy) ----
-
-// The CTA's chunk pipeline (warpgroup 0 produces, the two others consume) and the barrier of
-// its resident block loads, initialised and visible to the whole CTA.
-template <class Pipeline>
-__device__ __forceinline__ Pipeline make_chunk_pipeline(typename Pipeline::SharedStorage& storage, int role_wg,
-                                                        int producers, int consumers,
-                                                        cutlass::arch::ClusterTransactionBarrier& block_bar) {
-  typename Pipeline::Params pp;
-  pp.role = role_wg == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
-  pp.producer_arv_count = producers;
-  pp.consumer_arv_count = consumers;
-  Pipeline pipeline(storage, pp);
-  if (threadIdx.x == 0) block_bar.init(1);
-  cutlass::arch::fence_barrier_init();
-  __syncthreads();
-  return pipeline;
-}
-
-// Key block j (128 tokens x 128) of head `head` of a per-token tensor, by TMA into `dst`,
-// completing on `bar` (armed by the caller with the bytes of all its loads).
-template <class Tma, class Dst>
-__device__ __forceinline__ void tma_load_block(const Tma& tma, const TmaShape& shape, int head, int b, int64_t s0,
-                                               bool batched, int j, Dst&& dst,
-                                               cutlass::arch::ClusterTransactionBarrier& bar) {
-  using namespace cute;
-  Tensor m = tma.get_tma_tensor(shape)(_, _, head, batched ? b : 0);
-  const int64_t off = batched ? 0 : s0;
-  Tensor g = local_tile(domain_offset(make_coord(off, _0{}), m), Shape<_128, _128>{}, make_coord(j, _0{}));
-  auto t = tma.get_slice(_0{});
-  copy(tma.with(reinterpret_cast<uint64_t&>(bar)), t.partition_S(g), t.partition_D(dst));
-}
-
-// The kl partial of a CTA: its consumer warps' sums (2 warpgroups, 8 warps) added in a fixed
-// order into kl_acc[slot] (the final reduction adds the partials in a fixed order too).
-__device__ __forceinline__ void store_kl_partial(float kl_sum, float (&warp_sums)[8], float* kl_acc, int64_t slot) {
-  const int tid = threadIdx.x;
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) kl_sum += __shfl_xor_sync(0xffffffff, kl_sum, off);
-  if (tid % 32 == 0) warp_sums[(tid - 128) / 32] = kl_sum;
-  ptx::named_barrier_sync(int(NamedBarrier::kConsumers), 256);
-  if (tid == 128) {
-    float total = 0.f;
-    for (int x = 0; x < 8; ++x) total += warp_sums[x];
-    kl_acc[slot] = total;
-  }
-}
-
-// Deterministic mode (ptx/order.cuh): the consumers wait for their turn on a shared counter (one
-// thread polls) and pass it on once every consumer thread's adds are visible. No-ops without a
-// counter.
-__device__ __forceinline__ void take_turn(const int32_t* turn, int32_t mine) {
-  if (!turn) return;
-  if (threadIdx.x == 128) ptx::wait_turn(turn, mine);
-  ptx::named_barrier_sync(int(NamedBarrier::kConsumers), 256);
-}
-__device__ __forceinline__ void pass_turn(int32_t* turn, int32_t mine) {
-  if (!turn) return;
-  __threadfence();
-  ptx::named_barrier_sync(int(NamedBarrier::kConsumers), 256);
-  if (threadIdx.x == 128) ptx::st_release_gpu(turn, mine + 1);
-}
-
-// A CTA with nothing to add: its kl partial (if any) is 0, and in deterministic mode it still
-// takes its turn on the key rows and passes it on.
-__device__ __forceinline__ void finish_empty_cta(float* kl_acc, int64_t kl_slot, int32_t* turn, int32_t mine) {
-  if (threadIdx.x != 0) return;
-  if (kl_acc) kl_acc[kl_slot] = 0.f;
-  if (turn) {
-    ptx::wait_turn(turn, mine);
-    ptx::st_release_gpu(turn, mine + 1);
-  }
-}
-
-// The deterministic mode's turn counters, present only in the kDet instantiation: the default one
-// holds no fence and no turn code (with a __threadfence in a kernel ptxas emits ATOMG, which
-// waits for its reply, instead of REDG for every gradient add: the main kernel took 37.7 ms
-// instead of 27.3 at m3 32k).
-struct Turns {
-  int32_t* rows;
-  int32_t* keys;
-};
-template <bool kDet>
-__device__ __forceinline__ Turns turns(const Common& p) {
-  return kDet ? Turns{p.turn_rows, p.turn_keys} : Turns{nullptr, nullptr};
-}
-
-// This warpgroup's 64 keys x 128 of a key block's gradient (fp32 accumulator fragment, coords
-// (key, d)) added to out [total, H, 128] at head h; keys past the sequence are skipped.
-template <class Acc, class Coord>
-__device__ __forceinline__ void add_key_rows(const Acc& acc, const Coord& c, int64_t key_base, int64_t L, int64_t s0,
-                                             int H, int h, float* out) {
-#pragma unroll
-  for (int x = 0; x < cute::size(acc); x += 2) {
-    const int64_t pos = key_base + cute::get<0>(c(x));
-    if (pos >= L) continue;
-    const int64_t row = ((s0 + pos) * H + h) * 128 + cute::get<1>(c(x));
-    atomicAdd(reinterpret_cast<float2*>(out + row), make_float2(acc(x), acc(x + 1)));
-  }
-}
-
-// The CTA's (key block, unit) of a backward grid over nblk key blocks x `units` units (query-head
-// units, or proxy heads): a 1-D grid with the units of a key block next to each other, so every
-// unit's long lists (the early blocks, which most tokens may select) start first. A 2-D grid
-// (key blocks along x) dispatched unit after unit: the last unit's long lists started near the
-// end of the kernel. Measured (H200, m3 32k clustered, A/B in one call): backward 30.32 -> 24.73
-// ms, deterministic backward 134.2 -> 57.1 ms (every token's dq turn waits for its lowest
-// selected block, whose CTA now starts early). Waits still point to smaller linear indices.
-struct CtaCoord {
-  int gb, unit;
-};
-__device__ __forceinline__ CtaCoord cta_coord(int units) {
-  return {int(blockIdx.x) / units, int(blockIdx.x) % units};
-}
-inline dim3 cta_grid(int nblk, int units) { return dim3(unsigned(nblk) * unsigned(units)); }
-
-// Sequence of global block gb (blk_off[b] <= gb < blk_off[b+1]); -1 past the last.
-__device__ __forceinline__ int seq_of_block(const int32_t* blk_off, int batch, int gb) {
-  if (gb >= blk_off[batch]) return -1;
-  int lo = 0, hi = batch;  // blk_off[lo] <= gb < blk_off[hi]
-  while (hi - lo > 1) {
-    const int mid = (lo + hi) / 2;
-    if (blk_off[mid] <= gb) lo = mid;
-    else hi = mid;
-  }
-  return lo;
-}
-
-// The CTA of a proxy-side kernel (kl, recomputing proxy): its key block and proxy head, the
-// block's sequence. False for a CTA past the last block, after writing its kl partial (0).
-struct ProxyCta {
-  int gb, grp, b, j;
-  int64_t kl_slot, s0, L;
-};
-__device__ __forceinline__ bool proxy_cta(const Common& p, ProxyCta& c) {
-  const CtaCoord cta = cta_coord(p.Hp);
-  c.gb = cta.gb;
-  c.grp = cta.unit;
-  c.kl_slot = int64_t(c.grp) * p.inv.nblk + c.gb;
-  c.b = seq_of_block(p.inv.blk_off, p.seqs.batch, c.gb);
-  if (c.b < 0) {
-    finish_empty_cta(p.kl_acc, c.kl_slot, nullptr, 0);
-    return false;
-  }
-  p.seqs.get(c.b, c.s0, c.L);
-  c.j = c.gb - p.inv.blk_off[c.b];
-  return true;
-}
 
 // The teacher of one chunk from this warpgroup's P^T accumulator (64 keys x 64 rows, rows =
 // Rp head slots per token): sum over each token's head slots, scaled by 1/G, one store per
@@ -292,7 +141,7 @@ __device__ __forceinline__ void store_teacher(const Acc& accS, int key0, int row
 }
 
 template <class Element, bool kDet>
-__global__ void __launch_bounds__(384, 1) bwd_main_kernel(const __grid_constant__ MainParams<Element> P) {
+__global__ void __launch_bounds__(kCtaThreads, 1) bwd_main_kernel(const __grid_constant__ MainParams<Element> P) {
   using namespace cute;
   using C = MainConfig<Element>;
   using Pipeline = typename C::Pipeline;
@@ -343,7 +192,7 @@ __global__ void __launch_bounds__(384, 1) bwd_main_kernel(const __grid_constant_
   Tensor sdO = make_tensor(make_smem_ptr(S.dout.data()), typename C::SmemLayoutRows{});
 
   if (role_wg == 0) {  // ---- producer ----
-    cutlass::arch::warpgroup_reg_dealloc<24>();
+    cutlass::arch::warpgroup_reg_dealloc<kBwdRegs.producer>();
     if (tid == 0) {  // K_j (and V_j), once, by TMA
       S.kv_bar.arrive_and_expect_tx((P.teacher_only ? 1 : 2) * C::kBlockN * C::kHeadDim * sizeof(Element));
       tma_load_block(P.tma_k, P.tma_shape, kvh, b, s0, P.batched, j, sK, S.kv_bar);
@@ -373,7 +222,7 @@ __global__ void __launch_bounds__(384, 1) bwd_main_kernel(const __grid_constant_
       const int st = state.index();
       if (tid < NTc) S.slot[st][tid] = next, S.rank[st][tid] = next_rank;
       if (c + 1 < nchunks) next = slot_token(c + 1), next_rank = slot_rank(c + 1);  // in flight meanwhile
-      ptx::named_barrier_sync(int(NamedBarrier::kProducer), C::kProducers);
+      barrier_sync(NamedBarrier::kProducer, kWarpGroupThreads);
       // rows of this chunk: row r = slot r / Rp, head h0 + r % Rp (padding heads >= R: zero rows)
       for (int x = tid; x < C::kRows * 16; x += 128) {
         const int r = x / 16, col = (x % 16) * 8;
@@ -413,7 +262,7 @@ __global__ void __launch_bounds__(384, 1) bwd_main_kernel(const __grid_constant_
   }
 
   // ---- consumers: warpgroup w owns keys [64 w, 64 w + 64) ----
-  cutlass::arch::warpgroup_reg_alloc<240>();
+  cutlass::arch::warpgroup_reg_alloc<kBwdRegs.consumer>();
   const int w = role_wg - 1;
   const int wtid = tid % 128;
   Tensor sQt = make_tensor(make_smem_ptr(S.q.data()), typename C::SmemLayoutRowsT{});
@@ -522,7 +371,7 @@ __global__ void __launch_bounds__(384, 1) bwd_main_kernel(const __grid_constant_
     // (deterministic mode keeps the stage until its dQ adds are done: it reads the slots' turns)
     if (!turn_rows) pipeline.consumer_release(state);
     ptx::fence_proxy_async_smem();
-    ptx::named_barrier_sync(int(NamedBarrier::kConsumers), C::kConsumers);  // dS^T staged by both
+    barrier_sync(NamedBarrier::kConsumers, kConsumerThreads);  // dS^T staged by both
     wg_gemm<true>(mma_dq, tQrdS(_, _, _, buf), tQrK, accdQ);
     int32_t* q_turn = nullptr;
     if (turn_rows) {  // the first NTc threads of warpgroup 0 wait for their token's lower blocks
@@ -530,7 +379,7 @@ __global__ void __launch_bounds__(384, 1) bwd_main_kernel(const __grid_constant_
         q_turn = turn_rows + int64_t(S.slot[st][wtid]) * units + unit;
         ptx::wait_turn(q_turn, S.rank[st][wtid]);
       }
-      ptx::named_barrier_sync(int(NamedBarrier::kConsumers), C::kConsumers);
+      barrier_sync(NamedBarrier::kConsumers, kConsumerThreads);
     }
     // dQ rows of this chunk (unscaled: the convert kernel applies the softmax scale)
     {
@@ -547,7 +396,7 @@ __global__ void __launch_bounds__(384, 1) bwd_main_kernel(const __grid_constant_
     }
     if (turn_rows) {  // every thread's adds visible, then the next block's turn
       __threadfence();
-      ptx::named_barrier_sync(int(NamedBarrier::kConsumers), C::kConsumers);
+      barrier_sync(NamedBarrier::kConsumers, kConsumerThreads);
       if (q_turn) ptx::st_release_gpu(q_turn, S.rank[st][wtid] + 1);
       pipeline.consumer_release(state);
     }
@@ -575,6 +424,23 @@ void launch_main(const MainParams<Element>& P, int units, cudaStream_t stream) {
   const dim3 grid = cta_grid(P.c.inv.nblk, units);
   kernel<<<grid, C::kThreads, C::kSmemBytes, stream>>>(P);
   FLASHMSA_CUDA_CHECK(cudaGetLastError());
+}
+
+// bwd.h's run_main: the TMA descriptors of K_j and V_j (teacher_only reads no V: the K
+// descriptor stands in), then the launch (one instantiation per translation unit).
+template <Dtype D, bool kDet>
+void run_main(const MainArgs& a, int units, cudaStream_t stream) {
+  using Element = typename ElementOf<D>::type;
+  using Stage = typename MainParams<Element>::StageLayout;
+  MainParams<Element> p;
+  static_cast<MainArgs&>(p) = a;
+  const auto tk = make_block_load<Element, Stage>(a.c.k, a.c.Hkv, a.batched, a.c.seqs.seqlen, a.c.seqs.batch, a.total);
+  p.tma_k = tk.copy;
+  p.tma_v = a.teacher_only ? tk.copy
+                           : make_block_load<Element, Stage>(a.c.v, a.c.Hkv, a.batched, a.c.seqs.seqlen,
+                                                             a.c.seqs.batch, a.total).copy;
+  p.tma_shape = tk.shape;
+  launch_main<Element, kDet>(p, units, stream);
 }
 
 }  // namespace flashmsa::cuda::attn_bwd

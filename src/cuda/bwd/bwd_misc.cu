@@ -191,11 +191,11 @@ InvLayout inv_layout(const InversionArgs& a) {
 
 }  // namespace
 
-template <class Element>
+template <Dtype D>
 void launch_preprocess(const PreprocessArgs& a, cudaStream_t st) {
   if (a.seqs.batch == 0 || a.max_seqlen == 0) return;
   dim3 grid(unsigned((a.max_seqlen + 7) / 8), a.Hq, a.seqs.batch);
-  preprocess_kernel<Element><<<grid, 256, 0, st>>>(a);
+  preprocess_kernel<typename ElementOf<D>::type><<<grid, 256, 0, st>>>(a);
   FLASHMSA_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -264,12 +264,12 @@ Inversion build_inversion(const InversionArgs& a, void* ws, cudaStream_t st) {
   return inv;
 }
 
-template <class Element>
+template <Dtype D>
 void launch_convert(const float* acc, TokenTensor<void> out, const Seqs& seqs, int64_t max_seqlen, int heads,
                     float scale, cudaStream_t st) {
   if (seqs.batch == 0 || max_seqlen == 0) return;
   dim3 grid(unsigned((max_seqlen + 15) / 16), heads, seqs.batch);
-  convert_kernel<Element><<<grid, 256, 0, st>>>(acc, out, seqs, heads, scale);
+  convert_kernel<typename ElementOf<D>::type><<<grid, 256, 0, st>>>(acc, out, seqs, heads, scale);
   FLASHMSA_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -278,9 +278,9 @@ void launch_kl_reduce(const float* partials, int64_t n, double scale, float* out
   FLASHMSA_CUDA_CHECK(cudaGetLastError());
 }
 
-template void launch_preprocess<cutlass::bfloat16_t>(const PreprocessArgs&, cudaStream_t);
-template void launch_preprocess<cutlass::half_t>(const PreprocessArgs&, cudaStream_t);
-template void launch_convert<cutlass::bfloat16_t>(const float*, TokenTensor<void>, const Seqs&, int64_t, int, float, cudaStream_t);
-template void launch_convert<cutlass::half_t>(const float*, TokenTensor<void>, const Seqs&, int64_t, int, float, cudaStream_t);
+template void launch_preprocess<Dtype::kBf16>(const PreprocessArgs&, cudaStream_t);
+template void launch_preprocess<Dtype::kFp16>(const PreprocessArgs&, cudaStream_t);
+template void launch_convert<Dtype::kBf16>(const float*, TokenTensor<void>, const Seqs&, int64_t, int, float, cudaStream_t);
+template void launch_convert<Dtype::kFp16>(const float*, TokenTensor<void>, const Seqs&, int64_t, int, float, cudaStream_t);
 
 }  // namespace flashmsa::cuda::attn_bwd

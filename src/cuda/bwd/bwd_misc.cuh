@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "cuda/bwd/bwd_params.cuh"
+#include "cuda/common/element.h"
 
 namespace flashmsa::cuda::attn_bwd {
 
@@ -24,7 +25,7 @@ struct PreprocessArgs {
   float* dsum = nullptr;
   int64_t padded_stride = 0;  // = padded_total(total, B, kPadTile)
 };
-template <class Element>
+template <Dtype>
 void launch_preprocess(const PreprocessArgs& a, cudaStream_t st);
 
 // Inversion workspace sizes; build writes inv.{tokens, offsets, blk_off}.
@@ -44,7 +45,7 @@ size_t blk_off_workspace(int batch);
 const int32_t* build_blk_off(const Seqs& seqs, void* ws, cudaStream_t st);
 
 // out[t, h, :] = scale * acc[t, h, :] in the output dtype.
-template <class Element>
+template <Dtype>
 void launch_convert(const float* acc, TokenTensor<void> out, const Seqs& seqs, int64_t max_seqlen, int heads,
                     float scale, cudaStream_t st);
 

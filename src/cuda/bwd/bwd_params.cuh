@@ -1,11 +1,10 @@
 // Parameters shared by the backward's kernels (preprocess, index inversion, main backward,
-// proxy backward, convert).
+// proxy backward, convert). CuTe-free: the dispatcher fills them.
 #pragma once
 
 #include <cstdint>
 
 #include "cuda/common/seqlen.cuh"
-#include "cuda/common/tma.cuh"
 
 namespace flashmsa::cuda::attn_bwd {
 

@@ -1,4 +1,4 @@
 #include "cuda/bwd/proxy_kernel.cuh"
 namespace flashmsa::cuda::attn_bwd {
-template void launch_proxy<cutlass::bfloat16_t, 64, false>(const ProxyParams<cutlass::bfloat16_t>&, cudaStream_t);
+template void run_proxy<Dtype::kBf16, 64, false>(const ProxyArgs&, cudaStream_t);
 }

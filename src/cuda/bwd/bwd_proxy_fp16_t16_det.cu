@@ -1,4 +1,4 @@
 #include "cuda/bwd/proxy_kernel.cuh"
 namespace flashmsa::cuda::attn_bwd {
-template void launch_proxy<cutlass::half_t, 16, true>(const ProxyParams<cutlass::half_t>&, cudaStream_t);
+template void run_proxy<Dtype::kFp16, 16, true>(const ProxyArgs&, cudaStream_t);
 }

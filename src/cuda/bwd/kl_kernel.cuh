@@ -18,7 +18,10 @@
 #include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
-#include "cuda/bwd/bwd_kernel.cuh"
+#include "cuda/bwd/bwd.h"
+#include "cuda/bwd/bwd_common.cuh"
+#include "cuda/bwd/kl_rule.cuh"
+#include "cuda/ptx/cp_async.cuh"
 #include "cuda/ptx/order.cuh"
 
 namespace flashmsa::cuda::attn_bwd {
@@ -26,7 +29,8 @@ namespace flashmsa::cuda::attn_bwd {
 template <class Element>
 struct KlConfig {
   static constexpr int kBlockN = 128, kTok = 64, kHeadDim = 128, kTeachStride = 132;  // 132: no bank conflicts
-  static constexpr int kThreads = 384, kStages = 2, kConsumers = 256, kProducers = 128;
+  static constexpr int kThreads = kCtaThreads, kStages = 2, kConsumers = kConsumerThreads,
+                       kProducers = kWarpGroupThreads;
   using Pipeline = cutlass::PipelineAsync<kStages>;
   using Major = cute::GMMA::Major;
   // Kp (keys, dp), and its (dp, keys) view: the B operand of dQp = dz Kp
@@ -58,21 +62,19 @@ struct KlConfig {
     float kl_warp[8];
   };
   static constexpr size_t kSmemBytes = sizeof(Smem) + 1024;
+  static_assert(kSmemBytes <= kMaxSmemBytes, "shared-memory plan over the SM's 227 KB");
 };
 
+// The kernel's parameters: the dispatcher's plain arguments plus the TMA descriptor of Kp_j.
 template <class Element>
-struct KlParams {
-  using StageLayout = typename MainConfig<Element>::SmemLayoutKV;
+struct KlParams : KlArgs {
+  using StageLayout = BlockLayout<Element>;
   TmaBlockLoad<Element, StageLayout> tma_kp;
   TmaShape tma_shape_kp;
-  bool batched = false;
-  Common c;
-  const float* teacher = nullptr;  // [inversion entries, 128], from the main backward
-  bool grads = true;               // false: the kl value only (forward's compute_kl)
 };
 
 template <class Element, bool kDet>
-__global__ void __launch_bounds__(384, 1) bwd_kl_kernel(const __grid_constant__ KlParams<Element> P) {
+__global__ void __launch_bounds__(kCtaThreads, 1) bwd_kl_kernel(const __grid_constant__ KlParams<Element> P) {
   using namespace cute;
   using C = KlConfig<Element>;
   using Pipeline = typename C::Pipeline;
@@ -107,7 +109,7 @@ __global__ void __launch_bounds__(384, 1) bwd_kl_kernel(const __grid_constant__ 
   Tensor sQp = make_tensor(make_smem_ptr(S.qp.data()), typename C::SmemLayoutQp{});
 
   if (role_wg == 0) {  // ---- producer ----
-    cutlass::arch::warpgroup_reg_dealloc<24>();
+    cutlass::arch::warpgroup_reg_dealloc<kBwdRegs.producer>();
     if (tid == 0) {  // Kp_j, once, by TMA
       S.kp_bar.arrive_and_expect_tx(C::kBlockN * C::kHeadDim * sizeof(Element));
       tma_load_block(P.tma_kp, P.tma_shape_kp, pk, b, s0, P.batched, j, sKp, S.kp_bar);
@@ -129,7 +131,7 @@ __global__ void __launch_bounds__(384, 1) bwd_kl_kernel(const __grid_constant__ 
       const int st = state.index();
       if (tid < C::kTok) S.tok[st][tid] = next, S.rank[st][tid] = next_rank;
       if (c + 1 < nchunks) next = row_token(c + 1), next_rank = row_rank(c + 1);
-      ptx::named_barrier_sync(int(NamedBarrier::kProducer), C::kProducers);
+      barrier_sync(NamedBarrier::kProducer, kWarpGroupThreads);
       for (int x = tid; x < C::kTok * 16; x += 128) {  // Qp rows, zero past the list
         const int r = x / 16, col = (x % 16) * 8;
         const int32_t t = S.tok[st][r];
@@ -154,7 +156,7 @@ __global__ void __launch_bounds__(384, 1) bwd_kl_kernel(const __grid_constant__ 
     return;
   }
 
-  cutlass::arch::warpgroup_reg_alloc<240>();
+  cutlass::arch::warpgroup_reg_alloc<kBwdRegs.consumer>();
   const int w = role_wg - 1, wtid = tid % 128;
   Tensor sQpT = make_tensor(make_smem_ptr(S.qp.data()), typename C::SmemLayoutQpT{});
   Tensor sKpt = make_tensor(make_smem_ptr(S.kp.data()), typename C::SmemLayoutKpt{});
@@ -198,10 +200,8 @@ __global__ void __launch_bounds__(384, 1) bwd_kl_kernel(const __grid_constant__ 
       const bool ok = t >= 0 && key_base + key <= int64_t(t) - s0;
       float dz = 0.f;
       if (ok) {
-        const float teacher = S.teach[st][r][64 * w + key];
         const float zl2 = accZ(x) * psl2 - S.plse[st][r] * kLog2e;  // log2 of the student
-        dz = coef * (ptx::exp2f_approx(zl2) - teacher);
-        if (teacher > 0.f) kl_sum += teacher * (__logf(teacher) - zl2 * kLn2);
+        dz = kl_element(S.teach[st][r][64 * w + key], zl2, coef, kl_sum);
       }
       accZ(x) = dz;
     }
@@ -224,11 +224,11 @@ __global__ void __launch_bounds__(384, 1) bwd_kl_kernel(const __grid_constant__ 
     pipeline.consumer_release(state);
     if (P.grads) {
       ptx::fence_proxy_async_smem();
-      ptx::named_barrier_sync(int(NamedBarrier::kConsumers), C::kConsumers);  // dz^T staged by both
+      barrier_sync(NamedBarrier::kConsumers, kConsumerThreads);  // dz^T staged by both
       wg_gemm<true>(mma_dqp, tQprDz, tQprKp, accdQp);
       if (turn_rows) {  // wait for the token's lower blocks to have added
         if (q_turn) ptx::wait_turn(q_turn, q_rank);
-        ptx::named_barrier_sync(int(NamedBarrier::kConsumers), C::kConsumers);
+        barrier_sync(NamedBarrier::kConsumers, kConsumerThreads);
       }
 #pragma unroll
       for (int x = 0; x < size(accdQp); x += 2) {
@@ -240,20 +240,14 @@ __global__ void __launch_bounds__(384, 1) bwd_kl_kernel(const __grid_constant__ 
       }
       if (turn_rows) __threadfence();  // the adds visible before the turn passes on
       // dz^T is rewritten next chunk: both warpgroups must be past their dQp GEMM
-      ptx::named_barrier_sync(int(NamedBarrier::kConsumers), C::kConsumers);
+      barrier_sync(NamedBarrier::kConsumers, kConsumerThreads);
       if (q_turn) ptx::st_release_gpu(q_turn, q_rank + 1);
     }
     ++state;
   }
 
-  if (P.grads) {  // dKp_j: fp32 atomics (several proxy heads may share a proxy key head), in
-                  // proxy-head order in deterministic mode
-    take_turn(kp_turn, grp % ppk);
-    add_key_rows(accdKp, thr_dkp.partition_C(make_identity_tensor(Shape<_64, Int<C::kHeadDim>>{})), key_base, L,
-                 s0, p.Hpk, pk, p.dkp_acc);
-    pass_turn(kp_turn, grp % ppk);
-  }
-  if (p.kl_acc) store_kl_partial(kl_sum, S.kl_warp, p.kl_acc, kl_slot);  // in a fixed order
+  proxy_cta_tail<C::kHeadDim>(p, P.grads, accdKp, thr_dkp, kp_turn, grp, pk, key_base, L, s0, kl_sum, S.kl_warp,
+                              kl_slot);
 }
 
 template <class Element, bool kDet>
@@ -265,6 +259,19 @@ void launch_kl(const KlParams<Element>& P, cudaStream_t stream) {
   const dim3 grid = cta_grid(P.c.inv.nblk, P.c.Hp);
   kernel<<<grid, C::kThreads, C::kSmemBytes, stream>>>(P);
   FLASHMSA_CUDA_CHECK(cudaGetLastError());
+}
+
+// bwd.h's run_kl: the TMA descriptor of Kp_j, then the launch (one instantiation per TU).
+template <Dtype D, bool kDet>
+void run_kl(const KlArgs& a, cudaStream_t stream) {
+  using Element = typename ElementOf<D>::type;
+  KlParams<Element> p;
+  static_cast<KlArgs&>(p) = a;
+  const auto t = make_block_load<Element, typename KlParams<Element>::StageLayout>(
+      a.c.kp, a.c.Hpk, a.batched, a.c.seqs.seqlen, a.c.seqs.batch, a.total);
+  p.tma_kp = t.copy;
+  p.tma_shape_kp = t.shape;
+  launch_kl<Element, kDet>(p, stream);
 }
 
 }  // namespace flashmsa::cuda::attn_bwd

@@ -17,7 +17,10 @@
 #include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
-#include "cuda/bwd/bwd_kernel.cuh"
+#include "cuda/bwd/bwd.h"
+#include "cuda/bwd/bwd_common.cuh"
+#include "cuda/bwd/kl_rule.cuh"
+#include "cuda/ptx/cp_async.cuh"
 #include "cuda/ptx/order.cuh"
 
 namespace flashmsa::cuda::attn_bwd {
@@ -25,7 +28,8 @@ namespace flashmsa::cuda::attn_bwd {
 template <class Element, int kTok>
 struct ProxyConfig {
   static constexpr int kBlockN = 128, kRows = 64, kHeadDim = 128;
-  static constexpr int kThreads = 384, kStages = 2, kConsumers = 256, kProducers = 128;
+  static constexpr int kThreads = kCtaThreads, kStages = 2, kConsumers = kConsumerThreads,
+                       kProducers = kWarpGroupThreads;
   using Pipeline = cutlass::PipelineAsync<kStages>;
   using Major = cute::GMMA::Major;
   // K and Kp (keys, d); the Kp^T view (dp, keys): the A operand of dQp^T = Kp^T dz^T
@@ -58,21 +62,19 @@ struct ProxyConfig {
     float kl_warp[8];
   };
   static constexpr size_t kSmemBytes = sizeof(Smem) + 1024;
+  static_assert(kSmemBytes <= kMaxSmemBytes, "shared-memory plan over the SM's 227 KB");
 };
 
+// The kernel's parameters: the dispatcher's plain arguments plus the TMA descriptors of K_j, Kp_j.
 template <class Element>
-struct ProxyParams {
-  using StageLayout = typename MainConfig<Element>::SmemLayoutKV;
+struct ProxyParams : ProxyArgs {
+  using StageLayout = BlockLayout<Element>;
   TmaBlockLoad<Element, StageLayout> tma_k, tma_kp;
   TmaShape tma_shape_k, tma_shape_kp;
-  bool batched = false;
-  Common c;
-  int G = 0;           // query heads per proxy head
-  bool grads = true;   // false: kl value only (forward's compute_kl), no gradients
 };
 
 template <class Element, int kTok, bool kDet>
-__global__ void __launch_bounds__(384, 1) bwd_proxy_kernel(const __grid_constant__ ProxyParams<Element> P) {
+__global__ void __launch_bounds__(kCtaThreads, 1) bwd_proxy_kernel(const __grid_constant__ ProxyParams<Element> P) {
   using namespace cute;
   using C = ProxyConfig<Element, kTok>;
   using Pipeline = typename C::Pipeline;
@@ -120,7 +122,7 @@ __global__ void __launch_bounds__(384, 1) bwd_proxy_kernel(const __grid_constant
   Tensor sQp = make_tensor(make_smem_ptr(S.qp.data()), typename C::SmemLayoutTok{});
 
   if (role_wg == 0) {  // ---- producer ----
-    cutlass::arch::warpgroup_reg_dealloc<24>();
+    cutlass::arch::warpgroup_reg_dealloc<kBwdRegs.producer>();
     if (tid == 0) {  // K_j and Kp_j, once, by TMA
       S.kv_bar.arrive_and_expect_tx(2 * C::kBlockN * C::kHeadDim * sizeof(Element));
       tma_load_block(P.tma_k, P.tma_shape_k, kvh, b, s0, P.batched, j, sK, S.kv_bar);
@@ -173,7 +175,7 @@ __global__ void __launch_bounds__(384, 1) bwd_proxy_kernel(const __grid_constant
     return;
   }
 
-  cutlass::arch::warpgroup_reg_alloc<240>();
+  cutlass::arch::warpgroup_reg_alloc<kBwdRegs.consumer>();
   const int w = role_wg - 1, wtid = tid % 128;
   Tensor sQpT = make_tensor(make_smem_ptr(S.qp.data()), typename C::SmemLayoutTokT{});
   Tensor sKpT = make_tensor(make_smem_ptr(S.kp.data()), typename C::SmemLayoutKt{});
@@ -225,7 +227,7 @@ __global__ void __launch_bounds__(384, 1) bwd_proxy_kernel(const __grid_constant
       const bool ok = t >= 0 && key_base + key <= int64_t(t) - s0;
       S.pt[64 * w + key][r] = ok ? ptx::exp2f_approx(accS(x) * sl2 - S.lse2[st][r]) : 0.f;
     }
-    ptx::named_barrier_sync(int(NamedBarrier::kWarpGroup0) + w, 128);
+    barrier_sync(consumer_wg_barrier(w), kWarpGroupThreads);
     // teacher, student, dz (in the z^T accumulator), kl
 #pragma unroll
     for (int x = 0; x < size(accZ); ++x) {
@@ -236,11 +238,9 @@ __global__ void __launch_bounds__(384, 1) bwd_proxy_kernel(const __grid_constant
       if (ok) {
         float tsum = 0.f;
         for (int h = 0; h < G; ++h) tsum += S.pt[64 * w + key][tc * G + h];
-        const float teacher = tsum / float(G);
+        const float teacher = tsum / float(G);  // the group's mean
         const float zl2 = accZ(x) * psl2 - S.plse2[st][tc];  // log2 of the student
-        const float student = ptx::exp2f_approx(zl2);
-        dz = coef * (student - teacher);
-        if (teacher > 0.f) kl_sum += teacher * (__logf(teacher) - zl2 * kLn2);
+        dz = kl_element(teacher, zl2, coef, kl_sum);
       }
       accZ(x) = dz;
     }
@@ -266,12 +266,12 @@ __global__ void __launch_bounds__(384, 1) bwd_proxy_kernel(const __grid_constant
     }
     pipeline.consumer_release(state);
     ptx::fence_proxy_async_smem();
-    ptx::named_barrier_sync(int(NamedBarrier::kConsumers), C::kConsumers);
+    barrier_sync(NamedBarrier::kConsumers, kConsumerThreads);
     if (P.grads) {
       wg_gemm<true>(mma_dqp, tQprKpT, tQprDz, accdQp);
       if (turn_rows) {  // wait for the token's lower blocks to have added
         if (q_turn) ptx::wait_turn(q_turn, q_rank);
-        ptx::named_barrier_sync(int(NamedBarrier::kConsumers), C::kConsumers);
+        barrier_sync(NamedBarrier::kConsumers, kConsumerThreads);
       }
 #pragma unroll
       for (int x = 0; x < size(accdQp); ++x) {
@@ -283,19 +283,13 @@ __global__ void __launch_bounds__(384, 1) bwd_proxy_kernel(const __grid_constant
     }
     if (P.grads && turn_rows) __threadfence();  // the adds visible before the turn passes on
     // sDz and S.pt are rewritten next chunk: every consumer must be past its reads
-    ptx::named_barrier_sync(int(NamedBarrier::kConsumers), C::kConsumers);
+    barrier_sync(NamedBarrier::kConsumers, kConsumerThreads);
     if (q_turn) ptx::st_release_gpu(q_turn, q_rank + 1);
     ++state;
   }
 
-  if (P.grads) {  // dKp_j: fp32 atomics (several proxy heads may share a proxy key head), in
-                  // proxy-head order in deterministic mode
-    take_turn(kp_turn, grp % ppk);
-    add_key_rows(accdKp, thr_dkp.partition_C(make_identity_tensor(Shape<_64, Int<C::kHeadDim>>{})), key_base, L,
-                 s0, p.Hpk, pk, p.dkp_acc);
-    pass_turn(kp_turn, grp % ppk);
-  }
-  if (p.kl_acc) store_kl_partial(kl_sum, S.kl_warp, p.kl_acc, kl_slot);  // in a fixed order
+  proxy_cta_tail<C::kHeadDim>(p, P.grads, accdKp, thr_dkp, kp_turn, grp, pk, key_base, L, s0, kl_sum, S.kl_warp,
+                              kl_slot);
 }
 
 template <class Element, int kTok, bool kDet>
@@ -307,6 +301,22 @@ void launch_proxy(const ProxyParams<Element>& P, cudaStream_t stream) {
   const dim3 grid = cta_grid(P.c.inv.nblk, P.c.Hp);
   kernel<<<grid, C::kThreads, C::kSmemBytes, stream>>>(P);
   FLASHMSA_CUDA_CHECK(cudaGetLastError());
+}
+
+// bwd.h's run_proxy: the TMA descriptors of K_j and Kp_j, then the launch (one per TU).
+template <Dtype D, int kTok, bool kDet>
+void run_proxy(const ProxyArgs& a, cudaStream_t stream) {
+  using Element = typename ElementOf<D>::type;
+  using Stage = typename ProxyParams<Element>::StageLayout;
+  ProxyParams<Element> p;
+  static_cast<ProxyArgs&>(p) = a;
+  const auto tk = make_block_load<Element, Stage>(a.c.k, a.c.Hkv, a.batched, a.c.seqs.seqlen, a.c.seqs.batch, a.total);
+  const auto tkp = make_block_load<Element, Stage>(a.c.kp, a.c.Hpk, a.batched, a.c.seqs.seqlen, a.c.seqs.batch, a.total);
+  p.tma_k = tk.copy;
+  p.tma_shape_k = tk.shape;
+  p.tma_kp = tkp.copy;
+  p.tma_shape_kp = tkp.shape;
+  launch_proxy<Element, kTok, kDet>(p, stream);
 }
 
 }  // namespace flashmsa::cuda::attn_bwd

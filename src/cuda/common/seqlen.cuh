@@ -1,5 +1,8 @@
-// Varlen / batched sequence addressing shared by the kernels.
+// Varlen / batched sequence addressing shared by the kernels and the dispatcher (CuTe-free; the
+// host compiler sees __host__ / __device__ through cuda_runtime.h).
 #pragma once
+
+#include <cuda_runtime.h>
 
 #include <cstdint>
 

@@ -5,9 +5,12 @@
 #include <cuda_runtime.h>
 
 #include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
 #include <cutlass/numeric_types.h>
 
+#include "cuda/common/element.h"
 #include "cuda/common/error.cuh"
+#include "cuda/ptx/cp_async.cuh"
 
 namespace flashmsa::cuda {
 
@@ -49,14 +52,47 @@ using RsMma = decltype(cute::make_tiled_mma(
     cute::GMMA::rs_op_selector<E, E, float, cute::Shape<cute::Int<M>, cute::Int<N>, cute::Int<K>>, MA, MB>(),
     cute::Layout<cute::Shape<cute::_1, cute::_1, cute::_1>>{}));
 
-// Named barrier ids (bar.sync), one enum so that no two users collide.
-enum class NamedBarrier : int {
-  kSync = 0,      // __syncthreads
-  kWarpGroup0 = 1,
-  kWarpGroup1 = 2,
-  kConsumers = 3,  // both consumer warpgroups (256 threads)
-  kProducer = 4,   // the producer warpgroup (128 threads)
+// ---- the warp-specialised kernels' shape: one producer warpgroup (TMA / cp.async issue) and two
+// consumer warpgroups (wgmma, 64 rows each), one CTA per SM ----
+constexpr int kWarpGroupThreads = 128;
+constexpr int kConsumerWarpGroups = 2;
+constexpr int kConsumerThreads = kConsumerWarpGroups * kWarpGroupThreads;  // 256
+constexpr int kCtaThreads = kWarpGroupThreads + kConsumerThreads;           // 384
+// Shared memory an sm_90 CTA may use (227 KB); every Config static_asserts its plan against it.
+constexpr size_t kMaxSmemBytes = 227 * 1024;
+
+// Register budgets (setmaxnreg) per warpgroup: the producer gives registers back, the consumers
+// take them; 128 * producer + 256 * consumer must fit the SM's 64K registers (one CTA per SM).
+// The forward and the selection keep 40 in the producer (it also builds the union / prefetches
+// token ids with ordinary code); the backward's producer only issues copies: 24, the minimum.
+struct RegBudget {
+  int producer, consumer;
 };
+constexpr RegBudget kFwdRegs{40, 232};
+constexpr RegBudget kBwdRegs{24, 240};
+constexpr bool fits_register_file(RegBudget r) {
+  return r.producer * kWarpGroupThreads + r.consumer * kConsumerThreads <= 65536 && r.producer % 8 == 0 &&
+         r.consumer % 8 == 0 && r.producer >= 24 && r.consumer <= 256;
+}
+static_assert(fits_register_file(kFwdRegs) && fits_register_file(kBwdRegs), "setmaxnreg budgets exceed the SM");
+
+// Named barriers (bar.sync ids) by purpose, FlashAttention-3 style: the ids start past CUTLASS's
+// reserved ones (its pipelines and epilogues may use those), and a warpgroup's own barrier is
+// picked by a function, not by arithmetic on the enum.
+enum class NamedBarrier : int {
+  kConsumerWg0 = int(cutlass::arch::ReservedNamedBarriers::FirstUserBarrier),  // consumer warpgroup 0 alone
+  kConsumerWg1,  // consumer warpgroup 1 alone
+  kConsumers,    // both consumer warpgroups (kConsumerThreads): staged tiles they share
+  kProducer,     // the producer warpgroup (kWarpGroupThreads): its gathered row ids
+};
+static_assert(int(NamedBarrier::kProducer) < 16, "sm_90 has 16 named barriers");
+// The barrier of consumer warpgroup w (0 or 1) alone.
+__device__ __forceinline__ NamedBarrier consumer_wg_barrier(int w) {
+  return w == 0 ? NamedBarrier::kConsumerWg0 : NamedBarrier::kConsumerWg1;
+}
+__device__ __forceinline__ void barrier_sync(NamedBarrier id, int threads) {
+  ptx::named_barrier_sync(int(id), threads);
+}
 
 // One warpgroup GEMM, issued as one batch and waited for: C (+)= A * B over all K blocks;
 // zero_init clears C first.
@@ -105,6 +141,11 @@ __device__ __forceinline__ float quad_sum(float x) {
   x += __shfl_xor_sync(0xffffffff, x, 1);
   return x + __shfl_xor_sync(0xffffffff, x, 2);
 }
+
+// The CUTLASS element type of a Dtype.
+template <Dtype> struct ElementOf;
+template <> struct ElementOf<Dtype::kBf16> { using type = cutlass::bfloat16_t; };
+template <> struct ElementOf<Dtype::kFp16> { using type = cutlass::half_t; };
 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;

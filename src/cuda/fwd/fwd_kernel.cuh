@@ -19,40 +19,27 @@
 #include "cuda/common/seqlen.cuh"
 #include "cuda/common/tma.cuh"
 #include "cuda/common/utils.cuh"
+#include "cuda/fwd/fwd.h"
 #include "cuda/ptx/cp_async.cuh"
 
 namespace flashmsa::cuda::attn_fwd {
 
-// Capacity of the per-tile union (entries of (token, slot) pairs) and block bitmap.
-constexpr int kMaxUnion = 2048;
-constexpr int kMaxBlocks = 8192;  // max_seqlen <= 1M tokens
-
 template <class Element>
 struct Config;
 
+// The kernel's parameters: the dispatcher's plain arguments plus the TMA descriptors of K and V.
 template <class Element>
-struct Params {
+struct Params : Args {
   using StageLayout = decltype(cute::take<0, 2>(typename Config<Element>::SmemLayoutKV{}));
   TmaBlockLoad<Element, StageLayout> tma_k, tma_v;
   TmaShape tma_shape_k;
-  bool batched = false;
-  TokenTensor<const void> q, k, v;
-  TokenTensor<void> out;
-  TokenTensor<void> out_lo;  // optional: Element(O - Element(O)) of the fp32 output O
-  HeadTensor<float> lse;              // [Hq, total]
-  HeadTensor<const int32_t> indices;  // [Hp, total, topk]; ptr null in dense mode
-  Seqs seqs;
-  int Hq = 0, Hkv = 0, Hp = 0, topk = 0;
-  int R = 0, NT = 0;                  // heads and tokens per tile
-  float scale = 0;
-  int num_m_tiles = 0;
 };
 
 template <class Element>
 struct Config {
   static constexpr int kBlockM = 128, kBlockN = 128, kHeadDim = 128;
-  static constexpr int kThreads = 384, kStages = 2;  // producer warpgroup + 2 consumer warpgroups
-  static constexpr int kConsumers = 256;
+  static constexpr int kThreads = kCtaThreads, kStages = 2;  // producer warpgroup + 2 consumer warpgroups
+  static constexpr int kConsumers = kConsumerThreads;
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
   using SmemLayoutQ = SwizzledTile<Element, kBlockM, kHeadDim>;
   using SmemLayoutKV = SwizzledTiles<Element, kBlockN, kHeadDim, kStages>;
@@ -72,10 +59,11 @@ struct Config {
     int ulen;
   };
   static constexpr size_t kSmemBytes = sizeof(Smem) + 1024;
+  static_assert(kSmemBytes <= kMaxSmemBytes, "shared-memory plan over the SM's 227 KB");
 };
 
 template <class Element, bool kLazyRescale>
-__global__ void __launch_bounds__(384, 1) fwd_kernel(const __grid_constant__ Params<Element> p) {
+__global__ void __launch_bounds__(kCtaThreads, 1) fwd_kernel(const __grid_constant__ Params<Element> p) {
   using namespace cute;
   using C = Config<Element>;
   extern __shared__ char smem_raw[];
@@ -169,7 +157,7 @@ __global__ void __launch_bounds__(384, 1) fwd_kernel(const __grid_constant__ Par
   Tensor sVt = make_tensor(make_smem_ptr(S.v.data()), typename C::SmemLayoutVt{});
 
   if (role_wg == 0) {  // ---- producer ----
-    cutlass::arch::warpgroup_reg_dealloc<40>();
+    cutlass::arch::warpgroup_reg_dealloc<kFwdRegs.producer>();
     if (tid == 0) {
       const int bidx = p.batched ? b : 0;
       const int64_t off = p.batched ? 0 : s0;
@@ -197,7 +185,7 @@ __global__ void __launch_bounds__(384, 1) fwd_kernel(const __grid_constant__ Par
   }
 
   // ---- consumers ----
-  cutlass::arch::warpgroup_reg_alloc<232>();
+  cutlass::arch::warpgroup_reg_alloc<kFwdRegs.consumer>();
   const int wg = role_wg - 1;
   const int ctid = tid - 128;  // 0..255 over both consumer warpgroups
   Tensor sQ = make_tensor(make_smem_ptr(S.q.data()), typename C::SmemLayoutQ{});
@@ -215,7 +203,7 @@ __global__ void __launch_bounds__(384, 1) fwd_kernel(const __grid_constant__ Par
     ptx::cp_async_commit();
     ptx::cp_async_wait<0>();
     ptx::fence_proxy_async_smem();
-    ptx::named_barrier_sync(int(NamedBarrier::kWarpGroup0) + wg, 128);
+    barrier_sync(consumer_wg_barrier(wg), kWarpGroupThreads);
   }
   (void)ctid;
 
@@ -307,14 +295,14 @@ __global__ void __launch_bounds__(384, 1) fwd_kernel(const __grid_constant__ Par
 #pragma unroll
     for (int c = 0; c < size<1>(oRC); ++c) oRC(r, c) *= inv;
   }
-  ptx::named_barrier_sync(int(NamedBarrier::kWarpGroup0) + wg, 128);  // Q slice no longer read
+  barrier_sync(consumer_wg_barrier(wg), kWarpGroupThreads);  // Q slice no longer read
   Tensor cO = thr_pv.partition_C(make_identity_tensor(Shape<_64, Int<C::kHeadDim>>{}));
 #pragma unroll
   for (int x = 0; x < size(accO); ++x) {
     const int row = wg * 64 + get<0>(cO(x));
     sQ(row, get<1>(cO(x))) = Element(accO(x));
   }
-  ptx::named_barrier_sync(int(NamedBarrier::kWarpGroup0) + wg, 128);
+  barrier_sync(consumer_wg_barrier(wg), kWarpGroupThreads);
   Element* optr = static_cast<Element*>(p.out.ptr);
   for (int c = tid % 128; c < 64 * 16; c += 128) {
     const int row = wg * 64 + c / 16, col = (c % 16) * 8;  // this warpgroup's rows
@@ -325,13 +313,13 @@ __global__ void __launch_bounds__(384, 1) fwd_kernel(const __grid_constant__ Par
     *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(&sQ(row, col));
   }
   if (p.out_lo.ptr) {  // the low part, staged through the same rows once they are stored
-    ptx::named_barrier_sync(int(NamedBarrier::kWarpGroup0) + wg, 128);
+    barrier_sync(consumer_wg_barrier(wg), kWarpGroupThreads);
 #pragma unroll
     for (int x = 0; x < size(accO); ++x) {
       const int row = wg * 64 + get<0>(cO(x));
       sQ(row, get<1>(cO(x))) = Element(accO(x) - float(Element(accO(x))));
     }
-    ptx::named_barrier_sync(int(NamedBarrier::kWarpGroup0) + wg, 128);
+    barrier_sync(consumer_wg_barrier(wg), kWarpGroupThreads);
     Element* lptr = static_cast<Element*>(p.out_lo.ptr);
     for (int c = tid % 128; c < 64 * 16; c += 128) {
       const int row = wg * 64 + c / 16, col = (c % 16) * 8;
@@ -361,6 +349,22 @@ void launch(const Params<Element>& p, cudaStream_t stream) {
   if (grid.x == 0 || grid.z == 0) return;
   kernel<<<grid, C::kThreads, C::kSmemBytes, stream>>>(p);
   FLASHMSA_CUDA_CHECK(cudaGetLastError());
+}
+
+// fwd.h's run: the TMA descriptors of K and V from the plain arguments, then the launch
+// (explicitly instantiated once per dtype and numerics, one translation unit each).
+template <Dtype D, bool kLazyRescale>
+void run(const Args& a, cudaStream_t stream) {
+  using Element = typename ElementOf<D>::type;
+  using Stage = typename Params<Element>::StageLayout;
+  Params<Element> p;
+  static_cast<Args&>(p) = a;
+  const auto tk = make_block_load<Element, Stage>(a.k, a.Hkv, a.batched, a.seqs.seqlen, a.seqs.batch, a.total);
+  const auto tv = make_block_load<Element, Stage>(a.v, a.Hkv, a.batched, a.seqs.seqlen, a.seqs.batch, a.total);
+  p.tma_k = tk.copy;
+  p.tma_v = tv.copy;
+  p.tma_shape_k = tk.shape;
+  launch<Element, kLazyRescale>(p, stream);
 }
 
 }  // namespace flashmsa::cuda::attn_fwd

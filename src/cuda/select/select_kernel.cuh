@@ -21,37 +21,26 @@
 #include "cuda/common/tma.cuh"
 #include "cuda/common/utils.cuh"
 #include "cuda/ptx/cp_async.cuh"
+#include "cuda/select/select.h"
 
 namespace flashmsa::cuda::selection {
 
 template <class Element>
 struct Config;
 
+// The kernel's parameters: the dispatcher's plain arguments plus the TMA descriptor of kp.
 template <class Element>
-struct Params {
+struct Params : Args {
   using StageLayout = decltype(cute::take<0, 2>(typename Config<Element>::SmemLayoutK{}));
   TmaBlockLoad<Element, StageLayout> tma_kp;
   TmaShape tma_shape_kp;
-  bool batched = false;
-  TokenTensor<const void> qp, kp;
-  Seqs seqs;
-  int Hp = 0, Hpk = 0, topk = 0;
-  float proxy_scale = 0;
-  HeadTensor<int32_t> indices;  // [Hp, total, topk]
-  HeadTensor<float> proxy_lse;  // [Hp, total]; ptr may be null
-  int num_m_blocks = 0;
-  // lse-only modes (no selection, indices not written): kDense = over every causal key,
-  // kGiven = over the blocks of `given` [Hp, total, topk] (empty set: -inf)
-  int lse_mode = 0;
-  HeadTensor<const int32_t> given;
 };
-constexpr int kSelect = 0, kDenseLse = 1, kGivenLse = 2;
 
 template <class Element>
 struct Config {
   static constexpr int kBlockM = 128, kBlockN = 128, kHeadDim = 128;
-  static constexpr int kThreads = 384, kStages = 3;  // producer warpgroup + 2 consumer warpgroups
-  static constexpr int kConsumers = 256;
+  static constexpr int kThreads = kCtaThreads, kStages = 3;  // producer warpgroup + 2 consumer warpgroups
+  static constexpr int kConsumers = kConsumerThreads;
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
   using SmemLayoutQ = SwizzledTile<Element, kBlockM, kHeadDim>;
   using SmemLayoutK = SwizzledTiles<Element, kBlockN, kHeadDim, kStages>;
@@ -66,15 +55,23 @@ struct Config {
     typename Pipeline::SharedStorage pipe;
   };
   static constexpr size_t kSmemBytes = sizeof(Smem) + 1024;  // + alignment slack
+  static_assert(kSmemBytes <= kMaxSmemBytes, "shared-memory plan over the SM's 227 KB");
 };
 
-// Sorted insert of (score, j, lse2) into a row's list of at most cap entries.
+// ---- the selection's tie rule (docs/semantics.md, "Selection"): non-local blocks by descending
+// score, ties to the lower block id, the local block in the last valid slot, -1 after. Blocks are
+// offered in ascending id order, so "a strictly higher score outranks" keeps the lower id first on
+// a tie; everything that orders the list uses this one comparator.
+__device__ __forceinline__ bool outranks(float score, float listed_score) { return score > listed_score; }
+
+// Sorted insert of (score, j, lse2) into a row's list of at most cap entries (blocks offered in
+// ascending j).
 template <class Smem>
 __device__ __forceinline__ void list_insert(Smem& S, int row, int& count, int cap, float score,
                                             int j, float lse2) {
-  if (count == cap && !(score > S.score[cap - 1][row])) return;
+  if (count == cap && !outranks(score, S.score[cap - 1][row])) return;
   int pos = count < cap ? count : cap - 1;
-  while (pos > 0 && S.score[pos - 1][row] < score) {
+  while (pos > 0 && outranks(score, S.score[pos - 1][row])) {
     S.score[pos][row] = S.score[pos - 1][row];
     S.lse2[pos][row] = S.lse2[pos - 1][row];
     S.idx[pos][row] = S.idx[pos - 1][row];
@@ -86,8 +83,16 @@ __device__ __forceinline__ void list_insert(Smem& S, int row, int& count, int ca
   if (count < cap) ++count;
 }
 
+// The row writer of the tie rule: slots 0..n-1 the ranked list, slot n the local block, then -1.
+template <class Smem>
+__device__ __forceinline__ void write_row(const Smem& S, int row, int n, int local_block, int topk, int32_t* out) {
+  for (int s = 0; s < n; ++s) out[s] = S.idx[s][row];
+  out[n] = local_block;
+  for (int s = n + 1; s < topk; ++s) out[s] = -1;
+}
+
 template <class Element>
-__global__ void __launch_bounds__(384, 1) select_kernel(const __grid_constant__ Params<Element> p) {
+__global__ void __launch_bounds__(kCtaThreads, 1) select_kernel(const __grid_constant__ Params<Element> p) {
   using namespace cute;
   using C = Config<Element>;
   extern __shared__ char smem_raw[];
@@ -116,7 +121,7 @@ __global__ void __launch_bounds__(384, 1) select_kernel(const __grid_constant__ 
   Tensor sK = make_tensor(make_smem_ptr(S.k.data()), typename C::SmemLayoutK{});
 
   if (role_wg == 0) {  // ---- producer: key blocks 0..m_block ----
-    cutlass::arch::warpgroup_reg_dealloc<40>();
+    cutlass::arch::warpgroup_reg_dealloc<kFwdRegs.producer>();
     if (tid == 0) {
       Tensor mK = p.tma_kp.get_tma_tensor(p.tma_shape_kp)(_, _, pk, p.batched ? b : 0);
       Tensor gK = local_tile(domain_offset(make_coord(p.batched ? int64_t(0) : s0, _0{}), mK),
@@ -134,7 +139,7 @@ __global__ void __launch_bounds__(384, 1) select_kernel(const __grid_constant__ 
     return;
   }
 
-  cutlass::arch::warpgroup_reg_alloc<232>();
+  cutlass::arch::warpgroup_reg_alloc<kFwdRegs.consumer>();
   const int wg = role_wg - 1;
   {
     // this warpgroup's 64 query rows (clamped to the sequence)
@@ -148,7 +153,7 @@ __global__ void __launch_bounds__(384, 1) select_kernel(const __grid_constant__ 
     ptx::cp_async_commit();
     ptx::cp_async_wait<0>();
     ptx::fence_proxy_async_smem();
-    ptx::named_barrier_sync(int(NamedBarrier::kWarpGroup0) + wg, 128);
+    barrier_sync(consumer_wg_barrier(wg), kWarpGroupThreads);
   }
 
   typename C::Mma mma;
@@ -179,7 +184,7 @@ __global__ void __launch_bounds__(384, 1) select_kernel(const __grid_constant__ 
       }
     }
   }
-  if (p.lse_mode == kGivenLse) ptx::named_barrier_sync(int(NamedBarrier::kWarpGroup0) + wg, 128);
+  if (p.lse_mode == kGivenLse) barrier_sync(consumer_wg_barrier(wg), kWarpGroupThreads);
 
   typename Pipeline::PipelineState state;
   for (int j = 0; j <= m_block; ++j) {
@@ -224,7 +229,7 @@ __global__ void __launch_bounds__(384, 1) select_kernel(const __grid_constant__ 
     }
   }
 
-  // Write the rows: slots 0..n-2 the list, slot n-1 the local block, then -1.
+  // Write the rows (write_row), and the selected set's proxy lse.
   if ((lane & 3) == 0) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -236,14 +241,9 @@ __global__ void __launch_bounds__(384, 1) select_kernel(const __grid_constant__ 
         continue;
       }
       const int n = count[r];
-      int32_t* out = p.indices.at(ph, s0 + i);
       float mx2 = local_lse2[r];
-      for (int s = 0; s < n; ++s) {
-        out[s] = S.idx[s][row];
-        mx2 = fmaxf(mx2, S.lse2[s][row]);
-      }
-      out[n] = m_block;
-      for (int s = n + 1; s < p.topk; ++s) out[s] = -1;
+      for (int s = 0; s < n; ++s) mx2 = fmaxf(mx2, S.lse2[s][row]);
+      write_row(S, row, n, m_block, p.topk, p.indices.at(ph, s0 + i));
       if (p.proxy_lse.ptr) {
         float sum = exp2f(local_lse2[r] - mx2);
         for (int s = 0; s < n; ++s) sum += exp2f(S.lse2[s][row] - mx2);
@@ -263,6 +263,20 @@ void launch(const Params<Element>& p, cudaStream_t stream) {
   if (grid.x == 0 || grid.z == 0) return;
   kernel<<<grid, C::kThreads, C::kSmemBytes, stream>>>(p);
   FLASHMSA_CUDA_CHECK(cudaGetLastError());
+}
+
+// select.h's run: the TMA descriptor of kp from the plain arguments, then the launch (explicitly
+// instantiated once per dtype, one translation unit each).
+template <Dtype D>
+void run(const Args& a, cudaStream_t stream) {
+  using Element = typename ElementOf<D>::type;
+  Params<Element> p;
+  static_cast<Args&>(p) = a;
+  const auto t = make_block_load<Element, typename Params<Element>::StageLayout>(a.kp, a.Hpk, a.batched, a.seqs.seqlen,
+                                                                                 a.seqs.batch, a.total);
+  p.tma_kp = t.copy;
+  p.tma_shape_kp = t.shape;
+  launch<Element>(p, stream);
 }
 
 }  // namespace flashmsa::cuda::selection

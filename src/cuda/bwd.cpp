@@ -1,0 +1,119 @@
+// flashmsa_bwd on the CUDA backend: preprocess (dpsum, lse in log2), the index inversion, the
+// main backward (dq, dk, dv; the KL teacher when the proxy gradient is asked), the proxy side
+// (proxy_side.cpp), and the conversion of the fp32 accumulators to the outputs.
+#include "cuda/dispatch.h"
+#include "cuda/tiles.h"
+
+namespace flashmsa::cuda {
+
+namespace {
+
+void convert(Dtype d, const float* acc, TokenTensor<void> out, const Seqs& seqs, int64_t max_seqlen, int heads,
+             float scale, cudaStream_t st) {
+  by_dtype(d, [&](auto D) {
+    attn_bwd::launch_convert<decltype(D)::value>(acc, out, seqs, max_seqlen, heads, scale, st);
+  });
+}
+
+void run_bwd(const flashmsa_bwd_args_t& a, const Geometry& g, char* ws, const BwdLayout& l, cudaStream_t st) {
+  const Dtype d = dtype_of(g);
+  const Seqs seqs = seqs_of(a.cu_seqlens, g);
+  float* dq_acc = reinterpret_cast<float*>(ws + l.dq);
+  float* dk_acc = reinterpret_cast<float*>(ws + l.dk);
+  float* dv_acc = reinterpret_cast<float*>(ws + l.dv);
+  // the accumulators start at zero (this launch initialises them; nothing else does)
+  FLASHMSA_CUDA_CHECK(cudaMemsetAsync(ws + l.dq, 0, l.inv - l.dq, st));
+
+  attn_bwd::PreprocessArgs pa;
+  pa.out = token_tensor<const void>(a.out, g);
+  if (present(a.out_lo)) pa.out_lo = token_tensor<const void>(a.out_lo, g);
+  pa.dout = token_tensor<const void>(a.dout, g);
+  pa.lse = head_tensor<const float>(a.lse);
+  pa.dlse = head_tensor<const float>(a.dlse);
+  pa.seqs = seqs;
+  pa.Hq = g.Hq;
+  pa.max_seqlen = g.max_seqlen;
+  pa.lse2 = reinterpret_cast<float*>(ws + l.lse2);
+  pa.dsum = reinterpret_cast<float*>(ws + l.dsum);
+  pa.padded_stride = l.padded;
+  by_dtype(d, [&](auto D) { attn_bwd::launch_preprocess<decltype(D)::value>(pa, st); });
+
+  attn_bwd::MainArgs mp;
+  attn_bwd::Common& c = mp.c;
+  c = common_base(g, a.q, a.k, a.cu_seqlens, pa.lse2, l.padded, a.mode == FLASHMSA_MODE_DENSE,
+                  static_cast<const int32_t*>(a.indices.data), a.indices.strides[0], a.indices.strides[1],
+                  ws + l.inv, st, l.deterministic);
+  c.v = token_tensor<const void>(a.v, g);
+  c.dout = token_tensor<const void>(a.dout, g);
+  c.dsum.ptr = pa.dsum;
+  c.dsum.head = l.padded;
+  c.dsum.tok = 1;
+  c.R = tiles::bwd_unit_heads(g);
+  c.dq_acc = dq_acc;
+  c.dk_acc = dk_acc;
+  c.dv_acc = dv_acc;
+  if (l.deterministic) {
+    c.turn_rows = reinterpret_cast<int32_t*>(ws + l.turn_q);
+    c.turn_keys = reinterpret_cast<int32_t*>(ws + l.turn_kv);
+  }
+  mp.batched = g.batched;
+  mp.total = g.total;
+  mp.Rp = tiles::head_slots(c.R);
+  mp.log_rp = __builtin_ctz(unsigned(mp.Rp));
+  if (l.has_teacher) mp.teacher = reinterpret_cast<float*>(ws + l.teach);  // R = G here (bwd_features)
+  launch_main(d, mp, g.Hq / c.R, st);
+
+  convert(d, dq_acc, token_tensor<void>(a.dq, g), seqs, g.max_seqlen, g.Hq, float(g.scale), st);
+  convert(d, dk_acc, token_tensor<void>(a.dk, g), seqs, g.max_seqlen, g.Hkv, float(g.scale), st);
+  convert(d, dv_acc, token_tensor<void>(a.dv, g), seqs, g.max_seqlen, g.Hkv, 1.f, st);
+  if (g.has_proxy) {
+    float pscale = 1.f;
+    if (present(a.dkl)) {  // the proxy gradient; without dkl the accumulators stay zero
+      pscale = kl_scales(g).grad;  // dz was kept N / proxy_scale times larger
+      ProxyRun r;
+      r.qp = &a.qp;
+      r.kp = &a.kp;
+      r.cu = &a.cu_seqlens;
+      r.indices = &a.indices;
+      r.proxy_lse = &a.proxy_lse;
+      r.plse_ws = reinterpret_cast<float*>(ws + l.plse);
+      r.dqp_acc = reinterpret_cast<float*>(ws + l.dqp);
+      r.dkp_acc = reinterpret_cast<float*>(ws + l.dkp);
+      r.kl_acc = reinterpret_cast<float*>(ws + l.kl);
+      r.dkl = static_cast<const float*>(a.dkl.data);
+      r.grads = true;
+      attn_bwd::Common cp = c;  // the proxy side's own turn counters
+      cp.turn_rows = l.deterministic ? reinterpret_cast<int32_t*>(ws + l.turn_qp) : nullptr;
+      cp.turn_keys = l.deterministic ? reinterpret_cast<int32_t*>(ws + l.turn_kp) : nullptr;
+      if (l.has_teacher) run_kl_side(g, cp, mp.teacher, r, st);
+      else run_proxy_side(g, cp, r, st);
+    }
+    convert(d, reinterpret_cast<float*>(ws + l.dqp), token_tensor<void>(a.dqp, g), seqs, g.max_seqlen, g.Hp, pscale,
+            st);
+    convert(d, reinterpret_cast<float*>(ws + l.dkp), token_tensor<void>(a.dkp, g), seqs, g.max_seqlen, g.Hpk, pscale,
+            st);
+  }
+}
+
+}  // namespace
+
+void bwd(const flashmsa_bwd_args_t& user, const Geometry& g, void* ws_raw, size_t) {
+  const char* fn = "flashmsa_bwd";
+  bwd_features(user, g);
+  auto st = static_cast<cudaStream_t>(user.stream);
+  if (user.validate) {
+    const auto cu = validate_offsets(user.cu_seqlens, g, st, fn);
+    if (user.mode != FLASHMSA_MODE_DENSE) validate_indices(user.indices, cu, g, st, fn);
+  }
+  // From here on the kernels see the guard's safe cu_seqlens (a fault: every sequence empty).
+  Guard gd = start_guard(user.cu_seqlens, user.status, g, guard::kBwd, ws_raw, st);
+  flashmsa_bwd_args_t a = user;
+  a.cu_seqlens = gd.cu;
+  for (const flashmsa_tensor_t* t : {&a.dq, &a.dk, &a.dv, &a.dqp, &a.dkp}) poison(gd, *t);
+  if (g.total == 0) return finish_guard(gd, st);
+  char* ws = static_cast<char*>(ws_raw) + guard_bytes(g);
+  run_bwd(a, g, ws, bwd_layout(a, g), st);
+  finish_guard(gd, st);
+}
+
+}  // namespace flashmsa::cuda

@@ -1,0 +1,169 @@
+// Device pieces shared by the backward's three wgmma kernels (main: bwd_kernel.cuh, kl:
+// kl_kernel.cuh, recomputing proxy: proxy_kernel.cuh): the resident key block's layout and TMA
+// load, the chunk pipeline, the CTA's coordinates over (key block, unit), deterministic turns,
+// the key-side gradient adds and the kl partials.
+#pragma once
+
+#include <cutlass/arch/barrier.h>
+#include <cutlass/pipeline/sm90_pipeline.hpp>
+
+#include "cuda/bwd/bwd_params.cuh"
+#include "cuda/common/tma.cuh"
+#include "cuda/common/utils.cuh"
+#include "cuda/ptx/cp_async.cuh"
+#include "cuda/ptx/order.cuh"
+
+namespace flashmsa::cuda::attn_bwd {
+
+// A resident key block (128 keys x 128 dims, dims contiguous) in shared memory: K_j, V_j, Kp_j.
+template <class Element>
+using BlockLayout = SwizzledTile<Element, 128, 128>;
+
+// The CTA's chunk pipeline (warpgroup 0 produces, the two others consume) and the barrier of
+// its resident block loads, initialised and visible to the whole CTA.
+template <class Pipeline>
+__device__ __forceinline__ Pipeline make_chunk_pipeline(typename Pipeline::SharedStorage& storage, int role_wg,
+                                                        int producers, int consumers,
+                                                        cutlass::arch::ClusterTransactionBarrier& block_bar) {
+  typename Pipeline::Params pp;
+  pp.role = role_wg == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
+  pp.producer_arv_count = producers;
+  pp.consumer_arv_count = consumers;
+  Pipeline pipeline(storage, pp);
+  if (threadIdx.x == 0) block_bar.init(1);
+  cutlass::arch::fence_barrier_init();
+  __syncthreads();
+  return pipeline;
+}
+
+// Key block j (128 tokens x 128) of head `head` of a per-token tensor, by TMA into `dst`,
+// completing on `bar` (armed by the caller with the bytes of all its loads).
+template <class Tma, class Dst>
+__device__ __forceinline__ void tma_load_block(const Tma& tma, const TmaShape& shape, int head, int b, int64_t s0,
+                                               bool batched, int j, Dst&& dst,
+                                               cutlass::arch::ClusterTransactionBarrier& bar) {
+  using namespace cute;
+  Tensor m = tma.get_tma_tensor(shape)(_, _, head, batched ? b : 0);
+  const int64_t off = batched ? 0 : s0;
+  Tensor g = local_tile(domain_offset(make_coord(off, _0{}), m), Shape<_128, _128>{}, make_coord(j, _0{}));
+  auto t = tma.get_slice(_0{});
+  copy(tma.with(reinterpret_cast<uint64_t&>(bar)), t.partition_S(g), t.partition_D(dst));
+}
+
+// The kl partial of a CTA: its consumer warps' sums (2 warpgroups, 8 warps) added in a fixed
+// order into kl_acc[slot] (the final reduction adds the partials in a fixed order too).
+__device__ __forceinline__ void store_kl_partial(float kl_sum, float (&warp_sums)[8], float* kl_acc, int64_t slot) {
+  const int tid = threadIdx.x;
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) kl_sum += __shfl_xor_sync(0xffffffff, kl_sum, off);
+  if (tid % 32 == 0) warp_sums[(tid - 128) / 32] = kl_sum;
+  barrier_sync(NamedBarrier::kConsumers, kConsumerThreads);
+  if (tid == 128) {
+    float total = 0.f;
+    for (int x = 0; x < 8; ++x) total += warp_sums[x];
+    kl_acc[slot] = total;
+  }
+}
+
+// Deterministic mode (ptx/order.cuh): the consumers wait for their turn on a shared counter (one
+// thread polls) and pass it on once every consumer thread's adds are visible. No-ops without a
+// counter.
+__device__ __forceinline__ void take_turn(const int32_t* turn, int32_t mine) {
+  if (!turn) return;
+  if (threadIdx.x == 128) ptx::wait_turn(turn, mine);
+  barrier_sync(NamedBarrier::kConsumers, kConsumerThreads);
+}
+__device__ __forceinline__ void pass_turn(int32_t* turn, int32_t mine) {
+  if (!turn) return;
+  __threadfence();
+  barrier_sync(NamedBarrier::kConsumers, kConsumerThreads);
+  if (threadIdx.x == 128) ptx::st_release_gpu(turn, mine + 1);
+}
+
+// A CTA with nothing to add: its kl partial (if any) is 0, and in deterministic mode it still
+// takes its turn on the key rows and passes it on.
+__device__ __forceinline__ void finish_empty_cta(float* kl_acc, int64_t kl_slot, int32_t* turn, int32_t mine) {
+  if (threadIdx.x != 0) return;
+  if (kl_acc) kl_acc[kl_slot] = 0.f;
+  if (turn) {
+    ptx::wait_turn(turn, mine);
+    ptx::st_release_gpu(turn, mine + 1);
+  }
+}
+
+// The deterministic mode's turn counters, present only in the kDet instantiation: the default one
+// holds no fence and no turn code (with a __threadfence in a kernel ptxas emits ATOMG, which
+// waits for its reply, instead of REDG for every gradient add: the main kernel took 37.7 ms
+// instead of 27.3 at m3 32k).
+struct Turns {
+  int32_t* rows;
+  int32_t* keys;
+};
+template <bool kDet>
+__device__ __forceinline__ Turns turns(const Common& p) {
+  return kDet ? Turns{p.turn_rows, p.turn_keys} : Turns{nullptr, nullptr};
+}
+
+// This warpgroup's 64 keys x 128 of a key block's gradient (fp32 accumulator fragment, coords
+// (key, d)) added to out [total, H, 128] at head h; keys past the sequence are skipped.
+template <class Acc, class Coord>
+__device__ __forceinline__ void add_key_rows(const Acc& acc, const Coord& c, int64_t key_base, int64_t L, int64_t s0,
+                                             int H, int h, float* out) {
+#pragma unroll
+  for (int x = 0; x < cute::size(acc); x += 2) {
+    const int64_t pos = key_base + cute::get<0>(c(x));
+    if (pos >= L) continue;
+    const int64_t row = ((s0 + pos) * H + h) * 128 + cute::get<1>(c(x));
+    atomicAdd(reinterpret_cast<float2*>(out + row), make_float2(acc(x), acc(x + 1)));
+  }
+}
+
+// The CTA's (key block, unit) of a backward grid over nblk key blocks x `units` units (query-head
+// units, or proxy heads): a 1-D grid with the units of a key block next to each other, so every
+// unit's long lists (the early blocks, which most tokens may select) start first. A 2-D grid
+// (key blocks along x) dispatched unit after unit: the last unit's long lists started near the
+// end of the kernel. Measured (H200, m3 32k clustered, A/B in one call): backward 30.32 -> 24.73
+// ms, deterministic backward 134.2 -> 57.1 ms (every token's dq turn waits for its lowest
+// selected block, whose CTA now starts early). Waits still point to smaller linear indices.
+struct CtaCoord {
+  int gb, unit;
+};
+__device__ __forceinline__ CtaCoord cta_coord(int units) {
+  return {int(blockIdx.x) / units, int(blockIdx.x) % units};
+}
+inline dim3 cta_grid(int nblk, int units) { return dim3(unsigned(nblk) * unsigned(units)); }
+
+// Sequence of global block gb (blk_off[b] <= gb < blk_off[b+1]); -1 past the last.
+__device__ __forceinline__ int seq_of_block(const int32_t* blk_off, int batch, int gb) {
+  if (gb >= blk_off[batch]) return -1;
+  int lo = 0, hi = batch;  // blk_off[lo] <= gb < blk_off[hi]
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (blk_off[mid] <= gb) lo = mid;
+    else hi = mid;
+  }
+  return lo;
+}
+
+// The CTA of a proxy-side kernel (kl, recomputing proxy): its key block and proxy head, the
+// block's sequence. False for a CTA past the last block, after writing its kl partial (0).
+struct ProxyCta {
+  int gb, grp, b, j;
+  int64_t kl_slot, s0, L;
+};
+__device__ __forceinline__ bool proxy_cta(const Common& p, ProxyCta& c) {
+  const CtaCoord cta = cta_coord(p.Hp);
+  c.gb = cta.gb;
+  c.grp = cta.unit;
+  c.kl_slot = int64_t(c.grp) * p.inv.nblk + c.gb;
+  c.b = seq_of_block(p.inv.blk_off, p.seqs.batch, c.gb);
+  if (c.b < 0) {
+    finish_empty_cta(p.kl_acc, c.kl_slot, nullptr, 0);
+    return false;
+  }
+  p.seqs.get(c.b, c.s0, c.L);
+  c.j = c.gb - p.inv.blk_off[c.b];
+  return true;
+}
+
+}  // namespace flashmsa::cuda::attn_bwd

@@ -1,0 +1,44 @@
+// The KL rule of docs/semantics.md ("The KL term") on the device, in one place for the kernels
+// that apply it: the kl kernel (kl_kernel.cuh, teacher stored by the main backward) and the
+// recomputing proxy kernel (proxy_kernel.cuh, DENSE mode). The teacher's mean over the group
+// (1/G) is taken where the teacher is formed (bwd_kernel.cuh's store_teacher, proxy_kernel.cuh);
+// the 1/N of the kl value and the gradient's 1/N and proxy scale are the host's (kl_scales in
+// src/cuda/dispatch.h), applied once by the kl reduce and the conversion kernels.
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/bwd/bwd_common.cuh"
+
+namespace flashmsa::cuda::attn_bwd {
+
+// One (token, key) of a proxy head: the student s = 2^zl2 (zl2 = log2 s, from the proxy logit and
+// the proxy lse), the teacher t. Returns dz = g (s - t), kept N / proxy_scale times larger than
+// SPEC's dz; adds the kl term t (ln t - ln s) to kl_sum (a zero teacher adds nothing: t ln t -> 0).
+__device__ __forceinline__ float kl_element(float teacher, float zl2, float g, float& kl_sum) {
+  const float dz = g * (ptx::exp2f_approx(zl2) - teacher);
+  if (teacher > 0.f) kl_sum += teacher * (__logf(teacher) - zl2 * kLn2);
+  return dz;
+}
+
+// The tail of a (key block, proxy head) CTA: dKp_j (fp32 atomics: several proxy heads may share a
+// proxy key head; in proxy-head order in deterministic mode), then the CTA's kl partial (added by
+// the kl reduce in a fixed order). dQp is added per chunk by each kernel: the kl kernel's dQp
+// GEMM yields (token, dim) accumulators (float2 adds of adjacent dims), the recomputing kernel's
+// dQp^T = Kp^T dz^T yields (dim, token) ones (scalar adds).
+template <int kHeadDim, class Acc, class ThrMma>
+__device__ __forceinline__ void proxy_cta_tail(const Common& p, bool grads, const Acc& accdKp, const ThrMma& thr_dkp,
+                                               int32_t* kp_turn, int grp, int pk, int64_t key_base, int64_t L,
+                                               int64_t s0, float kl_sum, float (&kl_warp)[8], int64_t kl_slot) {
+  using namespace cute;
+  if (grads) {
+    const int order = grp % (p.Hp / p.Hpk);
+    take_turn(kp_turn, order);
+    add_key_rows(accdKp, thr_dkp.partition_C(make_identity_tensor(Shape<_64, Int<kHeadDim>>{})), key_base, L, s0,
+                 p.Hpk, pk, p.dkp_acc);
+    pass_turn(kp_turn, order);
+  }
+  if (p.kl_acc) store_kl_partial(kl_sum, kl_warp, p.kl_acc, kl_slot);
+}
+
+}  // namespace flashmsa::cuda::attn_bwd

@@ -1,0 +1,192 @@
+// The CUDA backend's dispatcher, internal to src/cuda/*.cpp (CuTe-free: it sees the kernels only
+// through their plain launch interfaces select/select.h, fwd/fwd.h, bwd/bwd.h, bwd/bwd_misc.cuh
+// and common/guard.cuh). The parts:
+//   support.cpp     what the CUDA backend supports (NOT_SUPPORTED before anything runs)
+//   tiles.h         tile policy (the numbers and their reasons)
+//   workspace.cpp   the workspace layouts of the three calls
+//   guard_host.cpp  the metadata guard's host side, status words, the opt-in host data checks
+//   select.cpp, fwd.cpp, bwd.cpp   the calls' launch sequences
+//   proxy_side.cpp  what the forward's kl and the backward's proxy gradient share
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+#include "api/backends.hpp"
+#include "api/data_checks.hpp"
+#include "cuda/bwd/bwd.h"
+#include "cuda/bwd/bwd_misc.cuh"
+#include "cuda/common/element.h"
+#include "cuda/common/error.cuh"
+#include "cuda/common/guard.cuh"
+#include "cuda/select/select.h"
+
+namespace flashmsa::cuda {
+
+// ---- which instantiation: runtime values to the template arguments of the kernels' run functions.
+// A subset build (CMake FLASHMSA_KERNEL_DTYPES, FLASHMSA_KERNEL_DETERMINISTIC) compiles out the
+// missing ones; support.cpp refuses their calls with NOT_SUPPORTED before anything runs.
+inline Dtype dtype_of(const Geometry& g) { return g.dtype == FLASHMSA_DTYPE_BF16 ? Dtype::kBf16 : Dtype::kFp16; }
+
+// f(std::integral_constant<Dtype, d>{})
+template <class F>
+void by_dtype(Dtype d, F&& f) {
+#ifndef FLASHMSA_NO_BF16
+  if (d == Dtype::kBf16) return f(std::integral_constant<Dtype, Dtype::kBf16>{});
+#endif
+#ifndef FLASHMSA_NO_FP16
+  if (d == Dtype::kFp16) return f(std::integral_constant<Dtype, Dtype::kFp16>{});
+#endif
+  fail(FLASHMSA_ERROR_INTERNAL, "flashmsa: CUDA backend: no kernels of this dtype in this build");
+}
+
+// f(std::bool_constant<det>{}): the default or the deterministic instantiation
+template <class F>
+void by_det(bool det, F&& f) {
+#ifndef FLASHMSA_NO_DETERMINISTIC
+  if (det) return f(std::true_type{});
+#else
+  if (det) fail(FLASHMSA_ERROR_INTERNAL, "flashmsa: CUDA backend: built without the deterministic kernels");
+#endif
+  f(std::false_type{});
+}
+
+// ---- views: the API's tensors as the kernels' addressing structs ----
+
+template <class T>
+TokenTensor<T> token_tensor(const flashmsa_tensor_t& t, const Geometry& g) {
+  const TokenLayout l = token_layout(t, g);
+  TokenTensor<T> r;
+  r.ptr = static_cast<T*>(t.data);
+  r.tok = l.tok;
+  r.head = l.head;
+  r.batch_corr = l.batch_corr;
+  return r;
+}
+
+template <class T>
+HeadTensor<T> head_tensor(const flashmsa_tensor_t& t) {
+  HeadTensor<T> r;
+  if (!present(t)) return r;
+  r.ptr = static_cast<T*>(t.data);
+  r.head = t.strides[0];
+  r.tok = t.strides[1];
+  return r;
+}
+
+// The sequences the kernels read: cu (the guard's safe copy for varlen), or S and B (batched).
+inline Seqs seqs_of(const flashmsa_tensor_t& cu, const Geometry& g) {
+  Seqs s;
+  s.cu_seqlens = g.batched ? nullptr : static_cast<const int*>(cu.data);
+  s.seqlen = g.seqlen;
+  s.batch = g.batch;
+  return s;
+}
+
+inline size_t align_up(size_t n) { return (n + 255) & ~size_t(255); }
+
+// The host's part of the KL rule (bwd/kl_rule.cuh has the device's): kl = (1/N) sum of the
+// kernels' per-CTA partials, N = Hp * total real tokens; the kernels keep dz N / proxy_scale times
+// larger, so the proxy gradients' fp32 accumulators are scaled by proxy_scale / N when converted.
+struct KlScales {
+  double value = 0;  // of the kl sum
+  float grad = 0;    // of the dqp, dkp accumulators
+};
+inline KlScales kl_scales(const Geometry& g) {
+  const double n = double(g.Hp) * double(g.total);
+  return {1.0 / n, float(g.proxy_scale / n)};
+}
+
+// ---- support.cpp ----
+void fwd_features(const flashmsa_fwd_args_t& a, const Geometry& g);
+void bwd_features(const flashmsa_bwd_args_t& a, const Geometry& g);
+void check_aligned(const char* fn, const char* name, const flashmsa_tensor_t& t);
+[[noreturn]] void unsupported(const char* fn, const std::string& what);
+
+// ---- workspace.cpp ----
+// Every varlen call's workspace starts with the guard's (the safe cu_seqlens); then the call's.
+size_t guard_bytes(const Geometry& g);
+// The teacher buffer of the kl kernel: one fp32 row of 128 keys per inversion entry (at most
+// topk entries per proxy head and token). SPARSE/GIVEN only: in DENSE mode the recomputing proxy
+// kernel runs instead (the buffer would hold every causal pair).
+size_t teacher_bytes(const Geometry& g);
+attn_bwd::InversionArgs inversion_args(const int32_t* idx, int64_t idx_head, int64_t idx_tok,
+                                       const flashmsa_tensor_t& cu, const Geometry& g);
+
+// Workspace of the backward after the guard's, in order: lse2, dsum (padded), the dq/dk/dv/dqp/dkp
+// accumulators, the deterministic mode's turn counters, the inversion (or the block offsets in
+// dense mode), the proxy lse, the kl partials and the teacher.
+struct BwdLayout {
+  size_t lse2 = 0, dsum = 0, dq = 0, dk = 0, dv = 0, dqp = 0, dkp = 0, inv = 0, plse = 0, kl = 0, teach = 0,
+         total = 0;
+  size_t turn_q = 0, turn_kv = 0, turn_qp = 0, turn_kp = 0;  // deterministic mode's turn counters
+  bool deterministic = false;
+  int64_t padded = 0;
+  bool has_teacher = false;
+};
+BwdLayout bwd_layout(const flashmsa_bwd_args_t& a, const Geometry& g);
+
+// Workspace of the forward after the guard's: the indices (SPARSE without an indices output),
+// then for compute_kl the padded lse2, the inversion, the proxy lse (when not an output), the kl
+// partials and the teacher.
+struct FwdLayout {
+  size_t idx = 0, lse2 = 0, inv = 0, plse = 0, kl = 0, teach = 0, total = 0;
+  int64_t padded = 0;
+  bool has_teacher = false;
+};
+FwdLayout fwd_layout(const flashmsa_fwd_args_t& a, const Geometry& g);
+
+// ---- guard_host.cpp ----
+// A call's guard: the check launched first, the poison list, the poison launched last.
+struct Guard {
+  flashmsa_tensor_t cu{};  // what the kernels read: the safe copy (varlen), absent (batched)
+  guard::PoisonArgs outs;  // what the poison kernel fills on a fault
+  bool on = false;
+};
+Guard start_guard(const flashmsa_tensor_t& cu, const flashmsa_tensor_t& status, const Geometry& g, int32_t op,
+                  void* ws, cudaStream_t st);
+// Adds an output (rank 0 to 3, last dimension contiguous: validated) to the poison list.
+void poison(Guard& r, const flashmsa_tensor_t& t);
+void finish_guard(const Guard& r, cudaStream_t st);
+// The opt-in `validate`: cu_seqlens (and index rows) copied to the host and checked (synchronises).
+std::vector<int64_t> validate_offsets(const flashmsa_tensor_t& cu, const Geometry& g, cudaStream_t st,
+                                      const char* fn);
+void validate_indices(const flashmsa_tensor_t& t, const std::vector<int64_t>& cu, const Geometry& g,
+                      cudaStream_t st, const char* fn);
+
+// ---- select.cpp ----
+void launch_select(Dtype d, const selection::Args& a, cudaStream_t st);
+// Selection (kSelect) or the proxy lse alone over every causal key (kDenseLse) or over given
+// blocks (kGivenLse, indices read from `given`).
+void run_select(const flashmsa_tensor_t& qp, const flashmsa_tensor_t& kp, const flashmsa_tensor_t& cu,
+                const Geometry& g, int32_t* indices, int64_t idx_head, int64_t idx_tok, HeadTensor<float> proxy_lse,
+                cudaStream_t st, int lse_mode = selection::kSelect, HeadTensor<const int32_t> given = {});
+
+// ---- proxy_side.cpp ----
+// What the backward's kernels and the forward's kl share: q, k, the padded lse2, the sequences,
+// the inversion (or the block offsets in dense mode), heads and scales.
+attn_bwd::Common common_base(const Geometry& g, const flashmsa_tensor_t& q, const flashmsa_tensor_t& k,
+                             const flashmsa_tensor_t& cu, float* lse2, int64_t padded, bool dense,
+                             const int32_t* idx, int64_t idx_head, int64_t idx_tok, char* inv_ws,
+                             cudaStream_t st, bool ranks = false);
+void launch_main(Dtype d, const attn_bwd::MainArgs& a, int units, cudaStream_t st);
+
+// The proxy side: gradients (backward) or the kl value alone (forward's compute_kl).
+struct ProxyRun {
+  const flashmsa_tensor_t *qp = nullptr, *kp = nullptr, *cu = nullptr, *indices = nullptr, *proxy_lse = nullptr;
+  float* plse_ws = nullptr;  // [Hp, total] when proxy_lse is absent
+  float *dqp_acc = nullptr, *dkp_acc = nullptr, *kl_acc = nullptr;
+  const float* dkl = nullptr;
+  bool grads = true;
+};
+// The kl kernel (SPARSE/GIVEN): the proxy side only, the teacher read from the main backward's buffer.
+void run_kl_side(const Geometry& g, const attn_bwd::Common& c, const float* teacher, const ProxyRun& r,
+                 cudaStream_t st);
+// The recomputing proxy kernel (DENSE mode): the teacher from the group's S^T, chunk by chunk.
+void run_proxy_side(const Geometry& g, const attn_bwd::Common& c, const ProxyRun& r, cudaStream_t st);
+
+}  // namespace flashmsa::cuda

@@ -1,0 +1,152 @@
+// flashmsa_fwd on the CUDA backend: the selection (SPARSE) or the proxy lse alone, the main
+// forward, and the kl value when asked (the main backward's teacher-only pass and the proxy side,
+// proxy_side.cpp).
+#include "cuda/dispatch.h"
+#include "cuda/tiles.h"
+
+namespace flashmsa::cuda {
+
+namespace {
+
+void run_fwd(const flashmsa_fwd_args_t& a, const Geometry& g, const int32_t* idx, int64_t idx_head,
+             int64_t idx_tok, cudaStream_t st) {
+  attn_fwd::Args p;
+  p.q = token_tensor<const void>(a.q, g);
+  p.k = token_tensor<const void>(a.k, g);
+  p.v = token_tensor<const void>(a.v, g);
+  p.batched = g.batched;
+  p.out = token_tensor<void>(a.out, g);
+  if (present(a.out_lo)) p.out_lo = token_tensor<void>(a.out_lo, g);
+  p.lse = head_tensor<float>(a.lse);
+  p.indices.ptr = idx;
+  p.indices.head = idx_head;
+  p.indices.tok = idx_tok;
+  p.seqs = seqs_of(a.cu_seqlens, g);
+  p.Hq = g.Hq;
+  p.Hkv = g.Hkv;
+  p.Hp = g.Hp;
+  p.topk = a.mode == FLASHMSA_MODE_DENSE ? 0 : g.topk;
+  const tiles::FwdTile tile = tiles::fwd_tile(g, p.topk);
+  p.R = tile.R;
+  p.NT = tile.NT;
+  p.scale = float(g.scale);
+  p.num_m_tiles = int((g.max_seqlen + p.NT - 1) / p.NT);
+  p.total = g.total;
+  by_dtype(dtype_of(g), [&](auto D) {
+    if (a.numerics == FLASHMSA_NUMERICS_INFER) attn_fwd::run<decltype(D)::value, true>(p, st);
+    else attn_fwd::run<decltype(D)::value, false>(p, st);
+  });
+}
+
+// kl of the forward: the proxy kernel without gradients over the main probabilities that the
+// forward's lse defines, partials added in a fixed order.
+void run_fwd_kl(const flashmsa_fwd_args_t& a, const Geometry& g, const int32_t* idx, int64_t idx_head,
+                int64_t idx_tok, const flashmsa_tensor_t& plse_t, char* ws, const FwdLayout& l, cudaStream_t st) {
+  attn_bwd::PreprocessArgs pa;
+  pa.out = token_tensor<const void>(a.out, g);
+  pa.lse = head_tensor<const float>(a.lse);
+  pa.seqs = seqs_of(a.cu_seqlens, g);
+  pa.Hq = g.Hq;
+  pa.max_seqlen = g.max_seqlen;
+  pa.lse2 = reinterpret_cast<float*>(ws + l.lse2);
+  pa.padded_stride = l.padded;
+  by_dtype(dtype_of(g), [&](auto D) { attn_bwd::launch_preprocess<decltype(D)::value>(pa, st); });
+  const attn_bwd::Common c = common_base(g, a.q, a.k, a.cu_seqlens, pa.lse2, l.padded,
+                                         a.mode == FLASHMSA_MODE_DENSE, idx, idx_head, idx_tok, ws + l.inv, st);
+  if (l.has_teacher) {  // the main backward's S and P only, storing the teacher (R = G: fwd_features)
+    attn_bwd::MainArgs mp;
+    mp.c = c;
+    mp.c.R = tiles::bwd_unit_heads(g);
+    mp.batched = g.batched;
+    mp.total = g.total;
+    mp.Rp = tiles::head_slots(mp.c.R);
+    mp.log_rp = __builtin_ctz(unsigned(mp.Rp));
+    mp.teacher = reinterpret_cast<float*>(ws + l.teach);
+    mp.teacher_only = true;
+    launch_main(dtype_of(g), mp, g.Hq / mp.c.R, st);
+  }
+  flashmsa_tensor_t idx_t{};  // the rows the proxy lse recompute reads (GIVEN)
+  idx_t.data = const_cast<int32_t*>(idx);
+  idx_t.ndim = 3;
+  idx_t.strides[0] = idx_head;
+  idx_t.strides[1] = idx_tok;
+  idx_t.strides[2] = 1;
+  ProxyRun r;
+  r.qp = &a.qp;
+  r.kp = &a.kp;
+  r.cu = &a.cu_seqlens;
+  r.indices = &idx_t;
+  r.proxy_lse = &plse_t;
+  r.plse_ws = reinterpret_cast<float*>(ws + l.plse);
+  r.kl_acc = reinterpret_cast<float*>(ws + l.kl);
+  r.grads = false;
+  if (l.has_teacher) run_kl_side(g, c, reinterpret_cast<const float*>(ws + l.teach), r, st);
+  else run_proxy_side(g, c, r, st);
+  attn_bwd::launch_kl_reduce(r.kl_acc, int64_t(g.Hp) * tiles::global_blocks_bound(g), kl_scales(g).value,
+                             static_cast<float*>(a.kl.data), st);
+}
+
+}  // namespace
+
+void fwd(const flashmsa_fwd_args_t& user, const Geometry& g, void* ws_raw, size_t) {
+  const char* fn = "flashmsa_fwd";
+  fwd_features(user, g);
+  auto st = static_cast<cudaStream_t>(user.stream);
+  if (user.validate) {
+    const auto cu = validate_offsets(user.cu_seqlens, g, st, fn);
+    if (user.mode == FLASHMSA_MODE_GIVEN) validate_indices(user.indices, cu, g, st, fn);
+  }
+  // From here on the kernels see the guard's safe cu_seqlens (a fault: every sequence empty).
+  Guard gd = start_guard(user.cu_seqlens, user.status, g, guard::kFwd, ws_raw, st);
+  flashmsa_fwd_args_t a = user;
+  a.cu_seqlens = gd.cu;
+  for (const flashmsa_tensor_t* t : {&a.out, &a.out_lo, &a.lse, &a.proxy_lse, &a.kl}) poison(gd, *t);
+  if (a.mode == FLASHMSA_MODE_SPARSE) poison(gd, a.indices);
+  if (present(a.kl)) FLASHMSA_CUDA_CHECK(cudaMemsetAsync(a.kl.data, 0, sizeof(float), st));
+  if (g.total == 0) return finish_guard(gd, st);
+  char* ws = static_cast<char*>(ws_raw) + guard_bytes(g);
+  const FwdLayout l = fwd_layout(a, g);
+
+  const int32_t* idx = nullptr;
+  int64_t idx_head = 0, idx_tok = 0;
+  // the proxy lse: an output, or (for the kl) workspace
+  flashmsa_tensor_t plse_t = a.proxy_lse;
+  if (!present(plse_t) && a.compute_kl) {
+    plse_t = flashmsa_tensor_t{};
+    plse_t.data = ws + l.plse;
+    plse_t.dtype = FLASHMSA_DTYPE_FP32;
+    plse_t.ndim = 2;
+    plse_t.shape[0] = g.Hp;
+    plse_t.shape[1] = g.total;
+    plse_t.strides[0] = g.total;
+    plse_t.strides[1] = 1;
+    plse_t.device_type = FLASHMSA_DEVICE_CUDA;
+  }
+  if (a.mode == FLASHMSA_MODE_SPARSE) {
+    int32_t* dst = present(a.indices) ? static_cast<int32_t*>(a.indices.data) : reinterpret_cast<int32_t*>(ws + l.idx);
+    idx_head = present(a.indices) ? a.indices.strides[0] : g.total * g.topk;
+    idx_tok = present(a.indices) ? a.indices.strides[1] : g.topk;
+    run_select(a.qp, a.kp, a.cu_seqlens, g, dst, idx_head, idx_tok, head_tensor<float>(plse_t), st);
+    idx = dst;
+  } else {
+    if (a.mode == FLASHMSA_MODE_GIVEN) {
+      idx = static_cast<const int32_t*>(a.indices.data);
+      idx_head = a.indices.strides[0];
+      idx_tok = a.indices.strides[1];
+    }
+    if (present(plse_t)) {  // the proxy lse over the given sets / the causal set (an output, or the kl's)
+      HeadTensor<const int32_t> given;
+      given.ptr = idx;
+      given.head = idx_head;
+      given.tok = idx_tok;
+      const int mode = a.mode == FLASHMSA_MODE_DENSE ? selection::kDenseLse : selection::kGivenLse;
+      run_select(a.qp, a.kp, a.cu_seqlens, g, nullptr, 0, 0, head_tensor<float>(plse_t), st, mode, given);
+    }
+  }
+
+  run_fwd(a, g, idx, idx_head, idx_tok, st);
+  if (a.compute_kl) run_fwd_kl(a, g, idx, idx_head, idx_tok, plse_t, ws, l, st);
+  finish_guard(gd, st);
+}
+
+}  // namespace flashmsa::cuda

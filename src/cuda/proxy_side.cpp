@@ -1,0 +1,127 @@
+// What the forward's kl value and the backward's proxy gradient share: the Common parameters of
+// the backward's kernels (with the index inversion), the proxy lse the kl needs, and the two
+// proxy-side kernels (the kl kernel over the stored teacher; the recomputing proxy kernel).
+#include "cuda/dispatch.h"
+#include "cuda/tiles.h"
+
+namespace flashmsa::cuda {
+
+namespace {
+
+// The default or the deterministic instantiation, by whether the parameters carry turn counters
+// (both kinds or none: one without the other would order only half of the adds).
+bool deterministic(const attn_bwd::Common& c) {
+  if (!c.turn_rows != !c.turn_keys)
+    fail(FLASHMSA_ERROR_INTERNAL, "flashmsa_bwd: CUDA backend: turn counters for rows and keys must come together");
+  return c.turn_rows != nullptr;
+}
+
+// The proxy lse the kl needs: the given tensor, or recomputed over the same sets into workspace.
+HeadTensor<float> proxy_lse_for_kl(const Geometry& g, const attn_bwd::Common& c, const ProxyRun& r, cudaStream_t st) {
+  HeadTensor<float> plse;
+  if (present(*r.proxy_lse)) {
+    plse = head_tensor<float>(*r.proxy_lse);
+  } else {  // the proxy lse over the same sets
+    plse.ptr = r.plse_ws;
+    plse.head = g.total;
+    plse.tok = 1;
+    HeadTensor<const int32_t> given;
+    if (!c.dense) {
+      given.ptr = static_cast<const int32_t*>(r.indices->data);
+      given.head = r.indices->strides[0];
+      given.tok = r.indices->strides[1];
+    }
+    run_select(*r.qp, *r.kp, *r.cu, g, nullptr, 0, 0, plse, st, c.dense ? selection::kDenseLse : selection::kGivenLse,
+               given);
+  }
+  return plse;
+}
+
+// The shared parameters plus the proxy side's: qp, kp, the proxy lse (given or recomputed), the
+// dqp/dkp/kl accumulators and the kl gradient.
+attn_bwd::Common proxy_common(const Geometry& g, const attn_bwd::Common& c, const ProxyRun& r, cudaStream_t st) {
+  const HeadTensor<float> plse = proxy_lse_for_kl(g, c, r, st);
+  attn_bwd::Common pc = c;
+  pc.qp = token_tensor<const void>(*r.qp, g);
+  pc.kp = token_tensor<const void>(*r.kp, g);
+  pc.plse.ptr = plse.ptr;
+  pc.plse.head = plse.head;
+  pc.plse.tok = plse.tok;
+  pc.dqp_acc = r.dqp_acc;
+  pc.dkp_acc = r.dkp_acc;
+  pc.kl_acc = r.kl_acc;
+  pc.dkl = r.dkl;
+  return pc;
+}
+
+}  // namespace
+
+attn_bwd::Common common_base(const Geometry& g, const flashmsa_tensor_t& q, const flashmsa_tensor_t& k,
+                             const flashmsa_tensor_t& cu, float* lse2, int64_t padded, bool dense,
+                             const int32_t* idx, int64_t idx_head, int64_t idx_tok, char* inv_ws,
+                             cudaStream_t st, bool ranks) {
+  attn_bwd::Common c;
+  c.q = token_tensor<const void>(q, g);
+  c.k = token_tensor<const void>(k, g);
+  c.lse2.ptr = lse2;
+  c.lse2.head = padded;
+  c.lse2.tok = 1;
+  c.seqs = seqs_of(cu, g);
+  c.dense = dense;
+  if (dense) {
+    c.inv.blk_off = attn_bwd::build_blk_off(c.seqs, inv_ws, st);
+    c.inv.nblk = tiles::global_blocks_bound(g);
+  } else {
+    attn_bwd::InversionArgs ia = inversion_args(idx, idx_head, idx_tok, cu, g);
+    ia.ranks = ranks;
+    c.inv = attn_bwd::build_inversion(ia, inv_ws, st);
+  }
+  c.Hq = g.Hq;
+  c.Hkv = g.Hkv;
+  c.Hp = g.Hp;
+  c.Hpk = g.Hpk;
+  c.scale = float(g.scale);
+  c.proxy_scale = float(g.proxy_scale);
+  c.total = g.total;
+  return c;
+}
+
+void launch_main(Dtype d, const attn_bwd::MainArgs& a, int units, cudaStream_t st) {
+  by_dtype(d, [&](auto D) {
+    by_det(deterministic(a.c),
+           [&](auto Det) { attn_bwd::run_main<decltype(D)::value, decltype(Det)::value>(a, units, st); });
+  });
+}
+
+void run_kl_side(const Geometry& g, const attn_bwd::Common& c, const float* teacher, const ProxyRun& r,
+                 cudaStream_t st) {
+  attn_bwd::KlArgs kp;
+  kp.c = proxy_common(g, c, r, st);
+  kp.teacher = teacher;
+  kp.grads = r.grads;
+  kp.batched = g.batched;
+  kp.total = g.total;
+  by_dtype(dtype_of(g), [&](auto D) {
+    by_det(deterministic(kp.c),
+           [&](auto Det) { attn_bwd::run_kl<decltype(D)::value, decltype(Det)::value>(kp, st); });
+  });
+}
+
+void run_proxy_side(const Geometry& g, const attn_bwd::Common& c, const ProxyRun& r, cudaStream_t st) {
+  attn_bwd::ProxyArgs pp;
+  pp.c = proxy_common(g, c, r, st);
+  pp.G = g.Hq / g.Hp;
+  pp.grads = r.grads;
+  pp.batched = g.batched;
+  pp.total = g.total;
+  by_dtype(dtype_of(g), [&](auto D) {
+    by_det(deterministic(pp.c), [&](auto Det) {
+      constexpr Dtype kD = decltype(D)::value;
+      constexpr bool kDet = decltype(Det)::value;
+      if (tiles::proxy_chunk_tokens(pp.G) == 16) attn_bwd::run_proxy<kD, 16, kDet>(pp, st);
+      else attn_bwd::run_proxy<kD, 64, kDet>(pp, st);
+    });
+  });
+}
+
+}  // namespace flashmsa::cuda

@@ -1,0 +1,100 @@
+// The workspace layouts of the three calls (dispatch.h describes each). A query and its call
+// compute the same layout from the same arguments.
+#include "cuda/dispatch.h"
+#include "cuda/tiles.h"
+
+namespace flashmsa::cuda {
+
+using tiles::global_blocks_bound;
+using tiles::kHeadDim;
+
+size_t guard_bytes(const Geometry& g) { return g.batched ? 0 : guard::workspace(g.batch); }
+
+size_t teacher_bytes(const Geometry& g) { return size_t(g.Hp) * size_t(g.total) * size_t(g.topk) * 128 * 4; }
+
+attn_bwd::InversionArgs inversion_args(const int32_t* idx, int64_t idx_head, int64_t idx_tok,
+                                       const flashmsa_tensor_t& cu, const Geometry& g) {
+  attn_bwd::InversionArgs ia;
+  ia.indices.ptr = idx;
+  ia.indices.head = idx_head;
+  ia.indices.tok = idx_tok;
+  ia.seqs = seqs_of(cu, g);
+  ia.Hp = g.Hp;
+  ia.topk = g.topk;
+  ia.total = g.total;
+  ia.nblk = global_blocks_bound(g);
+  return ia;
+}
+
+BwdLayout bwd_layout(const flashmsa_bwd_args_t& a, const Geometry& g) {
+  BwdLayout l;
+  l.padded = padded_total(g.total, g.batch, attn_bwd::kPadTile);
+  size_t off = 0;
+  auto take = [&](size_t bytes) { const size_t o = off; off += align_up(bytes); return o; };
+  l.lse2 = take(size_t(g.Hq) * l.padded * 4);
+  l.dsum = take(size_t(g.Hq) * l.padded * 4);
+  l.dq = take(size_t(g.total) * g.Hq * kHeadDim * 4);
+  l.dk = take(size_t(g.total) * g.Hkv * kHeadDim * 4);
+  l.dv = take(size_t(g.total) * g.Hkv * kHeadDim * 4);
+  if (g.has_proxy) {
+    l.dqp = take(size_t(g.total) * g.Hp * kHeadDim * 4);
+    l.dkp = take(size_t(g.total) * g.Hpk * kHeadDim * 4);
+  }
+  if (a.deterministic) {  // zeroed with the accumulators (the range [dq, inv))
+    l.deterministic = true;
+    l.turn_q = take(size_t(g.total) * size_t(g.Hq / tiles::bwd_unit_heads(g)) * 4);
+    l.turn_kv = take(size_t(global_blocks_bound(g)) * g.Hkv * 4);
+    l.turn_qp = take(size_t(g.total) * g.Hp * 4);
+    l.turn_kp = take(size_t(global_blocks_bound(g)) * g.Hpk * 4);
+  }
+  l.inv = take(a.mode == FLASHMSA_MODE_DENSE ? attn_bwd::blk_off_workspace(g.batch)
+                                             : attn_bwd::inversion_workspace(inversion_args(
+                                                   static_cast<const int32_t*>(a.indices.data), a.indices.strides[0],
+                                                   a.indices.strides[1], a.cu_seqlens, g)));
+  if (g.has_proxy && present(a.dkl)) {
+    l.plse = take(size_t(g.Hp) * g.total * 4);
+    l.kl = take(size_t(g.Hp) * global_blocks_bound(g) * 4);
+    if (a.mode != FLASHMSA_MODE_DENSE) {
+      l.teach = take(teacher_bytes(g));
+      l.has_teacher = true;
+    }
+  }
+  l.total = off;
+  return l;
+}
+
+FwdLayout fwd_layout(const flashmsa_fwd_args_t& a, const Geometry& g) {
+  FwdLayout l;
+  size_t off = 0;
+  auto take = [&](size_t bytes) { const size_t o = off; off += align_up(bytes); return o; };
+  if (a.mode == FLASHMSA_MODE_SPARSE && !present(a.indices)) l.idx = take(size_t(g.Hp) * g.total * g.topk * 4);
+  if (a.compute_kl) {
+    l.padded = padded_total(g.total, g.batch, attn_bwd::kPadTile);
+    l.lse2 = take(size_t(g.Hq) * l.padded * 4);
+    l.inv = take(a.mode == FLASHMSA_MODE_DENSE
+                     ? attn_bwd::blk_off_workspace(g.batch)
+                     : attn_bwd::inversion_workspace(inversion_args(nullptr, 0, 0, a.cu_seqlens, g)));
+    if (!present(a.proxy_lse)) l.plse = take(size_t(g.Hp) * g.total * 4);
+    l.kl = take(size_t(g.Hp) * global_blocks_bound(g) * 4);
+    if (a.mode != FLASHMSA_MODE_DENSE) {
+      l.teach = take(teacher_bytes(g));
+      l.has_teacher = true;
+    }
+  }
+  l.total = off;
+  return l;
+}
+
+size_t select_workspace(const flashmsa_select_args_t&, const Geometry& g) { return guard_bytes(g); }
+
+size_t fwd_workspace(const flashmsa_fwd_args_t& a, const Geometry& g) {
+  fwd_features(a, g);
+  return guard_bytes(g) + (g.total == 0 ? 0 : fwd_layout(a, g).total);
+}
+
+size_t bwd_workspace(const flashmsa_bwd_args_t& a, const Geometry& g) {
+  bwd_features(a, g);
+  return guard_bytes(g) + (g.total == 0 ? 0 : bwd_layout(a, g).total);
+}
+
+}  // namespace flashmsa::cuda

@@ -1,0 +1,49 @@
+#include "cli_keys.hpp"
+
+#include <algorithm>
+
+namespace flashmsa::cli {
+
+int seq_of(const Config& c, int64_t t) {
+  // last b with cu[b] <= t and cu[b+1] > t (skips empty sequences)
+  auto it = std::upper_bound(c.cu.begin(), c.cu.end(), t);
+  return int(it - c.cu.begin()) - 1;
+}
+
+void key_set(const Config& c, const int32_t* indices, int p, int64_t t, std::vector<int64_t>& keys) {
+  keys.clear();
+  const int b = seq_of(c, t);
+  const int64_t s0 = c.cu[size_t(b)], len = c.cu[size_t(b) + 1] - s0;
+  if (!c.sparse()) {
+    for (int64_t u = s0; u <= t; ++u) keys.push_back(u);
+    return;
+  }
+  const int64_t nblocks = (len + kBlock - 1) / kBlock;
+  const int32_t* row = indices + (int64_t(p) * c.total + t) * c.topk;
+  for (int s = 0; s < c.topk; ++s) {
+    const int64_t j = row[s];
+    if (j < 0 || j >= nblocks) continue;  // empty slot
+    const int64_t lo = s0 + j * kBlock, hi = std::min(lo + kBlock, t + 1);
+    for (int64_t u = lo; u < hi; ++u) keys.push_back(u);
+  }
+}
+
+PairCounts count_pairs(const Config& c, const int32_t* indices) {
+  PairCounts pc;
+  const int G = c.Hq / c.Hp;
+  std::vector<int64_t> keys;
+  for (int p = 0; p < c.Hp; ++p)
+    for (int64_t t = 0; t < c.total; ++t) {
+      const int b = seq_of(c, t);
+      pc.proxy_pairs += double(t - c.cu[size_t(b)] + 1);
+      if (!c.sparse()) {
+        pc.main_pairs += double(t - c.cu[size_t(b)] + 1) * G;
+      } else {
+        key_set(c, indices, p, t, keys);
+        pc.main_pairs += double(keys.size()) * G;
+      }
+    }
+  return pc;
+}
+
+}  // namespace flashmsa::cli
