@@ -17,7 +17,7 @@ _NUMERICS = {"train": L.NUMERICS_TRAIN, "infer": L.NUMERICS_INFER}
 
 # Limits of the scalar arguments (docs/errors.md); the C ABI checks the same ones.
 INT32_MAX = 2**31 - 1  # max_seqlen (sequence lengths are int32, like cu_seqlens)
-MAX_SCALE = 1e4  # softmax_scale, proxy_scale: larger ones overflow the fp32 logits
+MAX_SCALE = L.MAX_SCALE  # softmax_scale, proxy_scale: larger ones overflow the fp32 logits
 
 
 # ---- argument checks (cheap, metadata only: no host sync, traceable by torch.compile) ---------
@@ -244,9 +244,11 @@ def msa_attention(q: Tensor, k: Tensor, v: Tensor, qp: Optional[Tensor] = None,
     if num is None:
         num = L.NUMERICS_TRAIN if grad else L.NUMERICS_INFER
     kl_mode = (-1 if has_proxy else 0) if compute_kl is None else int(compute_kl)
-    out, lse, idx, _plse, kl, _out_lo = A.msa_fn(
-        q, k, v, qp, kp, cu_seqlens, indices, max_seqlen, mode, num, topk, sm_scale, px_scale, kl_mode,
-        return_indices or grad, grad and has_proxy, validate, precise_dpsum and grad)
+    out, lse, idx, _plse, kl, _out_lo = A.msa_fn(*A.fwd_args(
+        q=q, k=k, v=v, qp=qp, kp=kp, cu_seqlens=cu_seqlens, indices=indices, max_seqlen=max_seqlen, mode=mode,
+        numerics=num, topk=topk, softmax_scale=sm_scale, proxy_scale=px_scale, compute_kl=kl_mode,
+        want_indices=return_indices or grad, want_proxy_lse=grad and has_proxy, validate=validate,
+        want_out_lo=precise_dpsum and grad))
     result = [out, kl]
     if return_lse:
         result.append(lse)
@@ -277,5 +279,6 @@ def msa_select(qp: Tensor, kp: Tensor, topk: int = 16, *, cu_seqlens: Optional[T
     px_scale = _scale("proxy_scale", proxy_scale)
     _flag("return_proxy_lse", return_proxy_lse)
     max_seqlen = _max_seqlen(qp, cu_seqlens, max_seqlen)
-    idx, plse = A.select_op(qp, kp, cu_seqlens, max_seqlen, topk, px_scale, return_proxy_lse)
+    idx, plse = A.select_op(*A.select_args(qp=qp, kp=kp, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, topk=topk,
+                                           proxy_scale=px_scale, want_proxy_lse=return_proxy_lse))
     return (idx, plse) if return_proxy_lse else idx

@@ -104,3 +104,15 @@ def selection_mismatches(got: torch.Tensor, want: torch.Tensor, qp, kp, cu_seqle
             tie = torch.isfinite(thr) & ((sc - thr).abs() <= rtol * thr.abs())
             bad += int(((gm ^ wm) & ~tie).any(-1).sum())
     return differ, bad
+
+
+def cuda_ready() -> bool:
+    """True when torch sees a CUDA device and the loaded libflashmsa has its CUDA backend (the
+    GPU tests' skip condition)."""
+    import flashmsa
+    if not torch.cuda.is_available():
+        return False
+    try:
+        return flashmsa.cuda_available()
+    except OSError:
+        return False

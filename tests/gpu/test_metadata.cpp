@@ -125,6 +125,14 @@ void run_step(Step& s, const std::vector<int64_t>& cu, int64_t max_seqlen, const
     a.max_seqlen = max_seqlen;
     if (st) a.status = st->view();
   };
+  auto inputs = [&](auto& a) {  // q, k, v, qp, kp and the sequences of a forward or backward call
+    a.q = dev_view(s.q);
+    a.k = dev_view(s.k);
+    a.v = dev_view(s.v);
+    a.qp = dev_view(s.qp);
+    a.kp = dev_view(s.kp);
+    seqs(a);
+  };
   auto run = [&](auto& a, auto fn) {
     const size_t ws_bytes = flashmsa::workspace_size(a);
     void* ws = ws_bytes ? Pool::get().take(ws_bytes) : nullptr;
@@ -147,12 +155,7 @@ void run_step(Step& s, const std::vector<int64_t>& cu, int64_t max_seqlen, const
     out = output(token_shape(pb, pb.Hq, pb.D), dt);
     lse = output({pb.Hq, T}, FLASHMSA_DTYPE_FP32);
     flashmsa::FwdArgs a;
-    a.q = dev_view(s.q);
-    a.k = dev_view(s.k);
-    a.v = dev_view(s.v);
-    a.qp = dev_view(s.qp);
-    a.kp = dev_view(s.kp);
-    seqs(a);
+    inputs(a);
     a.mode = mode;
     a.topk = mode == FLASHMSA_MODE_SPARSE ? pb.topk : 0;
     if (mode == FLASHMSA_MODE_GIVEN) a.indices = dev_view(s.idx);  // this step's selection
@@ -184,12 +187,7 @@ void run_step(Step& s, const std::vector<int64_t>& cu, int64_t max_seqlen, const
                                             token_shape(pb, pb.Hpk, pb.Dp)};
     for (int i = 0; i < 5; ++i) *grads[i] = output(shapes[i], dt);
     flashmsa::BwdArgs a;
-    a.q = dev_view(s.q);
-    a.k = dev_view(s.k);
-    a.v = dev_view(s.v);
-    a.qp = dev_view(s.qp);
-    a.kp = dev_view(s.kp);
-    seqs(a);
+    inputs(a);
     a.mode = mode;
     if (idx) a.indices = dev_view(*idx);
     a.out = dev_view(out);

@@ -14,26 +14,17 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "python"))
 import flashmsa  # noqa: E402
 from flashmsa import _lib as L  # noqa: E402
 from flashmsa import reference as R  # noqa: E402
-from flashmsa.testing import make_inputs, rel_l2  # noqa: E402
+from flashmsa.testing import cuda_ready, make_inputs, rel_l2  # noqa: E402
 
 
-def _cuda_ready() -> bool:
-    if not torch.cuda.is_available():
-        return False
-    try:
-        return flashmsa.cuda_available()
-    except OSError:
-        return False
-
-
-cuda = pytest.mark.skipif(not _cuda_ready(), reason="needs a CUDA device and libflashmsa built with CUDA")
+cuda = pytest.mark.skipif(not cuda_ready(), reason="needs a CUDA device and libflashmsa built with CUDA")
 HEADS = dict(Hq=16, Hkv=2, Hp=4, Hpk=1)
 
 
 @pytest.fixture(autouse=True)
 def _clean_status():
     """Each test starts with clean status words (a failed test may leave a fault behind)."""
-    if _cuda_ready():
+    if cuda_ready():
         try:
             flashmsa.check()
         except flashmsa.InvalidArgumentError:

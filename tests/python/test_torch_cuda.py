@@ -18,19 +18,10 @@ from flashmsa import _kernels as K  # noqa: E402
 from flashmsa import _lib as L  # noqa: E402
 from flashmsa import reference as R  # noqa: E402
 from flashmsa.nn import MSAttention  # noqa: E402
-from flashmsa.testing import CONFIGS, make_inputs, rel_l2, selection_mismatches  # noqa: E402
+from flashmsa.testing import cuda_ready, CONFIGS, make_inputs, rel_l2, selection_mismatches  # noqa: E402
 
 
-def _cuda_ready() -> bool:
-    if not torch.cuda.is_available():
-        return False
-    try:
-        return flashmsa.cuda_available()
-    except OSError:
-        return False
-
-
-cuda = pytest.mark.skipif(not _cuda_ready(), reason="needs a CUDA device and libflashmsa built with CUDA")
+cuda = pytest.mark.skipif(not cuda_ready(), reason="needs a CUDA device and libflashmsa built with CUDA")
 MAIN_PROXY = ("q", "k", "v", "qp", "kp")
 MODES = {"sparse": L.MODE_SPARSE, "given": L.MODE_GIVEN, "warmup": L.MODE_DENSE}
 LENGTHS = [0, 1, 127, 129, 2100]  # 17 blocks in the long one: topk 16 really selects
