@@ -20,6 +20,7 @@
 #include "api/data_checks.hpp"
 #include "cuda/bwd/bwd.h"
 #include "cuda/bwd/bwd_misc.cuh"
+#include "cuda/common/constants.h"
 #include "cuda/common/element.h"
 #include "cuda/common/error.cuh"
 #include "cuda/common/guard.cuh"

@@ -10,8 +10,8 @@
 
 namespace flashmsa::cuda {
 
-static_assert(kMaxTopk == FLASHMSA_MAX_TOPK && kSpecBlock == FLASHMSA_BLOCK_SIZE,
-              "cuda/common/error.cuh repeats flashmsa.h's limits");
+static_assert(kMaxTopk == FLASHMSA_MAX_TOPK && kBlockKeys == FLASHMSA_BLOCK_SIZE && kHeadDimInst == tiles::kHeadDim,
+              "cuda/common/constants.h repeats flashmsa.h's limits and tiles.h's head dim");
 
 static_assert(guard::kFirstNotZero == FLASHMSA_FAULT_FIRST_NOT_ZERO && guard::kNegative == FLASHMSA_FAULT_NEGATIVE &&
                   guard::kDecreasing == FLASHMSA_FAULT_DECREASING && guard::kAboveTotal == FLASHMSA_FAULT_ABOVE_TOTAL &&

@@ -17,7 +17,7 @@ namespace flashmsa::cuda::attn_bwd {
 
 // A resident key block (128 keys x 128 dims, dims contiguous) in shared memory: K_j, V_j, Kp_j.
 template <class Element>
-using BlockLayout = SwizzledTile<Element, 128, 128>;
+using BlockLayout = SwizzledTile<Element, kBlockKeys, kHeadDimInst>;
 
 // The CTA's chunk pipeline (warpgroup 0 produces, the two others consume) and the barrier of
 // its resident block loads, initialised and visible to the whole CTA.
@@ -45,7 +45,7 @@ __device__ __forceinline__ void tma_load_block(const Tma& tma, const TmaShape& s
   using namespace cute;
   Tensor m = tma.get_tma_tensor(shape)(_, _, head, batched ? b : 0);
   const int64_t off = batched ? 0 : s0;
-  Tensor g = local_tile(domain_offset(make_coord(off, _0{}), m), Shape<_128, _128>{}, make_coord(j, _0{}));
+  Tensor g = local_tile(domain_offset(make_coord(off, _0{}), m), Shape<Int<kBlockKeys>, Int<kHeadDimInst>>{}, make_coord(j, _0{}));
   auto t = tma.get_slice(_0{});
   copy(tma.with(reinterpret_cast<uint64_t&>(bar)), t.partition_S(g), t.partition_D(dst));
 }
@@ -56,9 +56,9 @@ __device__ __forceinline__ void store_kl_partial(float kl_sum, float (&warp_sums
   const int tid = threadIdx.x;
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) kl_sum += __shfl_xor_sync(0xffffffff, kl_sum, off);
-  if (tid % 32 == 0) warp_sums[(tid - 128) / 32] = kl_sum;
+  if (tid % 32 == 0) warp_sums[(tid - kWarpGroupThreads) / 32] = kl_sum;
   barrier_sync(NamedBarrier::kConsumers, kConsumerThreads);
-  if (tid == 128) {
+  if (tid == kWarpGroupThreads) {  // the first consumer thread
     float total = 0.f;
     for (int x = 0; x < 8; ++x) total += warp_sums[x];
     kl_acc[slot] = total;
@@ -70,14 +70,14 @@ __device__ __forceinline__ void store_kl_partial(float kl_sum, float (&warp_sums
 // counter.
 __device__ __forceinline__ void take_turn(const int32_t* turn, int32_t mine) {
   if (!turn) return;
-  if (threadIdx.x == 128) ptx::wait_turn(turn, mine);
+  if (threadIdx.x == kWarpGroupThreads) ptx::wait_turn(turn, mine);
   barrier_sync(NamedBarrier::kConsumers, kConsumerThreads);
 }
 __device__ __forceinline__ void pass_turn(int32_t* turn, int32_t mine) {
   if (!turn) return;
   __threadfence();
   barrier_sync(NamedBarrier::kConsumers, kConsumerThreads);
-  if (threadIdx.x == 128) ptx::st_release_gpu(turn, mine + 1);
+  if (threadIdx.x == kWarpGroupThreads) ptx::st_release_gpu(turn, mine + 1);
 }
 
 // A CTA with nothing to add: its kl partial (if any) is 0, and in deterministic mode it still
@@ -113,7 +113,7 @@ __device__ __forceinline__ void add_key_rows(const Acc& acc, const Coord& c, int
   for (int x = 0; x < cute::size(acc); x += 2) {
     const int64_t pos = key_base + cute::get<0>(c(x));
     if (pos >= L) continue;
-    const int64_t row = ((s0 + pos) * H + h) * 128 + cute::get<1>(c(x));
+    const int64_t row = ((s0 + pos) * H + h) * kHeadDimInst + cute::get<1>(c(x));
     atomicAdd(reinterpret_cast<float2*>(out + row), make_float2(acc(x), acc(x + 1)));
   }
 }

@@ -39,7 +39,7 @@ namespace flashmsa::cuda::attn_bwd {
 
 template <class Element>
 struct MainConfig {
-  static constexpr int kBlockN = 128, kRows = 64, kHeadDim = 128;
+  static constexpr int kBlockN = kBlockKeys, kRows = 64, kHeadDim = kHeadDimInst;
   static constexpr int kThreads = kCtaThreads, kStages = FLASHMSA_BWD_STAGES, kConsumers = kConsumerThreads,
                        kProducers = kWarpGroupThreads;
   using Pipeline = cutlass::PipelineAsync<kStages>;
@@ -106,7 +106,7 @@ __device__ __forceinline__ void store_teacher(const Acc& accS, int key0, int row
 #pragma unroll
         for (int e0 = 0; e0 < 2; ++e0) {
           const int r = row0 + 8 * i + e0;
-          if (slot_tok[r] >= 0) dst[r * 128 + key0 + 8 * e1] = accS(4 * i + 2 * e1 + e0) * inv_g;
+          if (slot_tok[r] >= 0) dst[r * kBlockKeys + key0 + 8 * e1] = accS(4 * i + 2 * e1 + e0) * inv_g;
         }
     return;
   }
@@ -136,7 +136,7 @@ __device__ __forceinline__ void store_teacher(const Acc& accS, int key0, int row
     const bool writer = log_rp >= 3 ? q == (slot & 3) : (log_rp == 2 ? (q & 1) == 0 : true);
     if (!writer || slot_tok[slot] < 0) continue;
 #pragma unroll
-    for (int e1 = 0; e1 < 2; ++e1) dst[slot * 128 + key0 + 8 * e1] = a[i][e1] * inv_g;
+    for (int e1 = 0; e1 < 2; ++e1) dst[slot * kBlockKeys + key0 + 8 * e1] = a[i][e1] * inv_g;
   }
 }
 
@@ -175,7 +175,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) bwd_main_kernel(const __grid_c
     n = p.inv.offsets[k + 1] - p.inv.offsets[k];
     list = p.inv.tokens + p.inv.offsets[k];
   }
-  const int tid = threadIdx.x, role_wg = tid / 128;
+  const int tid = threadIdx.x, role_wg = tid / kWarpGroupThreads;
   // deterministic mode: this unit's turn among the units adding into the same dK_j / dV_j rows
   const int kv_order = unit % ((p.Hq / p.Hkv) / p.R);
   if (n <= 0) {
@@ -224,7 +224,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) bwd_main_kernel(const __grid_c
       if (c + 1 < nchunks) next = slot_token(c + 1), next_rank = slot_rank(c + 1);  // in flight meanwhile
       barrier_sync(NamedBarrier::kProducer, kWarpGroupThreads);
       // rows of this chunk: row r = slot r / Rp, head h0 + r % Rp (padding heads >= R: zero rows)
-      for (int x = tid; x < C::kRows * 16; x += 128) {
+      for (int x = tid; x < C::kRows * 16; x += kWarpGroupThreads) {
         const int r = x / 16, col = (x % 16) * 8;
         const int32_t t = S.slot[st][r >> lrp];
         const bool valid = t >= 0 && (r & rmask) < R;
@@ -264,7 +264,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) bwd_main_kernel(const __grid_c
   // ---- consumers: warpgroup w owns keys [64 w, 64 w + 64) ----
   cutlass::arch::warpgroup_reg_alloc<kBwdRegs.consumer>();
   const int w = role_wg - 1;
-  const int wtid = tid % 128;
+  const int wtid = tid % kWarpGroupThreads;
   Tensor sQt = make_tensor(make_smem_ptr(S.q.data()), typename C::SmemLayoutRowsT{});
   Tensor sdOt = make_tensor(make_smem_ptr(S.dout.data()), typename C::SmemLayoutRowsT{});
   Tensor sKt = make_tensor(make_smem_ptr(S.k.data()), typename C::SmemLayoutKt{});

@@ -49,7 +49,7 @@ __global__ void block_counts_kernel(const Seqs seqs, int32_t* counts) {
   if (b >= seqs.batch) return;
   int64_t s0, L;
   seqs.get(b, s0, L);
-  counts[b] = int32_t((L + 127) / 128);
+  counts[b] = int32_t((L + kBlockKeys - 1) / kBlockKeys);
 }
 
 __device__ __forceinline__ int seq_of_token(const Seqs& seqs, int64_t t) {
@@ -81,7 +81,7 @@ __global__ void inversion_keys_kernel(const InversionArgs a, const int32_t* blk_
   const int32_t* row = a.indices.at(p, t);
   const int64_t j = row[s];
   // t inside its sequence: always, unless the guard emptied every sequence (cu_seqlens fault)
-  bool ok = t - s0 < L && j >= 0 && j <= (t - s0) / 128;
+  bool ok = t - s0 < L && j >= 0 && j <= (t - s0) / kBlockKeys;
   for (int s2 = 0; ok && s2 < s; ++s2) ok = row[s2] != j;
   keys[e] = ok ? uint32_t(int64_t(p) * a.nblk + blk_off[b] + j) : uint32_t(int64_t(a.Hp) * a.nblk);
   vals[e] = int32_t(t);
@@ -103,7 +103,7 @@ __global__ void inversion_ranks_kernel(const InversionArgs a, const uint32_t* ke
   const int b = seq_of_token(a.seqs, t);
   int64_t s0, L;
   a.seqs.get(b, s0, L);
-  const int64_t j = gb - blk_off[b], own = (t - s0) / 128;
+  const int64_t j = gb - blk_off[b], own = (t - s0) / kBlockKeys;
   const int32_t* row = a.indices.at(p, t);
   int r = 0;  // distinct valid blocks below j (a repeated block is one entry, see the keys kernel)
   for (int s = 0; s < a.topk; ++s) {
@@ -137,7 +137,7 @@ __global__ void convert_kernel(const float* acc, TokenTensor<void> out, Seqs seq
   if (i >= L) return;
   const int64_t t = s0 + i;
   const int d = (threadIdx.x % 16) * 8;
-  const float* src = acc + (t * heads + h) * 128 + d;
+  const float* src = acc + (t * heads + h) * kHeadDimInst + d;
   Element* dst = out.template row<Element>(b, t, h) + d;
   const float4 x0 = *reinterpret_cast<const float4*>(src), x1 = *reinterpret_cast<const float4*>(src + 4);
   alignas(16) Element v[8] = {Element(x0.x * scale), Element(x0.y * scale), Element(x0.z * scale), Element(x0.w * scale),

@@ -28,7 +28,7 @@ namespace flashmsa::cuda::attn_bwd {
 
 template <class Element>
 struct KlConfig {
-  static constexpr int kBlockN = 128, kTok = 64, kHeadDim = 128, kTeachStride = 132;  // 132: no bank conflicts
+  static constexpr int kBlockN = kBlockKeys, kTok = 64, kHeadDim = kHeadDimInst, kTeachStride = 132;  // 132: no bank conflicts
   static constexpr int kThreads = kCtaThreads, kStages = 2, kConsumers = kConsumerThreads,
                        kProducers = kWarpGroupThreads;
   using Pipeline = cutlass::PipelineAsync<kStages>;
@@ -101,7 +101,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) bwd_kl_kernel(const __grid_con
     return;
   }
   const int nchunks = (n + C::kTok - 1) / C::kTok;
-  const int role_wg = tid / 128;
+  const int role_wg = tid / kWarpGroupThreads;
 
   Pipeline pipeline = make_chunk_pipeline<Pipeline>(S.pipe, role_wg, C::kProducers, C::kConsumers, S.kp_bar);
 
@@ -132,14 +132,14 @@ __global__ void __launch_bounds__(kCtaThreads, 1) bwd_kl_kernel(const __grid_con
       if (tid < C::kTok) S.tok[st][tid] = next, S.rank[st][tid] = next_rank;
       if (c + 1 < nchunks) next = row_token(c + 1), next_rank = row_rank(c + 1);
       barrier_sync(NamedBarrier::kProducer, kWarpGroupThreads);
-      for (int x = tid; x < C::kTok * 16; x += 128) {  // Qp rows, zero past the list
+      for (int x = tid; x < C::kTok * 16; x += kWarpGroupThreads) {  // Qp rows, zero past the list
         const int r = x / 16, col = (x % 16) * 8;
         const int32_t t = S.tok[st][r];
         const int64_t tt = t >= 0 ? t : s0;
         ptx::cp_async_16(&sQp(r, col, st), qpptr + b * p.qp.batch_corr + tt * p.qp.tok + grp * p.qp.head + col,
                          t >= 0 ? 16 : 0);
       }
-      for (int x = tid; x < C::kTok * 32; x += 128) {  // teacher rows (contiguous entries)
+      for (int x = tid; x < C::kTok * 32; x += kWarpGroupThreads) {  // teacher rows (contiguous entries)
         const int r = x / 32, col = (x % 32) * 4;
         const bool valid = c * C::kTok + r < n;
         const float* src = P.teacher + (entry0 + (valid ? int64_t(c) * C::kTok + r : 0)) * C::kBlockN + col;
@@ -157,7 +157,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) bwd_kl_kernel(const __grid_con
   }
 
   cutlass::arch::warpgroup_reg_alloc<kBwdRegs.consumer>();
-  const int w = role_wg - 1, wtid = tid % 128;
+  const int w = role_wg - 1, wtid = tid % kWarpGroupThreads;
   Tensor sQpT = make_tensor(make_smem_ptr(S.qp.data()), typename C::SmemLayoutQpT{});
   Tensor sKpt = make_tensor(make_smem_ptr(S.kp.data()), typename C::SmemLayoutKpt{});
   Tensor sDz = make_tensor(make_smem_ptr(S.dz.data()), typename C::SmemLayoutDz{});

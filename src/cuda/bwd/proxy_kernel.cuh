@@ -27,7 +27,7 @@ namespace flashmsa::cuda::attn_bwd {
 
 template <class Element, int kTok>
 struct ProxyConfig {
-  static constexpr int kBlockN = 128, kRows = 64, kHeadDim = 128;
+  static constexpr int kBlockN = kBlockKeys, kRows = 64, kHeadDim = kHeadDimInst;
   static constexpr int kThreads = kCtaThreads, kStages = 2, kConsumers = kConsumerThreads,
                        kProducers = kWarpGroupThreads;
   using Pipeline = cutlass::PipelineAsync<kStages>;
@@ -112,7 +112,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) bwd_proxy_kernel(const __grid_
     return;
   }
   const int nchunks = (n + NTc - 1) / NTc;
-  const int role_wg = tid / 128;
+  const int role_wg = tid / kWarpGroupThreads;
 
   Pipeline pipeline = make_chunk_pipeline<Pipeline>(S.pipe, role_wg, C::kProducers, C::kConsumers, S.kv_bar);
 
@@ -135,13 +135,13 @@ __global__ void __launch_bounds__(kCtaThreads, 1) bwd_proxy_kernel(const __grid_
     for (int c = 0; c < nchunks; ++c) {
       pipeline.producer_acquire(state);
       const int st = state.index();
-      for (int x = tid; x < C::kRows * 16; x += 128) {  // Q rows: token r / G, head h0 + r % G
+      for (int x = tid; x < C::kRows * 16; x += kWarpGroupThreads) {  // Q rows: token r / G, head h0 + r % G
         const int r = x / 16, col = (x % 16) * 8;
         const int li = min(c * NTc + min(r / G, NTc - 1), n - 1);
         const int64_t t = p.dense ? dense_first + li : int64_t(list[li]);
         ptx::cp_async_16(&sQ(r, col, st), qptr + b * p.q.batch_corr + t * p.q.tok + (h0 + r % G) * p.q.head + col);
       }
-      for (int x = tid; x < kTok * 16; x += 128) {  // Qp rows, zero past the chunk's tokens
+      for (int x = tid; x < kTok * 16; x += kWarpGroupThreads) {  // Qp rows, zero past the chunk's tokens
         const int r = x / 16, col = (x % 16) * 8;
         const int li = c * NTc + r;
         const bool valid = r < NTc && li < n;
@@ -176,7 +176,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) bwd_proxy_kernel(const __grid_
   }
 
   cutlass::arch::warpgroup_reg_alloc<kBwdRegs.consumer>();
-  const int w = role_wg - 1, wtid = tid % 128;
+  const int w = role_wg - 1, wtid = tid % kWarpGroupThreads;
   Tensor sQpT = make_tensor(make_smem_ptr(S.qp.data()), typename C::SmemLayoutTokT{});
   Tensor sKpT = make_tensor(make_smem_ptr(S.kp.data()), typename C::SmemLayoutKt{});
   Tensor sDz = make_tensor(make_smem_ptr(S.dz.data()), typename C::SmemLayoutDz{});

@@ -10,11 +10,6 @@ namespace flashmsa::cuda {
 // Throws the library's DEVICE error ("CUDA error: <text> at <expr>"); defined in backend.cu.
 [[noreturn]] void throw_cuda_error(cudaError_t err, const char* expr);
 
-// The spec's limits, repeated here for the kernels (backend.cu static_asserts that they equal
-// FLASHMSA_MAX_TOPK / FLASHMSA_BLOCK_SIZE of flashmsa.h).
-constexpr int kMaxTopk = 64;
-constexpr int kSpecBlock = 128;
-
 }  // namespace flashmsa::cuda
 
 #define FLASHMSA_CUDA_CHECK(expr)                                          \

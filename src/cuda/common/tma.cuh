@@ -9,6 +9,7 @@
 
 #include <cute/tensor.hpp>
 
+#include "cuda/common/constants.h"
 #include "cuda/common/seqlen.cuh"
 
 namespace flashmsa::cuda {
@@ -20,7 +21,7 @@ template <class Element, class SmemLayoutStage>
 using TmaBlockLoad = decltype(cute::make_tma_copy(
     cute::SM90_TMA_LOAD{},
     cute::make_tensor(cute::make_gmem_ptr(static_cast<Element const*>(nullptr)), TmaShape{}, TmaStride{}),
-    SmemLayoutStage{}, cute::Shape<cute::_128, cute::_128>{}, cute::_1{}));
+    SmemLayoutStage{}, cute::Shape<cute::Int<kBlockKeys>, cute::Int<kHeadDimInst>>{}, cute::_1{}));
 
 // Host: the copy and the shape of its coordinate tensor for a per-token tensor of `heads`
 // heads. batched: (S, d, H, B) with the batch stride; varlen: (total, d, H, 1).
@@ -37,10 +38,10 @@ TmaBlock<Element, SmemLayoutStage> make_block_load(const TokenTensor<const void>
   const int64_t tokens = batched ? seqlen : total;
   // batched: element (b, s) sits at b * (batch_corr + S * tok) + s * tok
   const int64_t bstride = batched ? t.batch_corr + seqlen * t.tok : total * t.tok;  // unused when B = 1
-  TmaShape shape = make_shape(int32_t(tokens), int32_t(128), int32_t(heads), int32_t(batched ? batch : 1));
+  TmaShape shape = make_shape(int32_t(tokens), int32_t(kHeadDimInst), int32_t(heads), int32_t(batched ? batch : 1));
   TmaStride stride = make_stride(t.tok, _1{}, t.head, bstride);
   Tensor m = make_tensor(make_gmem_ptr(static_cast<Element const*>(t.ptr)), shape, stride);
-  return {make_tma_copy(SM90_TMA_LOAD{}, m, SmemLayoutStage{}, Shape<_128, _128>{}, _1{}), shape};
+  return {make_tma_copy(SM90_TMA_LOAD{}, m, SmemLayoutStage{}, Shape<Int<kBlockKeys>, Int<kHeadDimInst>>{}, _1{}), shape};
 }
 
 }  // namespace flashmsa::cuda

@@ -8,6 +8,7 @@
 #include <cutlass/arch/barrier.h>
 #include <cutlass/numeric_types.h>
 
+#include "cuda/common/constants.h"
 #include "cuda/common/element.h"
 #include "cuda/common/error.cuh"
 #include "cuda/ptx/cp_async.cuh"

@@ -37,7 +37,7 @@ struct Params : Args {
 
 template <class Element>
 struct Config {
-  static constexpr int kBlockM = 128, kBlockN = 128, kHeadDim = 128;
+  static constexpr int kBlockM = kConsumerWarpGroups * kWgmmaM, kBlockN = kBlockKeys, kHeadDim = kHeadDimInst;
   static constexpr int kThreads = kCtaThreads, kStages = 2;  // producer warpgroup + 2 consumer warpgroups
   static constexpr int kConsumers = kConsumerThreads;
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
@@ -144,7 +144,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) fwd_kernel(const __grid_consta
   // ---- pipeline: warpgroup 0 produces, warpgroups 1 and 2 consume ----
   using Pipeline = typename C::Pipeline;
   typename Pipeline::Params pp;
-  const int role_wg = tid / 128;
+  const int role_wg = tid / kWarpGroupThreads;
   pp.role = role_wg == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
   pp.is_leader = tid == 0;
   pp.num_consumers = C::kConsumers;
@@ -163,8 +163,8 @@ __global__ void __launch_bounds__(kCtaThreads, 1) fwd_kernel(const __grid_consta
       const int64_t off = p.batched ? 0 : s0;
       Tensor mK = p.tma_k.get_tma_tensor(p.tma_shape_k)(_, _, kvh, bidx);
       Tensor mV = p.tma_v.get_tma_tensor(p.tma_shape_k)(_, _, kvh, bidx);
-      Tensor gK = local_tile(domain_offset(make_coord(off, _0{}), mK), Shape<_128, _128>{}, make_coord(_, _0{}));
-      Tensor gV = local_tile(domain_offset(make_coord(off, _0{}), mV), Shape<_128, _128>{}, make_coord(_, _0{}));
+      Tensor gK = local_tile(domain_offset(make_coord(off, _0{}), mK), Shape<Int<kBlockKeys>, Int<kHeadDimInst>>{}, make_coord(_, _0{}));
+      Tensor gV = local_tile(domain_offset(make_coord(off, _0{}), mV), Shape<Int<kBlockKeys>, Int<kHeadDimInst>>{}, make_coord(_, _0{}));
       auto tk = p.tma_k.get_slice(_0{});
       auto tv = p.tma_v.get_slice(_0{});
       Tensor tKg = group_modes<0, 3>(tk.partition_S(gK));  // (TMA, block)
@@ -187,13 +187,13 @@ __global__ void __launch_bounds__(kCtaThreads, 1) fwd_kernel(const __grid_consta
   // ---- consumers ----
   cutlass::arch::warpgroup_reg_alloc<kFwdRegs.consumer>();
   const int wg = role_wg - 1;
-  const int ctid = tid - 128;  // 0..255 over both consumer warpgroups
+  const int ctid = tid - kWarpGroupThreads;  // 0..255 over both consumer warpgroups
   Tensor sQ = make_tensor(make_smem_ptr(S.q.data()), typename C::SmemLayoutQ{});
   {
     // this warpgroup's 64 Q rows: row r = token r / R, head h0 + r % R (rows past the tile clamp)
     const Element* qp = static_cast<const Element*>(p.q.ptr);
 #pragma unroll
-    for (int c = tid % 128; c < 64 * 16; c += 128) {
+    for (int c = tid % kWarpGroupThreads; c < 64 * 16; c += kWarpGroupThreads) {
       const int r = wg * 64 + c / 16, col = (c % 16) * 8;
       const int tok = min(r / p.R, ntok - 1);
       const int h = h0 + r % p.R;
@@ -209,8 +209,8 @@ __global__ void __launch_bounds__(kCtaThreads, 1) fwd_kernel(const __grid_consta
 
   typename C::MmaQK mma_qk;
   typename C::MmaPV mma_pv;
-  auto thr_qk = mma_qk.get_thread_slice(tid % 128);
-  auto thr_pv = mma_pv.get_thread_slice(tid % 128);
+  auto thr_qk = mma_qk.get_thread_slice(tid % kWarpGroupThreads);
+  auto thr_pv = mma_pv.get_thread_slice(tid % kWarpGroupThreads);
   Tensor sQw = local_tile(sQ, Shape<_64, Int<C::kHeadDim>>{}, make_coord(wg, _0{}));
   Tensor tSrQ = thr_qk.partition_fragment_A(sQw);
   Tensor tSrK = thr_qk.partition_fragment_B(sK);
@@ -304,7 +304,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) fwd_kernel(const __grid_consta
   }
   barrier_sync(consumer_wg_barrier(wg), kWarpGroupThreads);
   Element* optr = static_cast<Element*>(p.out.ptr);
-  for (int c = tid % 128; c < 64 * 16; c += 128) {
+  for (int c = tid % kWarpGroupThreads; c < 64 * 16; c += kWarpGroupThreads) {
     const int row = wg * 64 + c / 16, col = (c % 16) * 8;  // this warpgroup's rows
     const int tok = row / p.R;
     if (tok >= ntok) continue;
@@ -321,7 +321,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) fwd_kernel(const __grid_consta
     }
     barrier_sync(consumer_wg_barrier(wg), kWarpGroupThreads);
     Element* lptr = static_cast<Element*>(p.out_lo.ptr);
-    for (int c = tid % 128; c < 64 * 16; c += 128) {
+    for (int c = tid % kWarpGroupThreads; c < 64 * 16; c += kWarpGroupThreads) {
       const int row = wg * 64 + c / 16, col = (c % 16) * 8;
       const int tok = row / p.R;
       if (tok >= ntok) continue;

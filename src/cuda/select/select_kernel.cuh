@@ -38,7 +38,7 @@ struct Params : Args {
 
 template <class Element>
 struct Config {
-  static constexpr int kBlockM = 128, kBlockN = 128, kHeadDim = 128;
+  static constexpr int kBlockM = kConsumerWarpGroups * kWgmmaM, kBlockN = kBlockKeys, kHeadDim = kHeadDimInst;
   static constexpr int kThreads = kCtaThreads, kStages = 3;  // producer warpgroup + 2 consumer warpgroups
   static constexpr int kConsumers = kConsumerThreads;
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
@@ -109,7 +109,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) select_kernel(const __grid_con
 
   using Pipeline = typename C::Pipeline;
   typename Pipeline::Params pp;
-  const int role_wg = tid / 128;
+  const int role_wg = tid / kWarpGroupThreads;
   pp.role = role_wg == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
   pp.is_leader = tid == 0;
   pp.num_consumers = C::kConsumers;
@@ -125,7 +125,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) select_kernel(const __grid_con
     if (tid == 0) {
       Tensor mK = p.tma_kp.get_tma_tensor(p.tma_shape_kp)(_, _, pk, p.batched ? b : 0);
       Tensor gK = local_tile(domain_offset(make_coord(p.batched ? int64_t(0) : s0, _0{}), mK),
-                             Shape<_128, _128>{}, make_coord(_, _0{}));
+                             Shape<Int<kBlockKeys>, Int<kHeadDimInst>>{}, make_coord(_, _0{}));
       auto tk = p.tma_kp.get_slice(_0{});
       Tensor tKg = group_modes<0, 3>(tk.partition_S(gK));
       Tensor tKs = group_modes<0, 3>(tk.partition_D(sK));
@@ -145,7 +145,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) select_kernel(const __grid_con
     // this warpgroup's 64 query rows (clamped to the sequence)
     const Element* qbase = p.qp.template row<const Element>(b, 0, ph);
 #pragma unroll
-    for (int c = tid % 128; c < 64 * 16; c += 128) {
+    for (int c = tid % kWarpGroupThreads; c < 64 * 16; c += kWarpGroupThreads) {
       const int r = wg * 64 + c / 16, col = (c % 16) * 8;
       const int64_t t = min(s0 + int64_t(m_block) * C::kBlockM + r, last);
       ptx::cp_async_16(&sQ(r, col), qbase + t * p.qp.tok + col);
@@ -157,7 +157,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) select_kernel(const __grid_con
   }
 
   typename C::Mma mma;
-  auto thr = mma.get_thread_slice(tid % 128);
+  auto thr = mma.get_thread_slice(tid % kWarpGroupThreads);
   Tensor sQw = local_tile(sQ, Shape<_64, Int<C::kHeadDim>>{}, make_coord(wg, _0{}));
   Tensor tSrQ = thr.partition_fragment_A(sQw);
   Tensor tSrK = thr.partition_fragment_B(sK);
