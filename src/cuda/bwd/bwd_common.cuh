@@ -43,11 +43,8 @@ __device__ __forceinline__ void tma_load_block(const Tma& tma, const TmaShape& s
                                                bool batched, int j, Dst&& dst,
                                                cutlass::arch::ClusterTransactionBarrier& bar) {
   using namespace cute;
-  Tensor m = tma.get_tma_tensor(shape)(_, _, head, batched ? b : 0);
-  const int64_t off = batched ? 0 : s0;
-  Tensor g = local_tile(domain_offset(make_coord(off, _0{}), m), Shape<Int<kBlockKeys>, Int<kHeadDimInst>>{}, make_coord(j, _0{}));
-  auto t = tma.get_slice(_0{});
-  copy(tma.with(reinterpret_cast<uint64_t&>(bar)), t.partition_S(g), t.partition_D(dst));
+  copy(tma.with(reinterpret_cast<uint64_t&>(bar)), tma_blocks(tma, shape, head, b, s0, batched)(_, j),
+       tma_stages(tma, dst));
 }
 
 // The kl partial of a CTA: its consumer warps' sums (2 warpgroups, 8 warps) added in a fixed

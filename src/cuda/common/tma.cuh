@@ -44,4 +44,25 @@ TmaBlock<Element, SmemLayoutStage> make_block_load(const TokenTensor<const void>
   return {make_tma_copy(SM90_TMA_LOAD{}, m, SmemLayoutStage{}, Shape<Int<kBlockKeys>, Int<kHeadDimInst>>{}, _1{}), shape};
 }
 
+// Device: the blocks of head `head` of sequence b as the TMA copy's source, (TMA, block): block
+// j holds tokens [128 j, 128 j + 128) of the sequence (origin s0 in the varlen tensor; batch
+// index b in the batched one). Every kernel's block loads go through this one view: the forward
+// (K_j, V_j) and the selection (Kp_j) stream it, the backward loads one block j (tma_load_block).
+template <class Tma>
+__device__ __forceinline__ auto tma_blocks(const Tma& tma, const TmaShape& shape, int head, int b, int64_t s0,
+                                           bool batched) {
+  using namespace cute;
+  Tensor m = tma.get_tma_tensor(shape)(_, _, head, batched ? b : 0);
+  Tensor g = local_tile(domain_offset(make_coord(batched ? int64_t(0) : s0, _0{}), m),
+                        Shape<Int<kBlockKeys>, Int<kHeadDimInst>>{}, make_coord(_, _0{}));
+  return group_modes<0, 3>(tma.get_slice(_0{}).partition_S(g));
+}
+
+// Device: shared-memory destination of those loads, (TMA, stage) (or (TMA) for one resident block).
+template <class Tma, class Smem>
+__device__ __forceinline__ auto tma_stages(const Tma& tma, Smem&& smem) {
+  using namespace cute;
+  return group_modes<0, 3>(tma.get_slice(_0{}).partition_D(smem));
+}
+
 }  // namespace flashmsa::cuda

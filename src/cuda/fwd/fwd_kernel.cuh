@@ -159,18 +159,10 @@ __global__ void __launch_bounds__(kCtaThreads, 1) fwd_kernel(const __grid_consta
   if (role_wg == 0) {  // ---- producer ----
     cutlass::arch::warpgroup_reg_dealloc<kFwdRegs.producer>();
     if (tid == 0) {
-      const int bidx = p.batched ? b : 0;
-      const int64_t off = p.batched ? 0 : s0;
-      Tensor mK = p.tma_k.get_tma_tensor(p.tma_shape_k)(_, _, kvh, bidx);
-      Tensor mV = p.tma_v.get_tma_tensor(p.tma_shape_k)(_, _, kvh, bidx);
-      Tensor gK = local_tile(domain_offset(make_coord(off, _0{}), mK), Shape<Int<kBlockKeys>, Int<kHeadDimInst>>{}, make_coord(_, _0{}));
-      Tensor gV = local_tile(domain_offset(make_coord(off, _0{}), mV), Shape<Int<kBlockKeys>, Int<kHeadDimInst>>{}, make_coord(_, _0{}));
-      auto tk = p.tma_k.get_slice(_0{});
-      auto tv = p.tma_v.get_slice(_0{});
-      Tensor tKg = group_modes<0, 3>(tk.partition_S(gK));  // (TMA, block)
-      Tensor tKs = group_modes<0, 3>(tk.partition_D(sK));  // (TMA, stage)
-      Tensor tVg = group_modes<0, 3>(tv.partition_S(gV));
-      Tensor tVs = group_modes<0, 3>(tv.partition_D(sV));
+      Tensor tKg = tma_blocks(p.tma_k, p.tma_shape_k, kvh, b, s0, p.batched);  // (TMA, block)
+      Tensor tKs = tma_stages(p.tma_k, sK);                                      // (TMA, stage)
+      Tensor tVg = tma_blocks(p.tma_v, p.tma_shape_k, kvh, b, s0, p.batched);
+      Tensor tVs = tma_stages(p.tma_v, sV);
       auto state = cutlass::make_producer_start_state<Pipeline>();
       for (int qi = 0; qi < ulen; ++qi) {
         const int j = S.ulist[qi];

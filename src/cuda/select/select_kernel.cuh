@@ -123,12 +123,8 @@ __global__ void __launch_bounds__(kCtaThreads, 1) select_kernel(const __grid_con
   if (role_wg == 0) {  // ---- producer: key blocks 0..m_block ----
     cutlass::arch::warpgroup_reg_dealloc<kFwdRegs.producer>();
     if (tid == 0) {
-      Tensor mK = p.tma_kp.get_tma_tensor(p.tma_shape_kp)(_, _, pk, p.batched ? b : 0);
-      Tensor gK = local_tile(domain_offset(make_coord(p.batched ? int64_t(0) : s0, _0{}), mK),
-                             Shape<Int<kBlockKeys>, Int<kHeadDimInst>>{}, make_coord(_, _0{}));
-      auto tk = p.tma_kp.get_slice(_0{});
-      Tensor tKg = group_modes<0, 3>(tk.partition_S(gK));
-      Tensor tKs = group_modes<0, 3>(tk.partition_D(sK));
+      Tensor tKg = tma_blocks(p.tma_kp, p.tma_shape_kp, pk, b, s0, p.batched);  // (TMA, block)
+      Tensor tKs = tma_stages(p.tma_kp, sK);                                      // (TMA, stage)
       auto state = cutlass::make_producer_start_state<Pipeline>();
       for (int j = 0; j <= m_block; ++j) {
         pipeline.producer_acquire(state);
