@@ -29,14 +29,17 @@ StageArgs make_args(const Config& c, Tensors& t, const Views& V) {
 
   // The forward consumes the selection stage's indices (GIVEN); warmup is DENSE.
   const flashmsa_mode_t lib_mode = c.sparse() ? FLASHMSA_MODE_GIVEN : FLASHMSA_MODE_DENSE;
-  a.fwd.q = V(t.q);
-  a.fwd.k = V(t.k);
-  a.fwd.v = V(t.v);
-  a.fwd.qp = V(t.qp);
-  a.fwd.kp = V(t.kp);
-  a.fwd.cu_seqlens = cu;
-  a.fwd.max_seqlen = max_seqlen;
-  a.fwd.mode = lib_mode;
+  auto inputs = [&](auto& x) {  // what the forward and the backward read alike
+    x.q = V(t.q);
+    x.k = V(t.k);
+    x.v = V(t.v);
+    x.qp = V(t.qp);
+    x.kp = V(t.kp);
+    x.cu_seqlens = cu;
+    x.max_seqlen = max_seqlen;
+    x.mode = lib_mode;
+  };
+  inputs(a.fwd);
   a.fwd.numerics = c.mode == Mode::Infer ? FLASHMSA_NUMERICS_INFER : FLASHMSA_NUMERICS_TRAIN;
   a.fwd.topk = c.sparse() ? c.topk : 0;
   a.fwd.compute_kl = 1;
@@ -47,14 +50,7 @@ StageArgs make_args(const Config& c, Tensors& t, const Views& V) {
   a.fwd.kl = V(t.kl);
   a.fwd.out_lo = V(t.out_lo);
 
-  a.bwd.q = V(t.q);
-  a.bwd.k = V(t.k);
-  a.bwd.v = V(t.v);
-  a.bwd.qp = V(t.qp);
-  a.bwd.kp = V(t.kp);
-  a.bwd.cu_seqlens = cu;
-  a.bwd.max_seqlen = max_seqlen;
-  a.bwd.mode = lib_mode;
+  inputs(a.bwd);
   a.bwd.indices = V(t.indices);
   a.bwd.out = V(t.out);
   a.bwd.out_lo = V(t.out_lo);

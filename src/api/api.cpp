@@ -238,9 +238,10 @@ flashmsa_status_t flashmsa_check_status(const flashmsa_tensor_t* status, void* s
     g.device = status->device_type;
     g.device_id = status->device_id;
     check_status_tensor(*status, g, fn);
-    if (status->device_type == FLASHMSA_DEVICE_CUDA || ((flags & FLASHMSA_CHECK_SYNC) && cuda::available())) {
+    if (status->device_type == FLASHMSA_DEVICE_CUDA) {
       cuda::read_status(*status, stream, flags, w);
-    } else {  // host words, nothing to synchronise with
+    } else {  // host words: read after the stream's work when asked
+      if ((flags & FLASHMSA_CHECK_SYNC) && cuda::available()) cuda::synchronize(stream);
       volatile int32_t* h = static_cast<int32_t*>(status->data);
       for (int i = 0; i < FLASHMSA_STATUS_WORDS; ++i) w[i] = h[i];
       if (flags & FLASHMSA_CHECK_RESET)

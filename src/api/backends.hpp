@@ -29,8 +29,10 @@ void bwd(const flashmsa_bwd_args_t& a, const Geometry& g, void* ws, size_t bytes
 // The status words of a CUDA call: device memory of the call's device, or page-locked host
 // memory the device can write (INVALID_ARGUMENT otherwise).
 void check_status_memory(const flashmsa_tensor_t& status, const Geometry& g, const char* fn);
-// Reads FLASHMSA_STATUS_WORDS words into `words` (flashmsa_check_status's flags).
+// Copies FLASHMSA_STATUS_WORDS device words into `words` on `stream` (zeroing them after with
+// FLASHMSA_CHECK_RESET) and synchronises; host words are read by the caller.
 void read_status(const flashmsa_tensor_t& status, void* stream, int32_t flags, int32_t* words);
+void synchronize(void* stream);
 }  // namespace cuda
 
 }  // namespace flashmsa

@@ -24,5 +24,6 @@ void read_status(const flashmsa_tensor_t&, void*, int32_t, int32_t*) {
   fail(FLASHMSA_ERROR_NOT_SUPPORTED, "flashmsa_check_status: status words in device memory, but this flashmsa "
                                      "was built without its CUDA backend");
 }
+void synchronize(void*) {}
 
 }  // namespace flashmsa::cuda

@@ -48,18 +48,12 @@ void finish_guard(const Guard& r, cudaStream_t st) {
 void read_status(const flashmsa_tensor_t& s, void* stream, int32_t flags, int32_t* w) {
   auto st = static_cast<cudaStream_t>(stream);
   const size_t bytes = sizeof(int32_t) * FLASHMSA_STATUS_WORDS;
-  if (s.device_type == FLASHMSA_DEVICE_CUDA) {
-    FLASHMSA_CUDA_CHECK(cudaMemcpyAsync(w, s.data, bytes, cudaMemcpyDeviceToHost, st));
-    if (flags & FLASHMSA_CHECK_RESET) FLASHMSA_CUDA_CHECK(cudaMemsetAsync(s.data, 0, bytes, st));
-    FLASHMSA_CUDA_CHECK(cudaStreamSynchronize(st));
-    return;
-  }
-  if (flags & FLASHMSA_CHECK_SYNC) FLASHMSA_CUDA_CHECK(cudaStreamSynchronize(st));
-  volatile int32_t* h = static_cast<int32_t*>(s.data);
-  for (int i = 0; i < FLASHMSA_STATUS_WORDS; ++i) w[i] = h[i];
-  if (flags & FLASHMSA_CHECK_RESET)
-    for (int i = 0; i < FLASHMSA_STATUS_WORDS; ++i) h[i] = 0;
+  FLASHMSA_CUDA_CHECK(cudaMemcpyAsync(w, s.data, bytes, cudaMemcpyDeviceToHost, st));
+  if (flags & FLASHMSA_CHECK_RESET) FLASHMSA_CUDA_CHECK(cudaMemsetAsync(s.data, 0, bytes, st));
+  synchronize(stream);
 }
+
+void synchronize(void* stream) { FLASHMSA_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream))); }
 
 // Opt-in data validation: copy cu_seqlens (and indices) to the host and check them.
 std::vector<int64_t> validate_offsets(const flashmsa_tensor_t& cu, const Geometry& g, cudaStream_t st,

@@ -12,6 +12,20 @@ size_t guard_bytes(const Geometry& g) { return g.batched ? 0 : guard::workspace(
 
 size_t teacher_bytes(const Geometry& g) { return size_t(g.Hp) * size_t(g.total) * size_t(g.topk) * 128 * 4; }
 
+namespace {
+// The kl side of a layout (forward's kl value, backward's proxy gradient): the proxy lse when it
+// is recomputed, the kl partials, and in SPARSE/GIVEN mode the teacher.
+template <class Layout, class Take>
+void take_kl_side(Layout& l, Take& take, const Geometry& g, flashmsa_mode_t mode, bool plse) {
+  if (plse) l.plse = take(size_t(g.Hp) * g.total * 4);
+  l.kl = take(size_t(g.Hp) * global_blocks_bound(g) * 4);
+  if (mode != FLASHMSA_MODE_DENSE) {
+    l.teach = take(teacher_bytes(g));
+    l.has_teacher = true;
+  }
+}
+}  // namespace
+
 attn_bwd::InversionArgs inversion_args(const int32_t* idx, int64_t idx_head, int64_t idx_tok,
                                        const flashmsa_tensor_t& cu, const Geometry& g) {
   attn_bwd::InversionArgs ia;
@@ -51,14 +65,7 @@ BwdLayout bwd_layout(const flashmsa_bwd_args_t& a, const Geometry& g) {
                                              : attn_bwd::inversion_workspace(inversion_args(
                                                    static_cast<const int32_t*>(a.indices.data), a.indices.strides[0],
                                                    a.indices.strides[1], a.cu_seqlens, g)));
-  if (g.has_proxy && present(a.dkl)) {
-    l.plse = take(size_t(g.Hp) * g.total * 4);
-    l.kl = take(size_t(g.Hp) * global_blocks_bound(g) * 4);
-    if (a.mode != FLASHMSA_MODE_DENSE) {
-      l.teach = take(teacher_bytes(g));
-      l.has_teacher = true;
-    }
-  }
+  if (g.has_proxy && present(a.dkl)) take_kl_side(l, take, g, a.mode, true);
   l.total = off;
   return l;
 }
@@ -74,12 +81,7 @@ FwdLayout fwd_layout(const flashmsa_fwd_args_t& a, const Geometry& g) {
     l.inv = take(a.mode == FLASHMSA_MODE_DENSE
                      ? attn_bwd::blk_off_workspace(g.batch)
                      : attn_bwd::inversion_workspace(inversion_args(nullptr, 0, 0, a.cu_seqlens, g)));
-    if (!present(a.proxy_lse)) l.plse = take(size_t(g.Hp) * g.total * 4);
-    l.kl = take(size_t(g.Hp) * global_blocks_bound(g) * 4);
-    if (a.mode != FLASHMSA_MODE_DENSE) {
-      l.teach = take(teacher_bytes(g));
-      l.has_teacher = true;
-    }
+    take_kl_side(l, take, g, a.mode, !present(a.proxy_lse));
   }
   l.total = off;
   return l;
