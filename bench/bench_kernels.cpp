@@ -164,8 +164,9 @@ int main(int argc, char** argv) {
       const double t_dense = median_ms([&] { flashmsa::fwd(fd, wsdn, dws); }, std::max(3, iters / 3));
       cudaFree(wsdn);
 
-      // backward (GIVEN indices of the selection, proxy lse, kl gradient 1) and a whole step
-      void *dout, *dq, *dk, *dvv, *dqp, *dkp, *dkl;
+      // backward (GIVEN indices of the selection, proxy lse, kl gradient 1, the kl value as a
+      // training step gets it) and a whole step
+      void *dout, *dq, *dk, *dvv, *dqp, *dkp, *dkl, *klv;
       CK(cudaMalloc(&dout, size_t(T) * c.Hq * D * 2));
       CK(cudaMalloc(&dq, size_t(T) * c.Hq * D * 2));
       CK(cudaMalloc(&dk, size_t(T) * c.Hkv * D * 2));
@@ -173,6 +174,7 @@ int main(int argc, char** argv) {
       CK(cudaMalloc(&dqp, size_t(T) * c.Hp * D * 2));
       CK(cudaMalloc(&dkp, size_t(T) * c.Hpk * D * 2));
       CK(cudaMalloc(&dkl, 4));
+      CK(cudaMalloc(&klv, 4));
       {
         auto h = cli::normal_values(1, cli::kStreamDout, size_t(T) * c.Hq * D);
         std::vector<uint16_t> raw(h.size());
@@ -195,6 +197,7 @@ int main(int argc, char** argv) {
       bw.dv = dv(dvv, FLASHMSA_DTYPE_BF16, {T, c.Hkv, D});
       bw.dqp = dv(dqp, FLASHMSA_DTYPE_BF16, {T, c.Hp, D});
       bw.dkp = dv(dkp, FLASHMSA_DTYPE_BF16, {T, c.Hpk, D});
+      bw.kl = dv(klv, FLASHMSA_DTYPE_FP32, {});
       const size_t bws = workspace_size(bw);
       void* wsb;
       CK(cudaMalloc(&wsb, std::max<size_t>(bws, 256)));
@@ -235,7 +238,7 @@ int main(int argc, char** argv) {
       const double step_gb = (double(T) * (2 * c.Hq + 2 * c.Hkv + c.Hp + c.Hpk) * D * 2 * 2 /* inputs+grads */ +
                               double(T) * c.Hq * D * 2 * 2 /* out, dout */ + double(c.Hq + c.Hp) * T * 4 +
                               double(c.Hp) * T * c.topk * 4 + double(bws) + double(fws)) / 1e9;
-      for (void* ptr : {dout, dq, dk, dvv, dqp, dkp, dkl, wsb, wsf}) cudaFree(ptr);
+      for (void* ptr : {dout, dq, dk, dvv, dqp, dkp, dkl, klv, wsb, wsf}) cudaFree(ptr);
 
       // effective work from the selection actually made
       std::vector<int32_t> hidx(size_t(c.Hp) * T * c.topk);

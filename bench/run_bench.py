@@ -2,10 +2,12 @@
 """BENCHMARKS.md's protocol in one run on the GPU machine: flashmsa's kernels (flashmsa_bench)
 and the peers measured in the same process run — cuDNN SDPA and FA2 SDPA dense causal
 (enable_gqa), FlexAttention serving the same per-token selection (union block mask + per-token
-mask_mod), and a chunked torch top-k indexer for the selection stage.
+mask_mod), and a chunked torch top-k indexer for the selection stage — and the user's path
+(user_path.py: the README's Python call timed end to end next to the kernel sum) in every row.
 
 Writes <out>/<date>-<gpu>.json and .md. Usage (from the repo root, binaries in .gpu/):
-    python3 bench/run_bench.py --out $OUT [--seqlens 16384,32768] [--configs m3,fmsa]
+    python3 bench/run_bench.py --out $OUT [--seqlens 16384,32768] [--configs m3,fmsa] [--no-user-path]
+    python3 bench/run_bench.py --out $OUT --user-only   # the user's path and cuDNN only (quick)
 """
 import argparse
 import datetime
@@ -18,6 +20,8 @@ import time
 
 import torch
 import torch.nn.functional as F
+
+import user_path
 
 CONFIGS = {"m3": dict(Hq=64, Hkv=4, Hp=4, Hpk=1, topk=16), "fmsa": dict(Hq=16, Hkv=2, Hp=4, Hpk=1, topk=16)}
 D = 128
@@ -127,34 +131,45 @@ def main():
     ap.add_argument("--patterns", default="clustered,random")
     ap.add_argument("--flex", default="16384,32768", help="seqlens where FlexAttention runs")
     ap.add_argument("--bin", default=".gpu/flashmsa_bench")
+    ap.add_argument("--user-path", action=argparse.BooleanOptionalAction, default=True,
+                    help="time the user's path (the README's call, user_path.py) in every row")
+    ap.add_argument("--user-only", action="store_true",
+                    help="only the user's path and cuDNN: no flashmsa_bench, FA2, Flex or torch top-k indexer")
     args = ap.parse_args()
+    if args.user_only and not args.user_path:
+        ap.error("--user-only needs the user's path (drop --no-user-path)")
+    seqlens = [int(x) for x in args.seqlens.split(",")]
     os.makedirs(args.out, exist_ok=True)
     gpu = torch.cuda.get_device_name(0)
     date = datetime.date.today().isoformat()
     rows = []
     for name in args.configs.split(","):
         cfg = CONFIGS[name]
-        log(f"[bench] flashmsa kernels, {name}")
-        res = subprocess.run([args.bin, "--config", name, "--seqlens", args.seqlens, "--patterns", args.patterns,
-                              "--save-indices", args.out], check=True, capture_output=True, text=True).stdout
-        ours = [json.loads(l) for l in res.splitlines() if l.startswith("{")]
-        for T in [int(x) for x in args.seqlens.split(",")]:
+        if args.user_only:
+            ours = [dict(config=name, seqlen=T, pattern=p) for T in seqlens for p in args.patterns.split(",")]
+        else:
+            log(f"[bench] flashmsa kernels, {name}")
+            res = subprocess.run([args.bin, "--config", name, "--seqlens", args.seqlens, "--patterns", args.patterns,
+                                  "--save-indices", args.out], check=True, capture_output=True, text=True).stdout
+            ours = [json.loads(l) for l in res.splitlines() if l.startswith("{")]
+        for T in seqlens:
             peers = {}
-            for be in ("cudnn", "fa2"):
+            for be in ("cudnn",) if args.user_only else ("cudnn", "fa2"):
                 log(f"[bench] {be} dense causal {name} {T}")
                 try:
                     peers[be] = sdpa_times(cfg, T, be)
                 except Exception as e:  # a backend missing for this shape is reported, not fatal
                     peers[be] = dict(error=str(e)[:200])
                 torch.cuda.empty_cache()
-            log(f"[bench] torch chunked top-k indexer {name} {T}")
-            peers["torch_topk_indexer_ms"] = torch_topk_indexer_ms(cfg, T)
+            if not args.user_only:
+                log(f"[bench] torch chunked top-k indexer {name} {T}")
+                peers["torch_topk_indexer_ms"] = torch_topk_indexer_ms(cfg, T)
             for o in ours:
                 if o["seqlen"] != T:
                     continue
                 row = dict(o)
                 row["peers"] = dict(peers)
-                if str(T) in args.flex.split(","):
+                if not args.user_only and str(T) in args.flex.split(","):
                     idx = np.fromfile(os.path.join(args.out, f"indices-{name}-{T}-{o['pattern']}.bin"),
                                       dtype=np.int32).reshape(cfg["Hp"], T, cfg["topk"])
                     main_pairs = o["fwd_train_tflops"] * 1e12 * o["fwd_train_ms"] * 1e-3 / (4 * D)
@@ -163,6 +178,14 @@ def main():
                         row["peers"]["flex"] = flex_times(cfg, T, idx, main_pairs)
                     except Exception as e:
                         row["peers"]["flex"] = dict(error=str(e)[:300])
+                    torch.cuda.empty_cache()
+                if args.user_path:
+                    where = f"[bench] user path {name} {T} {o['pattern']}:"
+                    try:
+                        row["user"] = user_path.user_step_times(cfg, T, o["pattern"],
+                                                                log=lambda what: log(where, what))
+                    except Exception as e:  # reported in the row, like a failing peer
+                        row["user"] = dict(error=str(e)[:300])
                     torch.cuda.empty_cache()
                 rows.append(row)
                 with open(os.path.join(args.out, "rows.jsonl"), "a") as f:  # kept if a later step dies
@@ -185,13 +208,16 @@ def fmt(x, nd=1):
 
 def markdown(meta):
     out = [f"GPU {meta['gpu']}, torch {meta['torch']}, {meta['date']}. Command: `{meta['command']}`.", "",
-           "Effective TFLOP/s count only the work the spec requires (ARCHITECTURE.md). Times in ms (median).", "",
-           "| config | T | pattern | union/128 | select ms (TF/s) | torch top-k ms | fwd train ms (TF/s) | fwd infer ms | "
-           "flex fwd ms (TF/s) | cuDNN dense fwd ms (TF/s) | FA2 dense fwd ms | our dense fwd ms (TF/s) | "
-           "bwd ms (TF/s) | **step** ms (TF/s) | cuDNN fwd+bwd ms | FA2 fwd+bwd ms | flex fwd+bwd ms | step vs cuDNN | "
-           "step GB (ours / cuDNN peak) |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in meta["rows"]:
+           "Effective TFLOP/s count only the work the spec requires (ARCHITECTURE.md). Times in ms (median)."]
+    kernel_rows = [r for r in meta["rows"] if "select_ms" in r]  # none under --user-only
+    if kernel_rows:
+        out += ["",
+                "| config | T | pattern | union/128 | select ms (TF/s) | torch top-k ms | fwd train ms (TF/s) | "
+                "fwd infer ms | flex fwd ms (TF/s) | cuDNN dense fwd ms (TF/s) | FA2 dense fwd ms | "
+                "our dense fwd ms (TF/s) | bwd ms (TF/s) | **step** ms (TF/s) | cuDNN fwd+bwd ms | FA2 fwd+bwd ms | "
+                "flex fwd+bwd ms | step vs cuDNN | step GB (ours / cuDNN peak) |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in kernel_rows:
         p = r["peers"]
         fl = p.get("flex", {})
         cu = p.get("cudnn", {})
@@ -207,7 +233,7 @@ def markdown(meta):
             f"{fmt(cu.get('step_ms'), 1)} | {fmt(fa.get('step_ms'), 1)} | {fmt(fl.get('step_ms'), 1)} | "
             f"{fmt(cu['step_ms'] / r['step_ms'] if cu.get('step_ms') and r.get('step_ms') else None, 2)}x | "
             f"{fmt(r.get('step_gb'), 2)} / {fmt(cu.get('peak_gb'), 2)} |")
-    extra = [r for r in meta["rows"] if r.get("bwd_deterministic_ms") is not None]
+    extra = [r for r in kernel_rows if r.get("bwd_deterministic_ms") is not None]
     if extra:
         out += ["", "Costs of the options (same run): the deterministic backward, and the precise dpsum "
                 "(forward writing out_lo, backward reading it).", "",
@@ -218,7 +244,35 @@ def markdown(meta):
                 f"| {r['config']} | {r['seqlen']} | {r['pattern']} | {fmt(r['bwd_ms'], 2)} | "
                 f"{fmt(r['bwd_deterministic_ms'], 2)} ({fmt(r['bwd_deterministic_ms'] / r['bwd_ms'], 2)}x) | "
                 f"{fmt(r['fwd_train_ms'], 2)} | {fmt(r['fwd_train_out_lo_ms'], 2)} | {fmt(r['bwd_out_lo_ms'], 2)} |")
-    return "\n".join(out) + "\n"
+    return "\n".join(out + user_markdown(meta["rows"])) + "\n"
+
+
+def user_markdown(rows):
+    """The user's path table (lines; none without row["user"]): the README's call with its defaults,
+    its step with compute_kl=False / True, the kernel sum and the gap, against cuDNN dense."""
+    rows = [r for r in rows if "user" in r]
+    if not rows:
+        return []
+    out = ["", "The user's path (README call, defaults): `msa_attention(...)` and its backward end to end, "
+           "next to the library's kernels on the same inputs without autograd (bench/user_path.py).", "",
+           "| config | T | pattern | user fwd ms | user step ms (default) | step ms (compute_kl=False) | "
+           "step ms (compute_kl=True) | kernel sum ms | overhead % | cuDNN fwd+bwd ms | step speed-up vs cuDNN | "
+           "peak GB (user) | peak GB (cuDNN) |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        u, cu = r["user"], r["peers"].get("cudnn", {})
+        head = f"| {r['config']} | {r['seqlen']} | {r['pattern']} | "
+        if "error" in u:
+            error = " ".join(u["error"].split()).replace("|", "\\|")
+            out.append(head + f"error: {error} |" + " - |" * 9)
+            continue
+        speedup = cu["step_ms"] / u["user_step_ms"] if cu.get("step_ms") else None
+        out.append(
+            head + f"{fmt(u['user_fwd_ms'], 2)} | {fmt(u['user_step_ms'], 2)} | {fmt(u['user_step_nokl_ms'], 2)} | "
+            f"{fmt(u['user_step_klfwd_ms'], 2)} | {fmt(u['kern_sum_ms'], 2)} | {fmt(u['overhead_pct'], 1)} | "
+            f"{fmt(cu.get('step_ms'), 1)} | {fmt(speedup, 2)}{'x' if speedup else ''} | "
+            f"{fmt(u['user_peak_gb'], 2)} | {fmt(cu.get('peak_gb'), 2)} |")
+    return out
 
 
 if __name__ == "__main__":

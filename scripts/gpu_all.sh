@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # Everything one device call needs, logs under $OUT. STEPS picks the parts (default: all):
-#   suite      the GPU suite (tests/gpu)
+#   suite      the GPU suite (tests/gpu; SUITE_FILTER: a gtest filter, default every test)
 #   sanitize   compute-sanitizer memcheck + racecheck on the small cases
 #   pytest     the Python tests against the CUDA build (tests/python, GPU ones included)
 #   run        the main job on the GPU
 #   profile    per-kernel durations of one m3 training step (scripts/gpu_profile.sh)
 #   kbench     flashmsa's kernels alone (flashmsa_bench, KBENCH_ARGS), no peers
 #   bench      the benchmarks with peers (BENCH_ARGS)
+#   user       the user's path (bench/user_path.py: the README's Python call, its step with and
+#              without the forward's kl, next to the kernel sum) against cuDNN, USER_ARGS (default
+#              "--configs m3 --seqlens 32768,65536,131072;--configs fmsa --seqlens 16384,32768": one
+#              run_bench.py per ';'-separated list, clustered and random), under $OUT/user/<n>
 #   ab         every A/B variant .gpu/flashmsa_bench_<name> (scripts/bench_variant.sh) next to
 #              .gpu/flashmsa_bench, m3 32k clustered (AB_ARGS="--options 0" skips the option runs)
 #   example    examples/train_long_context.py --gpu (EXAMPLE_ARGS), curves under $OUT/example
@@ -30,7 +34,7 @@ has() { [[ " $STEPS " == *" $1 "* ]]; }
 stamp() { echo "== $1 ($(date +%T))"; }
 if has suite; then
   stamp "GPU suite"
-  timeout 400 ./.gpu/flashmsa_gpu_tests > "$OUT/gpu_suite.log" 2>&1; echo "suite rc=$?"
+  timeout 400 ./.gpu/flashmsa_gpu_tests --gtest_filter="${SUITE_FILTER:-*}" > "$OUT/gpu_suite.log" 2>&1; echo "suite rc=$?"
   grep -E "^\[  (PASSED|FAILED)|FAILED  \]|tests? from .* ran" "$OUT/gpu_suite.log" | tail -8
   # the numbers the numerics docs and the deterministic mode need
   awk '/^\[ RUN      \] (Numerics|Deterministic)\./{p=1} /^\[       OK \]|^\[  FAILED  \]/{if(p)print; p=0} p' "$OUT/gpu_suite.log"
@@ -82,6 +86,18 @@ if has bench; then
   stamp "bench"
   PYTHONUNBUFFERED=1 timeout 560 python3 bench/run_bench.py --out "$OUT" ${BENCH_ARGS:---seqlens 16384,32768,65536 --flex 32768} > "$OUT/bench_log.txt" 2>&1; echo "bench rc=$?"
   tail -14 "$OUT/bench_log.txt"
+fi
+if has user; then
+  stamp "user's path"
+  mkdir -p "$OUT/user"
+  IFS=';' read -ra runs <<< "${USER_ARGS:---configs m3 --seqlens 32768,65536,131072;--configs fmsa --seqlens 16384,32768}"
+  n=0
+  for args in "${runs[@]}"; do  # one run_bench.py per ';'-separated argument list, each in its own folder
+    n=$((n + 1)); mkdir -p "$OUT/user/$n"
+    PYTHONUNBUFFERED=1 timeout ${USER_S:-400} python3 bench/run_bench.py --user-only --out "$OUT/user/$n" $args \
+      > "$OUT/user/$n/log.txt" 2>&1; echo "user ($args) rc=$?"
+    grep -E "^\| (m3|fmsa)" "$OUT"/user/$n/*.md 2>/dev/null || tail -5 "$OUT/user/$n/log.txt"
+  done
 fi
 if has ab; then
   stamp "A/B variants"

@@ -42,12 +42,14 @@ StageArgs make_args(const Config& c, Tensors& t, const Views& V) {
   inputs(a.fwd);
   a.fwd.numerics = c.mode == Mode::Infer ? FLASHMSA_NUMERICS_INFER : FLASHMSA_NUMERICS_TRAIN;
   a.fwd.topk = c.sparse() ? c.topk : 0;
-  a.fwd.compute_kl = 1;
+  // kl as a training loop gets it: from the backward's proxy side (no extra pass); the forward
+  // computes it only when no backward follows (inference)
+  a.fwd.compute_kl = c.has_bwd() ? 0 : 1;
   a.fwd.indices = V(t.indices);
   a.fwd.out = V(t.out);
   a.fwd.lse = V(t.lse);
   a.fwd.proxy_lse = V(t.proxy_lse);
-  a.fwd.kl = V(t.kl);
+  if (!c.has_bwd()) a.fwd.kl = V(t.kl);
   a.fwd.out_lo = V(t.out_lo);
 
   inputs(a.bwd);
@@ -65,6 +67,7 @@ StageArgs make_args(const Config& c, Tensors& t, const Views& V) {
   a.bwd.dv = V(t.dv);
   a.bwd.dqp = V(t.dqp);
   a.bwd.dkp = V(t.dkp);
+  if (c.has_bwd()) a.bwd.kl = V(t.kl);
   return a;
 }
 
@@ -176,10 +179,10 @@ Timings run_step(const Config& c, Tensors& t) {
       tm.select_ms = run_stage("select", "selection, topk " + std::to_string(c.topk) + " (" + where + ")",
                                c.on_cuda, a.sel, flashmsa_select_workspace_size, flashmsa_select);
     tm.fwd_ms = run_stage("forward", std::string(c.sparse() ? "sparse" : "dense causal") +
-                                         " forward + kl (" + where + ")",
+                                         (c.has_bwd() ? " forward (" : " forward + kl (") + where + ")",
                           c.on_cuda, a.fwd, flashmsa_fwd_workspace_size, flashmsa_fwd);
     if (c.has_bwd())
-      tm.bwd_ms = run_stage("backward", "backward, dkl " + fmt("%g", c.kl_grad) + " (" + where + ")",
+      tm.bwd_ms = run_stage("backward", "backward + kl, dkl " + fmt("%g", c.kl_grad) + " (" + where + ")",
                             c.on_cuda, a.bwd, flashmsa_bwd_workspace_size, flashmsa_bwd);
   } catch (...) {
     if (c.on_cuda)

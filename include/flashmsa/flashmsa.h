@@ -153,6 +153,10 @@ typedef struct flashmsa_bwd_args {
   flashmsa_tensor_t dkl;         /* optional scalar fp32: upstream gradient g of kl (absent: 0) */
   flashmsa_tensor_t dq, dk, dv;  /* outputs, shapes and dtypes of q, k, v */
   flashmsa_tensor_t dqp, dkp;    /* outputs; required when qp, kp are given */
+  flashmsa_tensor_t kl;          /* optional out, scalar ([] or [1]) fp32 (fp64 for fp64 inputs): the kl
+                                    value of the forward with the same inputs, computed by the proxy
+                                    side of this backward at no extra pass (needs qp, kp); 0 where the
+                                    sets are empty. A training loop's cheap way to log kl. */
   flashmsa_tensor_t status;      /* optional status words (see "Metadata faults" below) */
   void* stream;
 } flashmsa_bwd_args_t;
@@ -228,7 +232,7 @@ FLASHMSA_API const char* flashmsa_version(void);
 
 /* ABI of this header: bindings compare it (and the struct sizes) with what they were written
  * against before their first call. Bumped whenever a struct or an enum changes. */
-#define FLASHMSA_ABI_VERSION 3
+#define FLASHMSA_ABI_VERSION 4
 typedef enum flashmsa_struct {
   FLASHMSA_STRUCT_TENSOR = 0,
   FLASHMSA_STRUCT_SELECT_ARGS = 1,

@@ -31,8 +31,9 @@ FWD_ARGS = ("q", "k", "v", "qp", "kp", "cu_seqlens", "indices", "max_seqlen", "m
             "validate", "want_out_lo")
 FWD_OUTPUTS = ("out", "lse", "indices", "proxy_lse", "kl", "out_lo")
 BWD_ARGS = ("dout", "dlse", "dkl", "q", "k", "v", "qp", "kp", "cu_seqlens", "indices", "out", "lse",
-            "proxy_lse", "max_seqlen", "mode", "softmax_scale", "proxy_scale", "deterministic", "out_lo")
-BWD_OUTPUTS = ("dq", "dk", "dv", "dqp", "dkp")
+            "proxy_lse", "max_seqlen", "mode", "softmax_scale", "proxy_scale", "deterministic", "out_lo",
+            "want_kl")
+BWD_OUTPUTS = ("dq", "dk", "dv", "dqp", "dkp", "kl")
 SELECT_ARGS = ("qp", "kp", "cu_seqlens", "max_seqlen", "topk", "proxy_scale", "want_proxy_lse")
 SELECT_OUTPUTS = ("indices", "proxy_lse")
 # what the forward saves for the backward, in save_for_backward order
@@ -73,6 +74,9 @@ def _setup_context(ctx, inputs, output):
     ctx.softmax_scale, ctx.proxy_scale = a["softmax_scale"], a["proxy_scale"]
     ctx.mark_non_differentiable(o["indices"], o["proxy_lse"], o["out_lo"])
     ctx.set_materialize_grads(False)
+    # KL_FROM_BACKWARD: the backward writes its kl value into the forward's kl tensor. An alias
+    # without autograd history (.data: no reference cycle through the graph, no version bump).
+    ctx.kl_out = o["kl"].data if a["compute_kl"] == K.KL_FROM_BACKWARD else None
 
 
 def _dense(g: Tensor) -> Tensor:
@@ -94,10 +98,14 @@ def _backward(ctx, *output_grads):
         dkl = dkl.reshape(())
     # torch.use_deterministic_algorithms(True) selects the bitwise reproducible backward
     deterministic = torch.are_deterministic_algorithms_enabled()
+    kl_out = getattr(ctx, "kl_out", None)
     outs = bwd_op(*args_tuple(BWD_ARGS, dict(
         s, dout=dout, dlse=dlse, dkl=dkl, max_seqlen=ctx.max_seqlen, mode=ctx.mode,
-        softmax_scale=ctx.softmax_scale, proxy_scale=ctx.proxy_scale, deterministic=deterministic)))
+        softmax_scale=ctx.softmax_scale, proxy_scale=ctx.proxy_scale, deterministic=deterministic,
+        want_kl=kl_out is not None)))
     d = dict(zip(BWD_OUTPUTS, outs))
+    if kl_out is not None:  # the forward's kl, filled in (stream-ordered: no sync)
+        kl_out.copy_(d["kl"])
     has_proxy = s["qp"] is not None
     grads = {x: d[dx] for x, dx in _GRADS.items() if has_proxy or x not in ("qp", "kp")}
     return tuple(grads.get(n) for n in FWD_ARGS)
@@ -127,7 +135,8 @@ if HAS_CUSTOM_OP:
                v: Tensor, qp: Optional[Tensor], kp: Optional[Tensor], cu_seqlens: Optional[Tensor],
                indices: Optional[Tensor], out: Tensor, lse: Tensor, proxy_lse: Optional[Tensor],
                max_seqlen: int, mode: int, softmax_scale: float, proxy_scale: float,
-               deterministic: bool, out_lo: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+               deterministic: bool, out_lo: Optional[Tensor], want_kl: bool
+               ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
         return K.bwd(*args_tuple(BWD_ARGS, locals()))
 
     @bwd_op.register_fake

@@ -69,12 +69,18 @@ def fwd_outputs(q, qp, indices, mode, topk, want_indices, want_proxy_lse, want_o
     return out, lse, idx, plse, kl, out_lo
 
 
+# compute_kl codes of fwd(): the value (or NotSupportedError), a zero placeholder, the value where
+# the backend computes it (else the placeholder), and a placeholder that the backward fills in
+# (autograd: _autograd._backward writes the backward's kl value into the forward's kl tensor).
+KL_VALUE, KL_PLACEHOLDER, KL_WHERE_SUPPORTED, KL_FROM_BACKWARD = 1, 0, -1, 2
+
+
 def fwd(q, k, v, qp, kp, cu_seqlens, indices, max_seqlen: int, mode: int, numerics: int, topk: int,
         softmax_scale: float, proxy_scale: float, compute_kl: int, want_indices: bool,
         want_proxy_lse: bool, validate: bool, want_out_lo: bool = False):
-    """flashmsa_fwd. compute_kl: 1 the value, 0 a zero placeholder, -1 the value where the
-    backend computes it (else the placeholder). want_proxy_lse is a hint for the backward;
-    want_out_lo asks for the output's low part (the backward's precise dpsum)."""
+    """flashmsa_fwd. compute_kl: one of the KL_* codes above (KL_FROM_BACKWARD runs as the
+    placeholder here). want_proxy_lse is a hint for the backward; want_out_lo asks for the
+    output's low part (the backward's precise dpsum)."""
     outs = fwd_outputs(q, qp, indices, mode, topk, want_indices, want_proxy_lse, want_out_lo)
     out, lse, idx, plse, kl, out_lo = outs
     a = L.new_args(L.FwdArgs)
@@ -90,14 +96,14 @@ def fwd(q, k, v, qp, kp, cu_seqlens, indices, max_seqlen: int, mode: int, numeri
     a.stream = L.stream_of(q.device)
 
     optional = []
-    if compute_kl == -1 and qp is not None:
+    if compute_kl == KL_WHERE_SUPPORTED and qp is not None:
         optional.append("kl")
     if plse.numel():
         optional.append("proxy_lse")
     key = feature_key(q, k, qp, kp, indices, mode)
 
     def run(features):
-        a.compute_kl = int(compute_kl == 1 or "kl" in features)
+        a.compute_kl = int(compute_kl == KL_VALUE or "kl" in features)
         a.proxy_lse = L.view(plse) if "proxy_lse" in features else L.NONE
         L.call("fwd", a, q.device)
 
@@ -131,23 +137,26 @@ def proxy_lse_usable(key: tuple) -> bool:
 
 # ---- backward -------------------------------------------------------------------------------
 def bwd_outputs(q, k, v, qp, kp):
+    """(dq, dk, dv, dqp, dkp, kl); dqp, dkp are empty without qp, kp."""
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    kl = torch.zeros((), dtype=stat_dtype(q), device=q.device)
     if qp is None:
-        return dq, dk, dv, _empty(q), _empty(q)
+        return dq, dk, dv, _empty(q), _empty(q), kl
     dqp = torch.empty(qp.shape, dtype=qp.dtype, device=qp.device)
     dkp = torch.empty(kp.shape, dtype=kp.dtype, device=kp.device)
-    return dq, dk, dv, dqp, dkp
+    return dq, dk, dv, dqp, dkp, kl
 
 
 def bwd(dout, dlse, dkl, q, k, v, qp, kp, cu_seqlens, indices, out, lse, proxy_lse,
         max_seqlen: int, mode: int, softmax_scale: float, proxy_scale: float, deterministic: bool,
-        out_lo=None):
-    """flashmsa_bwd -> (dq, dk, dv, dqp, dkp); dqp, dkp are empty without qp, kp. out_lo: the
-    forward's low output part, or None."""
+        out_lo=None, want_kl: bool = False):
+    """flashmsa_bwd -> (dq, dk, dv, dqp, dkp, kl); dqp, dkp are empty without qp, kp. out_lo: the
+    forward's low output part, or None. want_kl: kl gets the kl value of the forward (the
+    backward's proxy side forms it at no extra pass) where the backend computes it, else 0."""
     outs = bwd_outputs(q, k, v, qp, kp)
-    dq, dk, dv, dqp, dkp = outs
+    dq, dk, dv, dqp, dkp, kl = outs
     a = L.new_args(L.BwdArgs)
     a.q, a.k, a.v, a.qp, a.kp = L.view(q), L.view(k), L.view(v), L.view(qp), L.view(kp)
     a.cu_seqlens = L.view(cu_seqlens)
@@ -168,7 +177,13 @@ def bwd(dout, dlse, dkl, q, k, v, qp, kp, cu_seqlens, indices, out, lse, proxy_l
     if qp is not None:
         a.dqp, a.dkp = L.view(dqp), L.view(dkp)
     a.stream = L.stream_of(q.device)
-    L.call("bwd", a, q.device)
+    key = feature_key(q, k, qp, kp, indices, mode)
+
+    def run(features):
+        a.kl = L.view(kl) if "kl_bwd" in features else L.NONE
+        L.call("bwd", a, q.device)
+
+    _run_declining(run, ["kl_bwd"] if want_kl and qp is not None else [], key)
     return outs
 
 

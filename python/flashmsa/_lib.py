@@ -152,6 +152,7 @@ class BwdArgs(ctypes.Structure):
         ("dv", Tensor),
         ("dqp", Tensor),
         ("dkp", Tensor),
+        ("kl", Tensor),
         ("status", Tensor),
         ("stream", ctypes.c_void_p),
     ]
@@ -199,7 +200,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
-ABI_VERSION = 3  # FLASHMSA_ABI_VERSION of the header these structs mirror
+ABI_VERSION = 4  # FLASHMSA_ABI_VERSION of the header these structs mirror
 
 # Every constant of this module that mirrors flashmsa.h -> its name there. _check_abi compares each
 # with the library (tests/python/test_abi.py checks that no int constant of the module is missing).

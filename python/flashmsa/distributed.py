@@ -29,7 +29,10 @@ kl is a mean over Hp * total: every rank's local kl is the mean over its Hp/P he
 returned kl (identical on every rank) is the mean of the P local values. kl is a replicated
 value: each rank adds it to its loss as a single process would, and its upstream gradient g on
 rank r scales rank r's proxy heads by g/P, which makes every gradient shard equal to the
-single-process gradient's shard (no communication for kl in the backward).
+single-process gradient's shard (no communication for kl in the backward). Unlike the
+single-process call, the default kl value here comes from the forward (a pass over the selected
+blocks, about 20% of the step; compute_kl=False skips it): the cross-rank mean is formed in the
+forward.
 
 Requirements: torch.distributed initialised (gloo for CPU tensors, NCCL for CUDA tensors);
 every rank calls with the same head counts, dims, dtype, topk, mode and flags, and every rank
@@ -565,8 +568,11 @@ def msa_attention_cp(q: Tensor, k: Tensor, v: Tensor, qp: Optional[Tensor] = Non
     # ---- local MSA on the full sequence
     sparse = indices is None and not warmup
     want_idx = bool(return_indices) and sparse
-    res = _ops.msa_attention(qh, kh, vh, qph, kph, topk, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
-                             indices=idx_h, return_lse=bool(return_lse), return_indices=want_idx, **kw)
+    # the local kl from the forward: the returned kl is the cross-rank mean formed here (a value
+    # the local backward would write only into the local tensor)
+    res = _ops._attention(qh, kh, vh, qph, kph, topk, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                          indices=idx_h, return_lse=bool(return_lse), return_indices=want_idx,
+                          precise_dpsum=False, kl_from_backward=False, **kw)
     out_h, kl_h = res[0], res[1]
     S_full = sum(tsizes)
 

@@ -61,6 +61,20 @@ def positions(cu_seqlens: Tensor, total: int) -> Tensor:
     return tok - cu_seqlens[seq]
 
 
+class _ScaleGrad(torch.autograd.Function):
+    """A view of x (same storage: a value written into x later shows through) whose gradient is
+    c times the upstream one."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, c: float) -> Tensor:
+        ctx.c = c
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        return g * ctx.c, None
+
+
 class MSAttention(nn.Module):
     """Causal GQA self-attention with MiniMax Sparse Attention.
 
@@ -69,9 +83,12 @@ class MSAttention(nn.Module):
     rotary embedding (on the main and, with rotary_proxy, the proxy q/k).
 
     forward(x [B, S, E], or x [total, E] with cu_seqlens / max_seqlen) returns
-    (y of x's shape, kl_term): add kl_term = kl_coef * kl to the loss; its gradient trains the
-    proxy projections to imitate the main attention (its value is 0 where the backend declines
-    the kl value; the gradient is there either way).
+    (y of x's shape, kl_term): add kl_term to the loss; its gradient, scaled by kl_coef, trains
+    the proxy projections to imitate the main attention. kl_term is msa_attention's kl (a view of
+    it, whose gradient is kl_coef times the upstream one): when training it reads 0 until the
+    backward has filled in the value (log it after loss.backward(); self.last_kl is the same
+    tensor), in evaluation the forward computes it; 0 where the backend declines the value. The
+    gradient is there either way.
 
     `warmup=True` (attribute, switchable any time) runs dense causal attention and trains the
     proxy over the full causal set; False selects topk blocks. detach_proxy_input feeds the proxy
@@ -127,6 +144,7 @@ class MSAttention(nn.Module):
         self.kp_proj = nn.Linear(embed_dim, num_proxy_kv_heads * Dp, **kw)
         self.o_proj = nn.Linear(num_heads * D, embed_dim, **kw)
         self.last_indices: Optional[Tensor] = None  # set when record_indices is True
+        self.last_kl: Optional[Tensor] = None  # the last forward's kl (filled in by its backward)
         self.record_indices = False
 
     def extra_repr(self) -> str:
@@ -181,7 +199,8 @@ class MSAttention(nn.Module):
         if self.record_indices:
             self.last_indices = res[2]
         y = self.o_proj(out.reshape(*x.shape[:-1], -1))
-        return y, self.kl_coef * kl
+        self.last_kl = kl.detach()
+        return y, kl if self.kl_coef == 1.0 else _ScaleGrad.apply(kl, self.kl_coef)
 
 
 def set_warmup(model: nn.Module, warmup: bool) -> None:

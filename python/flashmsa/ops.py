@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 
 from . import _autograd as A
+from . import _kernels as K
 from . import _lib as L
 
 Tensor = torch.Tensor
@@ -191,6 +192,25 @@ def _needs_grad(*ts) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts)
 
 
+def _compiling() -> bool:
+    compiler = getattr(torch, "compiler", None)
+    return bool(compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling())
+
+
+def _kl_mode(compute_kl: Optional[bool], has_proxy: bool, grad: bool, from_backward: bool) -> int:
+    """The forward's compute_kl code (_kernels.KL_*). None: when a backward will follow (an input
+    requires grad) the backward's proxy side forms the value at no extra pass and writes it into
+    kl (eager autograd; under torch.compile the forward computes it); otherwise the forward
+    computes it where the backend does. True: the forward computes it; False: a placeholder."""
+    if compute_kl is not None:
+        return K.KL_VALUE if compute_kl else K.KL_PLACEHOLDER
+    if not has_proxy:
+        return K.KL_PLACEHOLDER
+    if grad and from_backward and not _compiling():
+        return K.KL_FROM_BACKWARD
+    return K.KL_WHERE_SUPPORTED
+
+
 # ---- the operations --------------------------------------------------------------------------
 def msa_attention(q: Tensor, k: Tensor, v: Tensor, qp: Optional[Tensor] = None,
                   kp: Optional[Tensor] = None, topk: int = 16, *,
@@ -209,10 +229,16 @@ def msa_attention(q: Tensor, k: Tensor, v: Tensor, qp: Optional[Tensor] = None,
     Modes: sparse (default; needs qp, kp), `warmup=True` (dense causal attention, kl over the
     full causal set), `indices=` [Hp, total, topk] int32 (reuse a selection; kl only with qp, kp).
 
-    compute_kl: None -> the kl value where the backend computes it, else a zero placeholder
-    (the CUDA backend declines some head layouts); True -> the value or NotImplementedError;
-    False -> the placeholder. Either way the gradient of kl drives the proxy
-    (dz = g/N (s - t)): add it to the loss.
+    compute_kl: None (default) -> when training (an input requires grad) kl is 0 after the
+    forward and holds the value once the backward has run: the backward's proxy side forms it at
+    no extra pass (read it after loss.backward() to log it; under torch.compile the forward
+    computes it). Without grad, the forward computes the value. Either way a zero placeholder
+    where the backend declines the value (the CUDA backend declines some head layouts).
+    True -> the forward computes the value (or NotImplementedError); it costs a pass over the
+    selected blocks (about 20% of a training step): for evaluation, or a loss that needs kl's
+    value in the forward. False -> the placeholder. In every case the gradient of kl drives
+    the proxy (dz = g/N (s - t)) and does not depend on kl's value: add kl to the loss (a
+    coefficient times kl, or kl itself).
 
     numerics: None picks "train" (exact running max) when an input requires grad, else "infer".
 
@@ -223,6 +249,16 @@ def msa_attention(q: Tensor, k: Tensor, v: Tensor, qp: Optional[Tensor] = None,
     Returns (out, kl), then lse [Hq, total] fp32 if return_lse (differentiable), then indices
     [Hp, total, topk] int32 if return_indices (None in warmup mode).
     """
+    return _attention(q, k, v, qp, kp, topk, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, warmup=warmup,
+                      indices=indices, softmax_scale=softmax_scale, proxy_scale=proxy_scale,
+                      compute_kl=compute_kl, return_lse=return_lse, return_indices=return_indices,
+                      numerics=numerics, precise_dpsum=precise_dpsum, validate=validate, kl_from_backward=True)
+
+
+def _attention(q, k, v, qp, kp, topk, *, cu_seqlens, max_seqlen, warmup, indices, softmax_scale, proxy_scale,
+               compute_kl, return_lse, return_indices, numerics, precise_dpsum, validate, kl_from_backward):
+    """msa_attention with the choice of where the default kl value comes from: kl_from_backward
+    (msa_attention) or the forward (flashmsa.distributed, whose kl is a cross-rank mean)."""
     _check_inputs(q, k, v, qp, kp, cu_seqlens, indices)
     topk, sm_scale, px_scale, num = _check_options(topk, warmup, softmax_scale, proxy_scale, compute_kl,
                                                    return_lse, return_indices, numerics, validate,
@@ -243,7 +279,7 @@ def msa_attention(q: Tensor, k: Tensor, v: Tensor, qp: Optional[Tensor] = None,
     grad = _needs_grad(q, k, v, qp, kp)
     if num is None:
         num = L.NUMERICS_TRAIN if grad else L.NUMERICS_INFER
-    kl_mode = (-1 if has_proxy else 0) if compute_kl is None else int(compute_kl)
+    kl_mode = _kl_mode(compute_kl, has_proxy, grad, kl_from_backward)
     out, lse, idx, _plse, kl, _out_lo = A.msa_fn(*A.fwd_args(
         q=q, k=k, v=v, qp=qp, kp=kp, cu_seqlens=cu_seqlens, indices=indices, max_seqlen=max_seqlen, mode=mode,
         numerics=num, topk=topk, softmax_scale=sm_scale, proxy_scale=px_scale, compute_kl=kl_mode,

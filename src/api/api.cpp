@@ -135,7 +135,7 @@ void flashmsa_bwd_args_init(flashmsa_bwd_args_t* a) {
   *a = flashmsa_bwd_args_t{};
   a->q = a->k = a->v = a->qp = a->kp = a->cu_seqlens = a->indices = a->out = a->lse =
       a->proxy_lse = a->dout = a->dlse = a->dkl = a->dq = a->dk = a->dv = a->dqp = a->dkp =
-          a->status = none();
+          a->kl = a->status = none();
   a->mode = FLASHMSA_MODE_SPARSE;
 }
 

@@ -212,8 +212,9 @@ void bwd_impl(const flashmsa_bwd_args_t& a, const Geometry& g) {
   const double dkl = present(a.dkl) ? load_as_double(a.dkl.dtype, a.dkl.data, 0) : 0.0;
   if (!std::isfinite(dkl)) invalid("flashmsa_bwd: dkl: expected a finite value, got " + std::to_string(dkl));
   std::vector<double> dq(q.size()), dk(k.size()), dv(v.size()), dqp(qp.size()), dkp(kp.size());
+  double kl = 0;
   ref::BwdOut o{dq.data(), dk.data(), dv.data(), g.has_proxy ? dqp.data() : nullptr,
-                g.has_proxy ? dkp.data() : nullptr};
+                g.has_proxy ? dkp.data() : nullptr, present(a.kl) ? &kl : nullptr};
   ref::backward(pb, q.data(), k.data(), v.data(), g.has_proxy ? qp.data() : nullptr,
                 g.has_proxy ? kp.data() : nullptr, idx.empty() ? nullptr : idx.data(), dout.data(),
                 dlse.empty() ? nullptr : dlse.data(), dkl, o);
@@ -224,6 +225,7 @@ void bwd_impl(const flashmsa_bwd_args_t& a, const Geometry& g) {
     scatter_tokens(a.dqp, g, pb, dqp);
     scatter_tokens(a.dkp, g, pb, dkp);
   }
+  if (present(a.kl)) store_scalar(a.kl, kl);
 }
 
 }  // namespace

@@ -452,6 +452,11 @@ Geometry validate_bwd(const flashmsa_bwd_args_t& a) {
     if (present(a.dqp)) v.bad("dqp", "must be absent when qp and kp are absent");
     if (present(a.dkp)) v.bad("dkp", "must be absent when qp and kp are absent");
   }
+  if (present(a.kl)) {
+    if (!v.g.has_proxy) v.bad("kl", "needs qp and kp");
+    v.scalar("kl", a.kl);
+    v.stat_dtype("kl", a.kl);
+  }
   return v.g;
 }
 

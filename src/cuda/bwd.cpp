@@ -68,7 +68,7 @@ void run_bwd(const flashmsa_bwd_args_t& a, const Geometry& g, char* ws, const Bw
   convert(d, dv_acc, token_tensor<void>(a.dv, g), seqs, g.max_seqlen, g.Hkv, 1.f, st);
   if (g.has_proxy) {
     float pscale = 1.f;
-    if (present(a.dkl)) {  // the proxy gradient; without dkl the accumulators stay zero
+    if (bwd_proxy_side(a, g)) {  // the proxy gradient (dkl) and/or the kl value (kl)
       pscale = kl_scales(g).grad;  // dz was kept N / proxy_scale times larger
       ProxyRun r;
       r.qp = &a.qp;
@@ -81,12 +81,15 @@ void run_bwd(const flashmsa_bwd_args_t& a, const Geometry& g, char* ws, const Bw
       r.dkp_acc = reinterpret_cast<float*>(ws + l.dkp);
       r.kl_acc = reinterpret_cast<float*>(ws + l.kl);
       r.dkl = static_cast<const float*>(a.dkl.data);
-      r.grads = true;
+      r.grads = present(a.dkl);  // without dkl the accumulators stay zero
       attn_bwd::Common cp = c;  // the proxy side's own turn counters
       cp.turn_rows = l.deterministic ? reinterpret_cast<int32_t*>(ws + l.turn_qp) : nullptr;
       cp.turn_keys = l.deterministic ? reinterpret_cast<int32_t*>(ws + l.turn_kp) : nullptr;
       if (l.has_teacher) run_kl_side(g, cp, mp.teacher, r, st);
       else run_proxy_side(g, cp, r, st);
+      if (present(a.kl))  // the same fixed-order reduce as the forward's kl
+        attn_bwd::launch_kl_reduce(r.kl_acc, int64_t(g.Hp) * tiles::global_blocks_bound(g), kl_scales(g).value,
+                                   static_cast<float*>(a.kl.data), st);
     }
     convert(d, reinterpret_cast<float*>(ws + l.dqp), token_tensor<void>(a.dqp, g), seqs, g.max_seqlen, g.Hp, pscale,
             st);
@@ -109,7 +112,8 @@ void bwd(const flashmsa_bwd_args_t& user, const Geometry& g, void* ws_raw, size_
   Guard gd = start_guard(user.cu_seqlens, user.status, g, guard::kBwd, ws_raw, st);
   flashmsa_bwd_args_t a = user;
   a.cu_seqlens = gd.cu;
-  for (const flashmsa_tensor_t* t : {&a.dq, &a.dk, &a.dv, &a.dqp, &a.dkp}) poison(gd, *t);
+  for (const flashmsa_tensor_t* t : {&a.dq, &a.dk, &a.dv, &a.dqp, &a.dkp, &a.kl}) poison(gd, *t);
+  if (present(a.kl)) FLASHMSA_CUDA_CHECK(cudaMemsetAsync(a.kl.data, 0, sizeof(float), st));  // no tokens: 0
   if (g.total == 0) return finish_guard(gd, st);
   char* ws = static_cast<char*>(ws_raw) + guard_bytes(g);
   run_bwd(a, g, ws, bwd_layout(a, g), st);

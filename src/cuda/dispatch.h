@@ -102,6 +102,12 @@ inline KlScales kl_scales(const Geometry& g) {
   return {1.0 / n, float(g.proxy_scale / n)};
 }
 
+// Whether a backward runs its proxy side: for the proxy gradient (dkl given) or the kl value (kl
+// asked for; without dkl the side runs without gradients).
+inline bool bwd_proxy_side(const flashmsa_bwd_args_t& a, const Geometry& g) {
+  return g.has_proxy && (present(a.dkl) || present(a.kl));
+}
+
 // ---- support.cpp ----
 void fwd_features(const flashmsa_fwd_args_t& a, const Geometry& g);
 void bwd_features(const flashmsa_bwd_args_t& a, const Geometry& g);

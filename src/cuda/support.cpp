@@ -104,12 +104,14 @@ void bwd_features(const flashmsa_bwd_args_t& a, const Geometry& g) {
   if (a.lse.dtype != FLASHMSA_DTYPE_FP32) unsupported(fn, "lse must be fp32");
   if (present(a.dlse) && a.dlse.dtype != FLASHMSA_DTYPE_FP32) unsupported(fn, "dlse must be fp32");
   if (present(a.dkl) && a.dkl.dtype != FLASHMSA_DTYPE_FP32) unsupported(fn, "dkl must be fp32");
+  if (present(a.kl) && a.kl.dtype != FLASHMSA_DTYPE_FP32) unsupported(fn, "kl must be fp32");
   if (present(a.proxy_lse) && a.proxy_lse.dtype != FLASHMSA_DTYPE_FP32) unsupported(fn, "proxy_lse must be fp32");
-  if (g.has_proxy && present(a.dkl)) {
+  if (bwd_proxy_side(a, g)) {
     if ((g.Hq / g.Hkv) % (g.Hq / g.Hp) != 0)
-      unsupported(fn, "the proxy gradient needs every MSA group inside one kv head (Hkv dividing Hp); got Hkv = " +
+      unsupported(fn, "the proxy gradient and the kl value need every MSA group inside one kv head (Hkv dividing Hp); got Hkv = " +
                           std::to_string(g.Hkv) + ", Hp = " + std::to_string(g.Hp) + " (use the CPU backend)");
-    if (g.Hq / g.Hp > 64) unsupported(fn, "the proxy gradient supports at most 64 query heads per proxy head");
+    if (g.Hq / g.Hp > 64)
+      unsupported(fn, "the proxy gradient and the kl value support at most 64 query heads per proxy head");
   }
 }
 

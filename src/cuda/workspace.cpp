@@ -65,7 +65,7 @@ BwdLayout bwd_layout(const flashmsa_bwd_args_t& a, const Geometry& g) {
                                              : attn_bwd::inversion_workspace(inversion_args(
                                                    static_cast<const int32_t*>(a.indices.data), a.indices.strides[0],
                                                    a.indices.strides[1], a.cu_seqlens, g)));
-  if (g.has_proxy && present(a.dkl)) take_kl_side(l, take, g, a.mode, true);
+  if (bwd_proxy_side(a, g)) take_kl_side(l, take, g, a.mode, true);
   l.total = off;
   return l;
 }

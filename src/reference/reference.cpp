@@ -294,6 +294,8 @@ void backward(const Problem& pb, const double* q, const double* k, const double*
   const int64_t n = int64_t(pb.Hp) * pb.total;
   const int G = pb.group_size();
   const bool proxy = qp && kp && o.dqp && o.dkp && dkl != 0.0;
+  const bool want_kl = qp && kp && o.kl;
+  std::vector<double> kl_rows(want_kl ? size_t(n) : 0, 0.0);
   const double kl_coef = n > 0 ? dkl / double(n) : 0.0;  // g / N
   const size_t kv_elems = size_t(pb.total) * pb.Hkv * pb.D;
   const size_t kp_elems = size_t(pb.total) * pb.Hpk * pb.Dp;
@@ -344,8 +346,9 @@ void backward(const Problem& pb, const double* q, const double* k, const double*
           sc.teacher[j] += sc.p[j] / G;
         }
       }
+      if (proxy || want_kl) proxy_probs(pb, qp, kp, p, t, sc);
+      if (want_kl) kl_rows[size_t(r)] = kl_row(sc.teacher, sc.tmp, nk);
       if (proxy) {
-        proxy_probs(pb, qp, kp, p, t, sc);
         const int c = pb.pk_of(p);
         const double* qprow = qp + (t * pb.Hp + p) * pb.Dp;
         double* dqprow = o.dqp + (t * pb.Hp + p) * pb.Dp;
@@ -370,6 +373,11 @@ void backward(const Problem& pb, const double* q, const double* k, const double*
           for (int64_t e = lo; e < hi; ++e) dst[e] += b[size_t(e)];
     });
   };
+  if (o.kl) {  // summed in row order, as forward() does
+    double s = 0;
+    for (double x : kl_rows) s += x;
+    *o.kl = (want_kl && n > 0) ? s / double(n) : 0.0;
+  }
   reduce(dk_buf, o.dk, kv_elems);
   reduce(dv_buf, o.dv, kv_elems);
   if (o.dkp) {

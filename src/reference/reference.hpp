@@ -72,9 +72,11 @@ struct BwdOut {
   double* dv = nullptr;
   double* dqp = nullptr;  // [total][Hp][Dp], optional
   double* dkp = nullptr;  // [total][Hpk][Dp], optional
+  double* kl = nullptr;   // scalar, optional (needs qp, kp): the forward's kl value, from the same pass
 };
 // Backward: recomputes the forward in fp64 (exact P, out, lse). dlse may be null; dkl is the
-// upstream gradient g of kl (the proxy gradients are exactly zero when it is 0).
+// upstream gradient g of kl (the proxy gradients are exactly zero when it is 0). o.kl gets the
+// value forward() gives for the same inputs (the teacher and the student are formed anyway).
 void backward(const Problem& pb, const double* q, const double* k, const double* v,
               const double* qp, const double* kp, const int32_t* indices, const double* dout,
               const double* dlse, double dkl, const BwdOut& o);

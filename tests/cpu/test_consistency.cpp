@@ -258,6 +258,38 @@ TEST_F(Consistency, KlPlaceholderIsZeroWhenNotComputed) {
   EXPECT_EQ(r.kl.get(0), 0.0);
 }
 
+// The backward's kl output (what a training loop logs at no extra pass) is the forward's kl value
+// for the same inputs, in every mode, with the kl gradient absent, 0 or 0.75, and with the
+// backward's proxy lse given or recomputed; asking for it changes no gradient. It is written
+// over a poisoned value.
+TEST_F(Consistency, BackwardKlEqualsForwardKl) {
+  for (flashmsa_mode_t mode : {FLASHMSA_MODE_SPARSE, FLASHMSA_MODE_GIVEN, FLASHMSA_MODE_DENSE}) {
+    for (const Config& c : head_configs(mode, {257, 1, 64, 0}, 2)) {
+      SCOPED_TRACE(describe(c));
+      if (!c.proxy) continue;
+      const Inputs in = make_inputs(c, rng);
+      const FwdResult f = run_fwd(c, in);
+      ASSERT_GT(f.kl_value(), 0.0);
+      for (double g : {double(NAN), 0.0, 0.75})
+        for (bool plse : {true, false}) {
+          BwdOptions o = full_bwd(std::isnan(g) ? 0.0 : g);
+          o.has_dkl = !std::isnan(g);
+          o.proxy_lse = plse;
+          const BwdResult plain = run_bwd(c, in, f, o);
+          BwdResult r;
+          Tensor dkl, kl(c.stat_dtype(), {1});
+          kl.set(0, NAN);
+          flashmsa_bwd_args_t a = bwd_args(c, in, f, r, dkl, o);
+          a.kl = kl.view();
+          ASSERT_EQ(flashmsa_bwd(&a, nullptr, 0), FLASHMSA_SUCCESS) << flashmsa_last_error();
+          EXPECT_EQ(kl.get(0), f.kl_value()) << "g " << g << ", proxy_lse " << plse;
+          for (auto m : {&BwdResult::dq, &BwdResult::dk, &BwdResult::dv, &BwdResult::dqp, &BwdResult::dkp})
+            EXPECT_TRUE(all_equal(r.*m, plain.*m));
+        }
+    }
+  }
+}
+
 // No tokens at all (B = 0, or only empty sequences): every call succeeds, kl = 0.
 TEST_F(Consistency, EmptyBatches) {
   for (const std::vector<int64_t>& lens : {std::vector<int64_t>{}, std::vector<int64_t>{0, 0}})

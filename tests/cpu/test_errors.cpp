@@ -327,6 +327,14 @@ std::vector<ErrorCase> error_cases() {
       {"BwdDkpWithoutProxy", E::Bwd,
        [](ValidCall& s) { s.ba.qp = s.ba.kp = s.ba.proxy_lse = s.ba.dqp = flashmsa::none(); },
        {"dkp", "must be absent"}},
+      {"BwdKlWithoutProxy", E::Bwd,
+       [](ValidCall& s) {
+         s.ba.qp = s.ba.kp = s.ba.proxy_lse = s.ba.dqp = s.ba.dkp = flashmsa::none();
+         s.ba.kl = s.make(F64, {1});
+       },
+       {"kl", "needs qp and kp"}},
+      {"BwdKlNotScalar", E::Bwd, [](ValidCall& s) { s.ba.kl = s.make(F64, {2}); }, {"kl", "expected a scalar"}},
+      {"BwdKlWrongDtype", E::Bwd, [](ValidCall& s) { s.ba.kl = s.make(I32, {1}); }, {"kl", "expected dtype fp32"}},
       {"BwdLseWrongShape", E::Bwd, [](ValidCall& s) { s.ba.lse = s.make(F64, {4, 299}); },
        {"lse", "expected shape [4, 300]", "got [4, 299]"}},
       {"BwdDlseWrongShape", E::Bwd, [](ValidCall& s) { s.ba.dlse = s.make(F64, {4, 300, 1}); }, {"dlse", "got 3"}},

@@ -348,6 +348,7 @@ inline RefFwd straightforward_fwd(const Problem& pb, const Tensor& q, const Tens
 // The fp64 reference backward (through the public API on the CPU) over given indices or dense.
 struct RefBwd {
   std::vector<double> dq, dk, dv, dqp, dkp;
+  std::vector<double> kl{NAN};  // with qp, kp: the fp64 kl value (the backward's kl output)
 };
 inline RefBwd reference_bwd(const Problem& pb, Tensor& q, Tensor& k, Tensor& v, Tensor* qp, Tensor* kp,
                             const std::vector<int32_t>* indices, int topk, flashmsa_mode_t mode,
@@ -374,6 +375,7 @@ inline RefBwd reference_bwd(const Problem& pb, Tensor& q, Tensor& k, Tensor& v, 
     a.dqp = host_view(r.dqp, qp3);
     a.dkp = host_view(r.dkp, kp3);
     a.dkl = host_view(dklv, {});
+    a.kl = host_view(r.kl, {});
   }
   std::vector<int32_t> idx_copy;
   set_key_sets(a, pb, cu32, mode, indices, topk, idx_copy);

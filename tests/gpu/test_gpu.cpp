@@ -346,6 +346,7 @@ struct BwdCase {
   bool has_proxy_lse = false;     // the forward writes proxy_lse and the backward reads it
   bool is_deterministic = false;  // the ordered backward, run twice
   bool has_repeats = false;       // GIVEN: some rows repeat a block in a later slot
+  bool has_kl = false;            // the backward also writes the kl value (checked against fp64)
 
   [[nodiscard]] BwdCase with_mode(flashmsa_mode_t m) const {
     BwdCase c = *this;
@@ -380,6 +381,11 @@ struct BwdCase {
     c.has_repeats = true;
     return c;
   }
+  [[nodiscard]] BwdCase with_kl_value() const {
+    BwdCase c = *this;
+    c.has_kl = true;
+    return c;
+  }
 };
 
 // Runs the CUDA forward then the CUDA backward with the outputs and the whole workspace poisoned
@@ -390,6 +396,8 @@ struct BwdCase {
 // writes proxy_lse and the backward reads it (else the backward recomputes it).
 // deterministic: the ordered backward, run twice on freshly poisoned outputs and workspace; the
 // two results must be bitwise equal (and each within the accuracy bar).
+// with_kl_value: the backward's kl output (poisoned before) against the fp64 kl, at the forward
+// kl test's bar (Kl.*); deterministic: bitwise equal in both runs.
 // with_repeated_blocks (GIVEN): some rows repeat a block in a later slot; SPEC forbids that, only
 // the opt-in validation reports it on the GPU, and the kernels must then count the block once
 // (the reference gets the rows without the repeats).
@@ -431,7 +439,7 @@ void run_bwd_case(const Problem& pb0, const BwdCase& c) {
   if (with_dlse) dlse = random_input({pb.Hq, T}, FLASHMSA_DTYPE_FP32, rng);
   Tensor dq = output(token_shape(pb, pb.Hq, pb.D), pb.dtype), dk = output(token_shape(pb, pb.Hkv, pb.D), pb.dtype),
          dv = output(token_shape(pb, pb.Hkv, pb.D), pb.dtype), dqp = output(token_shape(pb, pb.Hp, pb.Dp), pb.dtype),
-         dkp = output(token_shape(pb, pb.Hpk, pb.Dp), pb.dtype);
+         dkp = output(token_shape(pb, pb.Hpk, pb.Dp), pb.dtype), kl = output({}, FLASHMSA_DTYPE_FP32);
   flashmsa::BwdArgs a;
   a.q = dev_view(in.q); a.k = dev_view(in.k); a.v = dev_view(in.v);
   a.qp = dev_view(in.qp); a.kp = dev_view(in.kp);
@@ -453,25 +461,26 @@ void run_bwd_case(const Problem& pb0, const BwdCase& c) {
   }
   if (pass_proxy_lse) a.proxy_lse = dev_view(f.proxy_lse);
   a.dq = dev_view(dq); a.dk = dev_view(dk); a.dv = dev_view(dv); a.dqp = dev_view(dqp); a.dkp = dev_view(dkp);
+  if (c.has_kl) a.kl = dev_view(kl);
   a.deterministic = deterministic ? 1 : 0;
   const size_t ws_bytes = flashmsa::workspace_size(a);
   void* ws = Pool::get().take(ws_bytes);
   cudaMemset(ws, 0xff, ws_bytes);  // NaN everywhere: every buffer the backward reads must be written by it
   flashmsa::bwd(a, ws, ws_bytes);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  for (Tensor* t : {&dq, &dk, &dv, &dqp, &dkp}) download(*t);
+  for (Tensor* t : {&dq, &dk, &dv, &dqp, &dkp, &kl}) download(*t);
   if (deterministic) {
     std::vector<std::vector<double>> first;
-    for (Tensor* t : {&dq, &dk, &dv, &dqp, &dkp}) {
+    for (Tensor* t : {&dq, &dk, &dv, &dqp, &dkp, &kl}) {
       first.push_back(t->host);
       ASSERT_EQ(cudaMemset(t->dev, 0xff, t->bytes()), cudaSuccess);
     }
     cudaMemset(ws, 0xff, ws_bytes);
     flashmsa::bwd(a, ws, ws_bytes);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    const char* names[] = {"dq", "dk", "dv", "dqp", "dkp"};
+    const char* names[] = {"dq", "dk", "dv", "dqp", "dkp", "kl"};
     int i = 0;
-    for (Tensor* t : {&dq, &dk, &dv, &dqp, &dkp}) {
+    for (Tensor* t : {&dq, &dk, &dv, &dqp, &dkp, &kl}) {
       download(*t);
       size_t differ = 0;
       for (size_t e = 0; e < t->host.size(); ++e)
@@ -495,6 +504,13 @@ void run_bwd_case(const Problem& pb0, const BwdCase& c) {
   expect_bar("dq", dq.host, ref.dq, plain.dq);
   expect_bar("dk", dk.host, ref.dk, plain.dk);
   expect_bar("dv", dv.host, ref.dv, plain.dv);
+  if (c.has_kl) {  // the fp64 kl over the kernel's own sets (the CPU backend's backward)
+    const RefBwd kref = reference_bwd(pb, in.q, in.k, in.v, &in.qp, &in.kp, ip, K, ref_mode, dout.host,
+                                      with_dlse ? &dlse.host : nullptr, 0.0);
+    const double kerr = std::fabs(kl.host[0] - kref.kl[0]) / std::fabs(kref.kl[0]);
+    std::printf("    backward's kl %.6f vs fp64 %.6f (rel %.2e)\n", kl.host[0], kref.kl[0], kerr);
+    EXPECT_LT(kerr, 1e-2) << "kl";
+  }
   if (!with_dkl || dkl == 0.0) {
     for (double x : dqp.host) ASSERT_EQ(x, 0.0) << "dqp must be exactly zero without a kl gradient";
     for (double x : dkp.host) ASSERT_EQ(x, 0.0) << "dkp must be exactly zero without a kl gradient";
@@ -508,26 +524,27 @@ void run_bwd_case(const Problem& pb0, const BwdCase& c) {
 }
 
 TEST(Proxy, M3SparseWithProxyLse) {
-  run_bwd_case(m3().with_topk(16).seqlens({1300}), BwdCase().sparse().with_dlse().with_dkl(0.7).with_proxy_lse());
+  run_bwd_case(m3().with_topk(16).seqlens({1300}), BwdCase().sparse().with_dlse().with_dkl(0.7).with_proxy_lse().with_kl_value());
 }
 TEST(Proxy, FmsaVarlenRecomputedLse) {
-  run_bwd_case(fmsa().with_topk(16).seqlens({0, 1, 127, 129, 1000, 2100}), BwdCase().sparse().with_dkl(1.0));
+  run_bwd_case(fmsa().with_topk(16).seqlens({0, 1, 127, 129, 1000, 2100}),
+               BwdCase().sparse().with_dkl(1.0).with_kl_value());
 }
 TEST(Proxy, G1Hpk2Tok64) {
   run_bwd_case(Problem().heads(4, 2).proxy_heads(4, 2).with_topk(8).seqlens({1500}),
                BwdCase().sparse().with_dkl(1.3).with_proxy_lse());
 }
 TEST(Proxy, DenseWarmup) {
-  run_bwd_case(fmsa().with_topk(1).seqlens({300, 57, 0, 130}), BwdCase().dense().with_dlse().with_dkl(1.0));
+  run_bwd_case(fmsa().with_topk(1).seqlens({300, 57, 0, 130}), BwdCase().dense().with_dlse().with_dkl(1.0).with_kl_value());
 }
 TEST(Proxy, GivenWithEmptyRows) {
-  run_bwd_case(fmsa().with_topk(5).seqlens({900, 3}), BwdCase().given().with_dkl(2.0));
+  run_bwd_case(fmsa().with_topk(5).seqlens({900, 3}), BwdCase().given().with_dkl(2.0).with_kl_value());
 }
 TEST(Proxy, BatchedFp16) {
-  run_bwd_case(fmsa().with_topk(16).batched(2, 700).fp16(), BwdCase().sparse().with_dkl(1.0));
+  run_bwd_case(fmsa().with_topk(16).batched(2, 700).fp16(), BwdCase().sparse().with_dkl(1.0).with_kl_value());
 }
 TEST(Proxy, ZeroGradientIsExactlyZero) {
-  run_bwd_case(fmsa().with_topk(4).seqlens({600}), BwdCase().sparse().with_dkl(0.0));
+  run_bwd_case(fmsa().with_topk(4).seqlens({600}), BwdCase().sparse().with_dkl(0.0).with_kl_value());
 }
 TEST(Proxy, SmallSparse) {
   run_bwd_case(Problem().heads(8, 2).proxy_heads(4, 1).with_topk(2).seqlens({130, 5, 300}),
@@ -554,7 +571,7 @@ TEST(Proxy, G64Given) {
 // proxy heads per proxy key head), fmsa varlen (two units per kv head), four units per kv head
 // (Hq 12, Hkv 1, Hp 4: R = 3 in 4 head slots), given indices with empty rows, dense warmup.
 TEST(Deterministic, M3Sparse) {
-  run_bwd_case(m3().with_topk(16).seqlens({1300}), BwdCase().sparse().with_dlse().with_dkl(0.7).deterministic());
+  run_bwd_case(m3().with_topk(16).seqlens({1300}), BwdCase().sparse().with_dlse().with_dkl(0.7).deterministic().with_kl_value());
 }
 TEST(Deterministic, FmsaVarlen) {
   run_bwd_case(fmsa().with_topk(8).seqlens({0, 1, 127, 129, 1000}), BwdCase().sparse().with_dkl(1.0).deterministic());
@@ -568,7 +585,7 @@ TEST(Deterministic, GivenWithEmptyRows) {
 }
 TEST(Deterministic, DenseWarmup) {
   run_bwd_case(fmsa().with_topk(1).seqlens({300, 57, 0, 130}),
-               BwdCase().dense().with_dlse().with_dkl(1.0).deterministic());
+               BwdCase().dense().with_dlse().with_dkl(1.0).deterministic().with_kl_value());
 }
 TEST(Bwd, GivenRepeatedBlocksCountOnce) {
   run_bwd_case(fmsa().with_topk(5).seqlens({900, 3}), BwdCase().given().with_dkl(1.0).with_repeated_blocks());
@@ -602,7 +619,10 @@ TEST(Proxy, SmallDense) {
   run_bwd_case(Problem().heads(8, 2).proxy_heads(2, 1).with_topk(1).seqlens({200, 1}), BwdCase().dense().with_dkl(1.0));
 }
 
-TEST(Bwd, M3SparseDlse) { run_bwd_case(m3().with_topk(16).seqlens({1300}), BwdCase().sparse().with_dlse()); }
+// without a kl gradient: the kl value alone (the proxy side without gradients)
+TEST(Bwd, M3SparseDlse) {
+  run_bwd_case(m3().with_topk(16).seqlens({1300}), BwdCase().sparse().with_dlse().with_kl_value());
+}
 // Odd per-sequence lengths with a NaN-filled workspace: a tile mismatch between the padded
 // buffers' writer (preprocess) and reader (main backward) would read NaN.
 TEST(Bwd, FmsaVarlenOddLengthsPoisonedWorkspace) {
@@ -614,7 +634,9 @@ TEST(Bwd, FmsaBatchedFp16) {
 TEST(Bwd, G1Topk32) {
   run_bwd_case(Problem().heads(4, 4).proxy_heads(4, 2).with_topk(32).seqlens({1500}), BwdCase().sparse());
 }
-TEST(Bwd, DenseVarlen) { run_bwd_case(fmsa().with_topk(1).seqlens({300, 57, 0, 130}), BwdCase().dense().with_dlse()); }
+TEST(Bwd, DenseVarlen) {
+  run_bwd_case(fmsa().with_topk(1).seqlens({300, 57, 0, 130}), BwdCase().dense().with_dlse().with_kl_value());
+}
 TEST(Bwd, GivenWithEmptyRows) { run_bwd_case(fmsa().with_topk(5).seqlens({900, 3}), BwdCase().given()); }
 TEST(Bwd, SmallSparse) {
   run_bwd_case(Problem().heads(8, 2).proxy_heads(4, 1).with_topk(2).seqlens({130, 5, 300}),

@@ -59,16 +59,16 @@ def test_opcheck_bwd_and_select():
     q, k, v, qp, kp, cu = args[:6]
     out, lse, idx, plse, kl, _ = torch.ops.flashmsa.fwd(*args)
     dout, dlse, dkl = torch.randn_like(out), torch.randn_like(lse), torch.tensor(2.0, dtype=torch.float64)
-    for out_lo in (None, torch.zeros_like(out)):
+    for out_lo, want_kl in ((None, False), (torch.zeros_like(out), True)):
         torch.library.opcheck(torch.ops.flashmsa.bwd.default,
                               (dout, dlse, dkl, q, k, v, qp, kp, cu, idx, out, lse, plse, 260, L.MODE_SPARSE, 0.0,
-                               0.0, False, out_lo))
+                               0.0, False, out_lo, want_kl))
     torch.library.opcheck(torch.ops.flashmsa.select.default, (qp, kp, cu, 260, 3, 0.0, True))
 
 
 def _model_loss(layer, x, **kw):
     y, kl = layer(x, **kw)
-    return y.square().mean() + kl
+    return y.square().mean(), kl
 
 
 @needs_custom_op
@@ -87,11 +87,12 @@ def test_compile_fullgraph_matches_eager(varlen):
     results = []
     for f in (compiled, _model_loss):
         layer.zero_grad(set_to_none=True)
-        loss = f(layer, x, **kw)
-        loss.backward()
-        results.append((loss.detach(), {n: p.grad.clone() for n, p in layer.named_parameters()}))
+        task, kl = f(layer, x, **kw)
+        (task + kl).backward()
+        # kl: the compiled forward's value, the eager backward's (the same number)
+        results.append(((task.detach(), kl.detach()), {n: p.grad.clone() for n, p in layer.named_parameters()}))
     (l1, g1), (l2, g2) = results
-    assert rel_l2(l1, l2) < 1e-12
+    assert rel_l2(l1[0], l2[0]) < 1e-12 and rel_l2(l1[1], l2[1]) < 1e-12 and l1[1] > 0
     for n in g1:
         assert rel_l2(g1[n], g2[n]) < 1e-10, n
     assert g1["qp_proj.weight"].abs().max() > 0  # the kl term reached the proxy
@@ -112,6 +113,27 @@ def test_compile_warmup_switch_and_select():
         layer.warmup = warmup
         (i1, y1), (i2, y2) = cf(x), f(x)
         assert torch.equal(i1, i2) and rel_l2(y1, y2) < 1e-12
+
+
+@needs_custom_op
+def test_compile_default_kl_comes_from_the_forward():
+    """Under torch.compile the default kl is the forward's value (the backward cannot write into
+    a compiled graph's output); the gradients equal eager ones."""
+    x = make_inputs(lengths=[300, 50], requires_grad=True, seed=33)
+    args = [x[n] for n in ("q", "k", "v", "qp", "kp")]
+
+    def f(*a):
+        return flashmsa.msa_attention(*a, 2, cu_seqlens=x["cu_seqlens"], max_seqlen=300)
+
+    want = flashmsa.msa_attention(*args, 2, cu_seqlens=x["cu_seqlens"], max_seqlen=300, compute_kl=True)[1]
+    torch._dynamo.reset()
+    out, kl = torch.compile(f, fullgraph=True, backend="aot_eager")(*args)
+    assert kl.item() == want.item() > 0
+    got = torch.autograd.grad(out.square().sum() + kl, args)
+    out_e, kl_e = f(*args)
+    ref = torch.autograd.grad(out_e.square().sum() + kl_e, args)
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b)
 
 
 def test_autograd_function_matches_custom_op():

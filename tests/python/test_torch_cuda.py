@@ -172,6 +172,29 @@ def test_cuda_kl_modes():
 
 
 @cuda
+@pytest.mark.parametrize("config", ["m3", "fmsa"])
+def test_cuda_kl_from_the_backward(config):
+    """The default training call: no kl pass in the forward (kl 0), the backward fills in the
+    value: the forward-kl call's value (same kernels' teacher) and the fp64 value of the kernel's
+    own selection; the proxy gradients equal the forward-kl call's."""
+    if not _backward_available():
+        pytest.skip("the CUDA backward has not landed")
+    cfg = CONFIGS[config]
+    x = _inputs(cfg, "cuda", torch.bfloat16, "varlen", 128, seed=7, requires_grad=True)
+    leaves, kw = [x[n] for n in MAIN_PROXY], _seq_kw(x)
+    out, kl, idx = flashmsa.msa_attention(*leaves, cfg["topk"], return_indices=True, **kw)
+    assert kl.item() == 0.0
+    got = torch.autograd.grad(out.float().square().mean() + kl, leaves[3:])
+    out_f, kl_f = flashmsa.msa_attention(*leaves, cfg["topk"], compute_kl=True, **kw)
+    want = torch.autograd.grad(out_f.float().square().mean() + kl_f, leaves[3:])
+    rkl = R.msa_attention(*(t.detach().double() for t in leaves), indices=idx, **kw)[1].item()
+    assert abs(kl.item() - kl_f.item()) <= 1e-4 * kl_f.item(), (kl.item(), kl_f.item())
+    assert abs(kl.item() - rkl) <= 1e-3 * rkl, (kl.item(), rkl)
+    for n, a, b in zip(("qp", "kp"), got, want):
+        assert rel_l2(a, b) < 1e-3, n  # fp32 atomics: the same sums in another order
+
+
+@cuda
 def test_cuda_declined_kl_falls_back_to_the_placeholder():
     """A geometry whose kl value a backend declines (here Hp < Hkv: an MSA group spans two kv
     heads): compute_kl=None gives the placeholder, compute_kl=True says why, and training

@@ -24,10 +24,11 @@ def layer(**kw):
 def test_shapes_and_varlen_equals_batched():
     m = layer()
     x = torch.randn(3, 200, 32, dtype=torch.float64)
-    y, kl = m(x)
+    with torch.no_grad():  # (evaluation: the forward computes kl)
+        y, kl = m(x)
+        cu = torch.tensor([0, 200, 400, 600], dtype=torch.int32)
+        yv, klv = m(x.reshape(600, 32), cu_seqlens=cu, max_seqlen=200)
     assert y.shape == x.shape and kl.shape == () and kl.item() > 0
-    cu = torch.tensor([0, 200, 400, 600], dtype=torch.int32)
-    yv, klv = m(x.reshape(600, 32), cu_seqlens=cu, max_seqlen=200)
     assert rel_l2(yv.reshape(x.shape), y) < 1e-13 and rel_l2(klv, kl) < 1e-13
     assert positions(cu, 600).tolist() == list(range(200)) * 3
 
@@ -81,13 +82,24 @@ def test_warmup_switch_and_kl_routing():
 
 
 def test_kl_coef_and_record_indices():
+    """kl_term is the kl value (filled in by the backward when training) whose gradient is kl_coef
+    times the upstream one; last_kl is the same value."""
     m = layer(kl_coef=0.25)
     m.record_indices = True
     x = torch.randn(1, 300, 32, dtype=torch.float64)
-    _, term = m(x)
-    q, k, v, qp, kp = m.project(x)
-    out, kl, idx = flashmsa.msa_attention(q, k, v, qp, kp, 2, return_indices=True)
-    assert rel_l2(term, 0.25 * kl) < 1e-14 and torch.equal(m.last_indices, idx)
+    with torch.no_grad():
+        _, term_eval = m(x)
+        q, k, v, qp, kp = m.project(x)
+        out, kl, idx = flashmsa.msa_attention(q, k, v, qp, kp, 2, return_indices=True)
+    assert term_eval.item() == kl.item() > 0 and torch.equal(m.last_indices, idx)
+    _, term = m(x)  # training: the parameters require grad
+    assert term.item() == 0.0
+    g = torch.autograd.grad(term, m.qp_proj.weight)[0]
+    assert term.item() == kl.item() and m.last_kl.item() == kl.item()
+    m1 = layer(kl_coef=1.0)
+    m1.load_state_dict(m.state_dict())
+    g1 = torch.autograd.grad(m1(x)[1], m1.qp_proj.weight)[0]
+    assert rel_l2(g, 0.25 * g1) < 1e-14
 
 
 def test_bad_configuration():

@@ -1,0 +1,189 @@
+"""The user's path (BENCHMARKS.md): the README's Python call timed end to end, its forward and a
+whole training step, next to the sum of the library's kernels on the same inputs:
+
+    out, kl = flashmsa.msa_attention(q, k, v, qp, kp, topk=16, cu_seqlens=cu, max_seqlen=T)
+    torch.autograd.backward([out, kl], [dout, 1])
+
+make_inputs draws BENCHMARKS.md's selection patterns in torch (on any device); user_step_times
+times on the GPU and is what run_bench.py adds to each row as row["user"]. flashmsa is imported
+from <repo>/python, with the library .gpu/libflashmsa.so when it exists (FLASHMSA_LIBRARY wins).
+"""
+import functools
+import os
+import pathlib
+import sys
+
+import torch
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+D = 128
+# the clustered pattern (tools/patterns.hpp)
+TOPICS, KEY_SPAN, QUERY_SPAN, TOPICS_PER_QUERY, TOPIC_NOISE = 64, 512, 128, 3, 0.5
+
+
+@functools.lru_cache(maxsize=None)  # once: user_call runs it inside the timed region
+def import_flashmsa():
+    """The flashmsa package of this repository (<repo>/python put first on sys.path if absent),
+    loading .gpu/libflashmsa.so when it exists and FLASHMSA_LIBRARY is not set."""
+    lib = REPO / ".gpu" / "libflashmsa.so"
+    if "FLASHMSA_LIBRARY" not in os.environ and lib.is_file():
+        os.environ["FLASHMSA_LIBRARY"] = str(lib)
+    if str(REPO / "python") not in sys.path:
+        sys.path.insert(0, str(REPO / "python"))
+    import flashmsa
+    return flashmsa
+
+
+def make_inputs(cfg, T, pattern, device, dtype=torch.bfloat16, seed=0):
+    """(q, k, v, qp, kp, cu): batch-1 varlen inputs [T, H, 128] of a BENCHMARKS.md selection pattern
+    ("clustered" or "random"), drawn in fp32 on `device` and cast to `dtype`; q, k, v, qp, kp are
+    leaves that require grad, cu = [0, T] int32. The clustered draw is tools/patterns.cpp's (one
+    topic per 512-token span of keys and proxy key head, 3 distinct topics per 128-token span of
+    queries and proxy head) with torch's generator: the C++ bench's distribution, other numbers."""
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def normal(*shape):
+        return torch.randn(shape, generator=g, device=device, dtype=torch.float32)
+
+    def leaf(x):
+        return x.to(dtype).requires_grad_()
+
+    q, k, v = (leaf(normal(T, cfg[h], D)) for h in ("Hq", "Hkv", "Hkv"))
+    if pattern == "random":
+        qp, kp = leaf(normal(T, cfg["Hp"], D)), leaf(normal(T, cfg["Hpk"], D))
+    elif pattern == "clustered":
+        topics = normal(TOPICS, D)
+        key_topic = torch.randint(0, TOPICS, (cfg["Hpk"], -(-T // KEY_SPAN)), generator=g, device=device)
+        picks = torch.rand(cfg["Hp"], -(-T // QUERY_SPAN), TOPICS, generator=g, device=device)
+        picks = picks.topk(TOPICS_PER_QUERY, dim=-1).indices  # distinct, uniform
+        key_mean = topics[key_topic].transpose(0, 1).repeat_interleave(KEY_SPAN, dim=0)[:T]  # [T, Hpk, D]
+        query_mean = topics[picks].sum(2).transpose(0, 1).repeat_interleave(QUERY_SPAN, dim=0)[:T]  # [T, Hp, D]
+        qp = leaf(query_mean + TOPIC_NOISE * normal(T, cfg["Hp"], D))
+        kp = leaf(key_mean + TOPIC_NOISE * normal(T, cfg["Hpk"], D))
+    else:
+        raise ValueError(f"unknown pattern {pattern!r} (clustered, random)")
+    cu = torch.tensor([0, T], dtype=torch.int32, device=device)
+    return q, k, v, qp, kp, cu
+
+
+def user_call(inputs, topk, compute_kl=None):
+    """The README's call on make_inputs' `inputs` -> (out, kl); compute_kl None is its default."""
+    q, k, v, qp, kp, cu = inputs
+    return import_flashmsa().msa_attention(q, k, v, qp, kp, topk=topk, cu_seqlens=cu, max_seqlen=q.shape[0],
+                                           compute_kl=compute_kl)
+
+
+def kernel_calls(inputs, topk, dout):
+    """(fwd, bwd): the library calls of a default step without autograd, on any device. fwd: the
+    sparse forward with its selection (compute_kl=0, indices and proxy_lse kept for the backward);
+    bwd: the backward on the outputs of one fwd() run here, dkl = 1, with the kl value (what the
+    default training call gets)."""
+    import_flashmsa()
+    from flashmsa import _autograd as A
+    from flashmsa import _kernels as K
+    from flashmsa import _lib as L
+    q, k, v, qp, kp, cu = (x.detach() for x in inputs)
+    shared = dict(q=q, k=k, v=v, qp=qp, kp=kp, cu_seqlens=cu, max_seqlen=q.shape[0], mode=L.MODE_SPARSE,
+                  softmax_scale=0.0, proxy_scale=0.0)  # 0.0: the library's default scales
+    fa = A.args_tuple(A.FWD_ARGS, dict(shared, indices=None, numerics=L.NUMERICS_TRAIN, topk=topk, compute_kl=0,
+                                       want_indices=True, want_proxy_lse=True, validate=False, want_out_lo=False))
+    o = dict(zip(A.FWD_OUTPUTS, K.fwd(*fa)))
+    ba = A.args_tuple(A.BWD_ARGS, dict(shared, dout=dout, dlse=None, dkl=torch.ones_like(o["kl"]),
+                                       indices=o["indices"], out=o["out"], lse=o["lse"], proxy_lse=o["proxy_lse"],
+                                       deterministic=False, out_lo=None, want_kl=True))
+    return (lambda: K.fwd(*fa)), (lambda: K.bwd(*ba))
+
+
+def median_ms(fn, setup, iters=10, warmup=3, reps=3):
+    """Per-call ms, the median over `iters` samples of `reps` back-to-back calls (setup(), a
+    host-side reset such as clearing .grad, before each): as in a training loop, the host queues
+    a call while the previous one runs, so its Python time hides behind the GPU's except before
+    the first call of a sample (1/reps of it counts)."""
+    for _ in range(warmup):
+        setup()
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        setup()
+        a.record()
+        for i in range(reps):
+            if i:
+                setup()
+            fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / reps)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def user_step_times(cfg, T, pattern, iters=10, warmup=3, log=None):
+    """The user's path on the GPU for one (config, T, pattern), times in ms (median of `iters`):
+    user_fwd_ms / user_step_ms: the README's call with its defaults, alone and with its backward
+    (torch.autograd.backward([out, kl], [dout, 1]), the leaves' .grad cleared between runs);
+    the same with compute_kl=False (_nokl_) and compute_kl=True (_klfwd_; None and klfwd_error
+    where the backend declines it); kern_fwd_ms, kern_bwd_ms and their sum kern_sum_ms: the
+    library calls of that step without autograd (kernel_calls); kl_value_user: kl after the last
+    default step's backward, kl_value_fwd: kl of a compute_kl=True forward; user_peak_gb: peak
+    memory of one default step; overhead_pct = 100 (user_step_ms / kern_sum_ms - 1).
+    log(what) is called before each measurement."""
+    flashmsa = import_flashmsa()
+    say = log or (lambda what: None)
+    dev = torch.device("cuda")
+    inputs = make_inputs(cfg, T, pattern, dev)
+    leaves = inputs[:5]
+    g = torch.Generator(device=dev).manual_seed(1)
+    dout = torch.randn(inputs[0].shape, generator=g, device=dev).to(inputs[0].dtype)
+    one = torch.ones((), device=dev)  # the gradient of kl (fp32 for bf16 inputs)
+    last = {}  # kl of the latest step (after its backward: no graph kept alive)
+
+    def clear():
+        for x in leaves:
+            x.grad = None
+
+    def fwd(compute_kl):
+        def run():
+            user_call(inputs, cfg["topk"], compute_kl)
+        return run
+
+    def step(compute_kl):
+        def run():
+            out, kl = user_call(inputs, cfg["topk"], compute_kl)
+            torch.autograd.backward([out, kl], [dout, one])
+            last["kl"] = kl
+        return run
+
+    r = dict(library=str(flashmsa.library_path()))
+    say("user fwd (defaults)")
+    r["user_fwd_ms"] = median_ms(fwd(None), clear, iters, warmup)
+    say("user step (defaults)")
+    r["user_step_ms"] = median_ms(step(None), clear, iters, warmup)
+    torch.cuda.synchronize()
+    r["kl_value_user"] = last["kl"].item()
+    say("user step peak memory")
+    clear()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    step(None)()
+    torch.cuda.synchronize()
+    r["user_peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
+    say("user fwd, step (compute_kl=False)")
+    r["user_fwd_nokl_ms"] = median_ms(fwd(False), clear, iters, warmup)
+    r["user_step_nokl_ms"] = median_ms(step(False), clear, iters, warmup)
+    say("user fwd, step (compute_kl=True)")
+    try:
+        r["user_fwd_klfwd_ms"] = median_ms(fwd(True), clear, iters, warmup)
+        r["kl_value_fwd"] = user_call(inputs, cfg["topk"], True)[1].item()  # a training forward, untimed
+        r["user_step_klfwd_ms"] = median_ms(step(True), clear, iters, warmup)
+    except flashmsa.NotSupportedError as e:  # the backend declines the kl value for this layout
+        r.update(user_fwd_klfwd_ms=None, kl_value_fwd=None, user_step_klfwd_ms=None, klfwd_error=str(e)[:200])
+    clear()
+    say("kernel fwd, bwd (no autograd)")
+    kern_fwd, kern_bwd = kernel_calls(inputs, cfg["topk"], dout)
+    r["kern_fwd_ms"] = median_ms(kern_fwd, lambda: None, iters, warmup)
+    r["kern_bwd_ms"] = median_ms(kern_bwd, lambda: None, iters, warmup)
+    r["kern_sum_ms"] = r["kern_fwd_ms"] + r["kern_bwd_ms"]
+    r["overhead_pct"] = 100 * (r["user_step_ms"] / r["kern_sum_ms"] - 1)
+    return r
