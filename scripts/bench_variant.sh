@@ -5,7 +5,8 @@
 #   bash scripts/bench_variant.sh NAME TU[,TU...] FLAGS...
 #   bash scripts/bench_variant.sh st2 bwd_main_bf16 -DFLASHMSA_BWD_STAGES=2
 #   -> .gpu/flashmsa_bench_st2 (and the ptxas register/spill line of the variant); run it with
-#      --options 0 when the variant refuses the deterministic mode
+#      --options 0 when the variant refuses the deterministic mode. With VARIANT_TESTS=1 also
+#      .gpu/flashmsa_gpu_tests_st2 (the GPU suite against the variant)
 set -euo pipefail
 name=$1 tus=$2  # one TU, or several separated by commas
 shift 2
@@ -24,5 +25,11 @@ done
 mkdir -p ../.gpu
 link=$(ninja -t commands flashmsa_bench | tail -1 | sed "s#-o flashmsa_bench#-o ../.gpu/flashmsa_bench_$name#; s#libflashmsa_static.a#$work/lib.a#")
 eval "$link"
+if [ "${VARIANT_TESTS:-0}" = 1 ]; then
+  link=$(ninja -t commands tests/flashmsa_gpu_tests | tail -1 |
+         sed "s#-o tests/flashmsa_gpu_tests#-o ../.gpu/flashmsa_gpu_tests_$name#; s#libflashmsa_static.a#$work/lib.a#")
+  eval "$link"
+  echo "built .gpu/flashmsa_gpu_tests_$name"
+fi
 rm -rf "$work"
 echo "built .gpu/flashmsa_bench_$name"

@@ -19,7 +19,7 @@
 #              (the 200-corruption fuzz included), and the Python GPU tests of invalid cu_seqlens
 #   alternate  two or more bench binaries (ALT_BINS, default .gpu/flashmsa_bench_before and
 #              .gpu/flashmsa_bench: the last commit's and this tree's) alternated ALT_ROUNDS times
-#              (default 2), m3 32k clustered, --options 0: a before/after in one call (session 5
+#              (default 2), ALT_ARGS (default m3 32k clustered), --options 0: a before/after in one call (session 5
 #              measured the metadata guard's cost this way, against a variant without it)
 #   cp         context parallelism over NCCL on every GPU of the machine (needs 2 or more):
 #              tests/python/test_distributed.py::test_nccl_two_gpus_m3 for each token count in
@@ -57,8 +57,8 @@ if has alternate; then
   for round in $(seq ${ALT_ROUNDS:-2}); do
     for bin in ${ALT_BINS:-./.gpu/flashmsa_bench_before ./.gpu/flashmsa_bench}; do
       [ -x "$bin" ] || continue
-      timeout 120 "$bin" --config m3 --seqlens 32768 --patterns clustered --options 0 | tee -a "$OUT/alternate.jsonl" |
-        python3 -c "import json,sys; [print(f\"  $bin round $round: select {r['select_ms']:.3f} fwd {r['fwd_train_ms']:.3f} bwd {r['bwd_ms']:.3f} step {r['step_ms']:.3f} ms\") for r in map(json.loads, sys.stdin)]"
+      timeout 120 "$bin" ${ALT_ARGS:---config m3 --seqlens 32768 --patterns clustered} --options 0 | tee -a "$OUT/alternate.jsonl" |
+        python3 -c "import json,sys; [print(f\"  $bin round $round {r['config']} {r['seqlen']} {r['pattern']}: select {r['select_ms']:.3f} ({r['select_tflops']}) fwd {r['fwd_train_ms']:.3f} ({r['fwd_train_tflops']}) infer {r['fwd_infer_ms']:.3f} dense {r['dense_fwd_ms']:.3f} ({r['dense_fwd_tflops']}) bwd {r['bwd_ms']:.3f} step {r['step_ms']:.3f} ms\") for r in map(json.loads, sys.stdin)]"
     done
   done
 fi

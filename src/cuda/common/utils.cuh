@@ -95,10 +95,11 @@ __device__ __forceinline__ void barrier_sync(NamedBarrier id, int threads) {
   ptx::named_barrier_sync(int(id), threads);
 }
 
-// One warpgroup GEMM, issued as one batch and waited for: C (+)= A * B over all K blocks;
-// zero_init clears C first.
+// One warpgroup GEMM issued as one batch (committed, not waited for): C (+)= A * B over all K
+// blocks; zero_init clears C first. The caller waits (cute::warpgroup_wait<N>: N batches may stay
+// in flight) and then fences what the batch wrote or read (wg_gemm_done).
 template <bool zero_init, class TiledMma, class TA, class TB, class TC>
-__device__ __forceinline__ void wg_gemm(TiledMma& mma, TA const& a, TB const& b, TC& c) {
+__device__ __forceinline__ void wg_gemm_issue(TiledMma& mma, TA const& a, TB const& b, TC& c) {
   using namespace cute;
   constexpr bool is_rs = !is_base_of<GMMA::DescriptorIterator, typename TiledMma::FrgTypeA>::value;
   if constexpr (is_rs) warpgroup_fence_operand(const_cast<TA&>(a));
@@ -111,9 +112,23 @@ __device__ __forceinline__ void wg_gemm(TiledMma& mma, TA const& a, TB const& b,
     mma.accumulate_ = GMMA::ScaleOut::One;
   }
   warpgroup_commit_batch();
-  warpgroup_wait<0>();
+}
+// After the wait for a batch of wg_gemm_issue: its accumulator (and a register A operand) fenced.
+template <class TiledMma, class TA, class TC>
+__device__ __forceinline__ void wg_gemm_done(TiledMma&, TA const& a, TC& c) {
+  using namespace cute;
+  constexpr bool is_rs = !is_base_of<GMMA::DescriptorIterator, typename TiledMma::FrgTypeA>::value;
   warpgroup_fence_operand(c);
   if constexpr (is_rs) warpgroup_fence_operand(const_cast<TA&>(a));
+}
+
+// One warpgroup GEMM, issued as one batch and waited for: C (+)= A * B over all K blocks;
+// zero_init clears C first.
+template <bool zero_init, class TiledMma, class TA, class TB, class TC>
+__device__ __forceinline__ void wg_gemm(TiledMma& mma, TA const& a, TB const& b, TC& c) {
+  wg_gemm_issue<zero_init>(mma, a, b, c);
+  cute::warpgroup_wait<0>();
+  wg_gemm_done(mma, a, c);
 }
 
 // View of an SM90 accumulator ((2,2,V),M,N) as (rows, cols) = ((2,M),(2,V,N)).

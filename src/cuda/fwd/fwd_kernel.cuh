@@ -5,12 +5,16 @@
 // (R = gcd(Hq/Hp, Hq/Hkv), capped to a divisor <= 128), so its 128 MMA rows read one K/V
 // stream: m3 (R = 16) packs 8 tokens x 16 heads, fmsa (R = 4) 32 tokens x 4 heads. The CTA
 // builds the union of the tokens' selected blocks (ascending) and a per-(union block, token)
-// bit. Warp-specialised: warpgroup 0 is the producer (one thread issues TMA loads of K_j, V_j
-// into a two-stage mbarrier pipeline, registers given back), warpgroups 1 and 2 are consumers
-// that own 64 rows each (Q loaded once with cp.async): S = Q K^T (wgmma SS), mask (selection bit, causal u <= i), online softmax with
-// the running max exact (Train) or lazily rescaled at threshold 8 in log2 units (Infer),
-// O += P V (wgmma RS). Masked work (rows whose token did not select block j) is paid: the
-// union factor of BENCHMARKS.md is the price of this design (1.47 for m3 clustered).
+// bit. Warp-specialised: warpgroup 0 is the producer (one thread issues TMA loads of K_j and V_j
+// into two two-stage mbarrier pipelines, one for K and one for V; registers given back),
+// warpgroups 1 and 2 are consumers that own 64 rows each (Q loaded once with cp.async). Per
+// block, FlashAttention-3's intra-warpgroup overlap: S_n = Q K_n^T (wgmma SS) is issued, then
+// O += P_{n-1} V_{n-1} (wgmma RS), and the softmax of S_n runs while the second GEMM does. The
+// softmax masks with one limit per row (the token's selection bit, causal u <= i): only blocks
+// that reach a row's own position pay a per-element mask, and a row whose token did not select
+// the block pays no exp (P = 0). Running max exact (Train) or lazily rescaled at threshold 8 in
+// log2 units (Infer). Masked rows still occupy MMA rows: the union factor of BENCHMARKS.md is
+// the price of this design (1.47 for m3 clustered). docs/kernels/fwd.md has the measurements.
 #pragma once
 
 #include <cutlass/arch/reg_reconfig.h>
@@ -55,7 +59,7 @@ struct Config {
     uint32_t wordprefix[kMaxBlocks / 32];
     int ulist[kMaxUnion];
     uint32_t tokmask[kMaxUnion][kBlockM / 32];
-    typename Pipeline::SharedStorage pipe;
+    typename Pipeline::SharedStorage pipe_k, pipe_v;
     int ulen;
   };
   static constexpr size_t kSmemBytes = sizeof(Smem) + 1024;
@@ -86,8 +90,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) fwd_kernel(const __grid_consta
   // ---- the union of the tile's blocks ----
   const int nwords = (nblk_tile + 31) / 32;
   if (dense) {
-    if (tid == 0) S.ulen = nblk_tile;
-    for (int q = tid; q < nblk_tile; q += C::kThreads) S.ulist[q] = q;
+    if (tid == 0) S.ulen = nblk_tile;  // every block 0..l(i_last), in order (block_of: no list)
   } else {
     for (int w = tid; w < nwords; w += C::kThreads) S.blockbits[w] = 0u;
     __syncthreads();
@@ -141,16 +144,19 @@ __global__ void __launch_bounds__(kCtaThreads, 1) fwd_kernel(const __grid_consta
   __syncthreads();
   const int ulen = S.ulen;
 
-  // ---- pipeline: warpgroup 0 produces, warpgroups 1 and 2 consume ----
+  // ---- pipelines (FlashAttention-3's): K and V separately, so that K_{n+1} streams in while V_n
+  // is still read; warpgroup 0 produces, warpgroups 1 and 2 consume ----
   using Pipeline = typename C::Pipeline;
   typename Pipeline::Params pp;
   const int role_wg = tid / kWarpGroupThreads;
   pp.role = role_wg == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
   pp.is_leader = tid == 0;
   pp.num_consumers = C::kConsumers;
-  pp.transaction_bytes = 2 * C::kBlockN * C::kHeadDim * sizeof(Element);
-  Pipeline pipeline(S.pipe, pp, Shape<_1, _1, _1>{});
+  pp.transaction_bytes = C::kBlockN * C::kHeadDim * sizeof(Element);
+  Pipeline pipe_k(S.pipe_k, pp, Shape<_1, _1, _1>{});
+  Pipeline pipe_v(S.pipe_v, pp, Shape<_1, _1, _1>{});
   __syncthreads();  // barrier initialisation visible to every thread
+  auto block_of = [&](int qi) { return dense ? qi : S.ulist[qi]; };  // the qi-th block of the union
 
   Tensor sK = make_tensor(make_smem_ptr(S.k.data()), typename C::SmemLayoutKV{});
   Tensor sV = make_tensor(make_smem_ptr(S.v.data()), typename C::SmemLayoutKV{});
@@ -163,14 +169,16 @@ __global__ void __launch_bounds__(kCtaThreads, 1) fwd_kernel(const __grid_consta
       Tensor tKs = tma_stages(p.tma_k, sK);                                      // (TMA, stage)
       Tensor tVg = tma_blocks(p.tma_v, p.tma_shape_k, kvh, b, s0, p.batched);
       Tensor tVs = tma_stages(p.tma_v, sV);
-      auto state = cutlass::make_producer_start_state<Pipeline>();
+      auto sk = cutlass::make_producer_start_state<Pipeline>();
+      auto sv = cutlass::make_producer_start_state<Pipeline>();
       for (int qi = 0; qi < ulen; ++qi) {
-        const int j = S.ulist[qi];
-        pipeline.producer_acquire(state);
-        auto* bar = pipeline.producer_get_barrier(state);
-        copy(p.tma_k.with(*bar), tKg(_, j), tKs(_, state.index()));
-        copy(p.tma_v.with(*bar), tVg(_, j), tVs(_, state.index()));
-        ++state;
+        const int j = block_of(qi);
+        pipe_k.producer_acquire(sk);
+        copy(p.tma_k.with(*pipe_k.producer_get_barrier(sk)), tKg(_, j), tKs(_, sk.index()));
+        ++sk;
+        pipe_v.producer_acquire(sv);
+        copy(p.tma_v.with(*pipe_v.producer_get_barrier(sv)), tVg(_, j), tVs(_, sv.index()));
+        ++sv;
       }
     }
     return;
@@ -179,7 +187,6 @@ __global__ void __launch_bounds__(kCtaThreads, 1) fwd_kernel(const __grid_consta
   // ---- consumers ----
   cutlass::arch::warpgroup_reg_alloc<kFwdRegs.consumer>();
   const int wg = role_wg - 1;
-  const int ctid = tid - kWarpGroupThreads;  // 0..255 over both consumer warpgroups
   Tensor sQ = make_tensor(make_smem_ptr(S.q.data()), typename C::SmemLayoutQ{});
   {
     // this warpgroup's 64 Q rows: row r = token r / R, head h0 + r % R (rows past the tile clamp)
@@ -197,7 +204,6 @@ __global__ void __launch_bounds__(kCtaThreads, 1) fwd_kernel(const __grid_consta
     ptx::fence_proxy_async_smem();
     barrier_sync(consumer_wg_barrier(wg), kWarpGroupThreads);
   }
-  (void)ctid;
 
   typename C::MmaQK mma_qk;
   typename C::MmaPV mma_pv;
@@ -214,11 +220,13 @@ __global__ void __launch_bounds__(kCtaThreads, 1) fwd_kernel(const __grid_consta
   Tensor oRC = make_tensor(accO.data(), acc_rowcol(accO.layout()));
   Tensor cS = thr_qk.partition_C(make_identity_tensor(Shape<_64, Int<C::kBlockN>>{}));
   Tensor cRC = make_tensor(cS.data(), acc_rowcol(cS.layout()));
+  Tensor rP = make_tensor_like<Element>(accS);  // P (bf16/fp16): the A operand of O += P V
+  Tensor tOrP = make_tensor(rP.data(), acc_to_a_regs(rP.layout()));
 
   const float sl2 = p.scale * kLog2e;
   int row_tok[2];
   int64_t row_pos[2];
-  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
+  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f}, scale_o[2] = {1.f, 1.f};
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = wg * 64 + get<0>(cRC(r, 0));
@@ -226,33 +234,43 @@ __global__ void __launch_bounds__(kCtaThreads, 1) fwd_kernel(const __grid_consta
     row_pos[r] = i0 + row_tok[r];
   }
 
-  typename Pipeline::PipelineState state;  // consumer start: index 0, phase 0
-  for (int qi = 0; qi < ulen; ++qi) {
-    const int j = S.ulist[qi];
-    pipeline.consumer_wait(state);
-    const int stage = state.index();
-    wg_gemm<true>(mma_qk, tSrQ, tSrK(_, _, _, stage), accS);
-
-    const int64_t key0 = int64_t(j) * C::kBlockN;
-    const bool need_causal = key0 + C::kBlockN - 1 > i0;
+  // S of union entry qi -> P in accS: the mask (the token's selection bit, causal u <= i) as one
+  // per-row limit, the last column the row may see (-1: none), so that only the blocks that
+  // reach a row's own position pay a per-element mask and a row that did not select the block
+  // pays no exp; online softmax with the running max exact (Train) or lazily rescaled (Infer).
+  // scale_o: the factor that brings O (accumulated against the previous max) to the new one,
+  // applied before the next O += P V.
+  auto softmax = [&](int qi) {
+    const int64_t key0 = int64_t(block_of(qi)) * C::kBlockN;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       bool sel = row_tok[r] < ntok;  // rows past the tile see nothing
       if (sel && !dense) sel = ((S.tokmask[qi][row_tok[r] / 32] >> (row_tok[r] % 32)) & 1u) != 0u;
+      const int64_t last = row_pos[r] - key0;  // the row's own position within the block
+      const int lim = !sel || last < 0 ? -1 : last >= C::kBlockN - 1 ? C::kBlockN - 1 : int(last);
       float mx = -INFINITY;
+      if (lim >= 0) {
+        if (lim < C::kBlockN - 1) {
 #pragma unroll
-      for (int c = 0; c < size<1>(sRC); ++c) {
-        const bool ok = sel && (!need_causal || key0 + get<1>(cRC(r, c)) <= row_pos[r]);
-        if (!ok) sRC(r, c) = -INFINITY;
-        mx = fmaxf(mx, sRC(r, c));
+          for (int c = 0; c < size<1>(sRC); ++c)
+            if (get<1>(cRC(r, c)) > lim) sRC(r, c) = -INFINITY;
+        }
+#pragma unroll
+        for (int c = 0; c < size<1>(sRC); ++c) mx = fmaxf(mx, sRC(r, c));
       }
-      mx = quad_max(mx);
+      mx = quad_max(mx);  // (all lanes: a quad shares its rows, so lim is quad-uniform)
+      if (lim < 0) {  // nothing of this block: P = 0, max and sum unchanged
+#pragma unroll
+        for (int c = 0; c < size<1>(sRC); ++c) sRC(r, c) = 0.f;
+        scale_o[r] = 1.f;
+        continue;
+      }
       float m_new = fmaxf(row_max[r], mx);
       if constexpr (kLazyRescale) {
         // keep the stale max unless the new one exceeds it by more than 8 (log2 units)
         if (row_max[r] != -INFINITY && (m_new - row_max[r]) * sl2 <= 8.f) m_new = row_max[r];
       }
-      const float scale_old = (m_new == -INFINITY) ? 1.f : ptx::exp2f_approx((row_max[r] - m_new) * sl2);
+      scale_o[r] = (m_new == -INFINITY) ? 1.f : ptx::exp2f_approx((row_max[r] - m_new) * sl2);
       row_max[r] = m_new;
       const float ms = (m_new == -INFINITY) ? 0.f : m_new * sl2;
       float sum = 0.f;
@@ -262,18 +280,58 @@ __global__ void __launch_bounds__(kCtaThreads, 1) fwd_kernel(const __grid_consta
         sRC(r, c) = e;
         sum += e;
       }
-      row_sum[r] = row_sum[r] * scale_old + sum;  // partial per thread; reduced at the end
-#pragma unroll
-      for (int c = 0; c < size<1>(oRC); ++c) oRC(r, c) *= scale_old;
+      row_sum[r] = row_sum[r] * scale_o[r] + sum;  // partial per thread; reduced at the end
     }
-    // P (bf16/fp16) as the A operand of O += P V
-    Tensor rP = make_tensor_like<Element>(accS);
+  };
+  auto rescale_o = [&] {
+    if (scale_o[0] == 1.f && scale_o[1] == 1.f) return;  // (the max did not move)
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+      for (int c = 0; c < size<1>(oRC); ++c) oRC(r, c) *= scale_o[r];
+  };
+  auto to_p = [&] {
 #pragma unroll
     for (int x = 0; x < size(accS); ++x) rP(x) = Element(accS(x));
-    Tensor tOrP = make_tensor(rP.data(), acc_to_a_regs(rP.layout()));
-    wg_gemm<false>(mma_pv, tOrP, tOrVt(_, _, _, stage), accO);
-    pipeline.consumer_release(state);
-    ++state;
+  };
+  // Intra-warpgroup overlap (FlashAttention-3): S_n = Q K_n^T is issued before O += P_{n-1}
+  // V_{n-1}, and the softmax of S_n runs while the P V GEMM does. (FlashAttention-3's ping-pong
+  // of the two warpgroups measured slower here: docs/kernels/fwd.md.)
+  typename Pipeline::PipelineState sk, sv;  // consumer start: index 0, phase 0
+  if (ulen > 0) {
+    pipe_k.consumer_wait(sk);
+    wg_gemm_issue<true>(mma_qk, tSrQ, tSrK(_, _, _, sk.index()), accS);
+    warpgroup_wait<0>();
+    wg_gemm_done(mma_qk, tSrQ, accS);
+    pipe_k.consumer_release(sk);
+    ++sk;
+    softmax(0);
+    to_p();
+  }
+  for (int qi = 1; qi < ulen; ++qi) {
+    pipe_k.consumer_wait(sk);
+    wg_gemm_issue<true>(mma_qk, tSrQ, tSrK(_, _, _, sk.index()), accS);
+    rescale_o();
+    pipe_v.consumer_wait(sv);
+    wg_gemm_issue<false>(mma_pv, tOrP, tOrVt(_, _, _, sv.index()), accO);
+    warpgroup_wait<1>();  // S_n is in; P_{n-1} V_{n-1} may still run
+    wg_gemm_done(mma_qk, tSrQ, accS);
+    pipe_k.consumer_release(sk);
+    ++sk;
+    softmax(qi);
+    warpgroup_wait<0>();
+    wg_gemm_done(mma_pv, tOrP, accO);
+    pipe_v.consumer_release(sv);
+    ++sv;
+    to_p();
+  }
+  if (ulen > 0) {
+    rescale_o();
+    pipe_v.consumer_wait(sv);
+    wg_gemm_issue<false>(mma_pv, tOrP, tOrVt(_, _, _, sv.index()), accO);
+    warpgroup_wait<0>();
+    wg_gemm_done(mma_pv, tOrP, accO);
+    pipe_v.consumer_release(sv);
   }
 
   // ---- epilogue: normalise, stage O through smem (this warpgroup's Q rows), store ----
