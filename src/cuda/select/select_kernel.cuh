@@ -182,30 +182,35 @@ __global__ void __launch_bounds__(kCtaThreads, 1) select_kernel(const __grid_con
   }
   if (p.lse_mode == kGivenLse) barrier_sync(consumer_wg_barrier(wg), kWarpGroupThreads);
 
-  typename Pipeline::PipelineState state;
-  for (int j = 0; j <= m_block; ++j) {
-    pipeline.consumer_wait(state);
-    wg_gemm<true>(mma, tSrQ, tSrK(_, _, _, state.index()), acc);
-    pipeline.consumer_release(state);
-    ++state;
-
+  // One key block's logits in `a` -> the rows' block max and block lse, into the list (or the
+  // running lse). The causal mask only in the local block (j == m_block).
+  auto score_block = [&](auto& a, int j) {
+    Tensor aRC = make_tensor(a.data(), acc_rowcol(a.layout()));
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int row = wg * 64 + get<0>(cRC(r, 0));
       const int64_t i = int64_t(m_block) * C::kBlockM + row;  // position in the sequence
-      float mx = -INFINITY;
+      // (max, log2-sum-exp2) of the row's logits; `masked`: keys past column lim excluded (the
+      // local block only, so the other blocks pay no per-element mask)
+      auto stats = [&](auto masked) {
+        const int lim = int(i - int64_t(j) * C::kBlockN);  // the row's last key column
+        auto logit = [&](int c) {
+          if constexpr (decltype(masked)::value) return get<1>(cRC(r, c)) > lim ? -INFINITY : aRC(r, c);
+          else return aRC(r, c);
+        };
+        float mx = -INFINITY;
 #pragma unroll
-      for (int c = 0; c < size<1>(accRC); ++c) {
-        if (j == m_block && int64_t(j) * C::kBlockN + get<1>(cRC(r, c)) > i) accRC(r, c) = -INFINITY;
-        mx = fmaxf(mx, accRC(r, c));
-      }
-      mx = quad_max(mx);
-      const float ms = mx * sl2;
-      float sum = 0.f;
+        for (int c = 0; c < size<1>(aRC); ++c) mx = fmaxf(mx, logit(c));
+        mx = quad_max(mx);
+        const float ms = mx * sl2;
+        float sum = 0.f;
 #pragma unroll
-      for (int c = 0; c < size<1>(accRC); ++c) sum += ptx::exp2f_approx(accRC(r, c) * sl2 - ms);
-      sum = quad_sum(sum);
-      const float blse2 = ms + __log2f(sum);
+        for (int c = 0; c < size<1>(aRC); ++c) sum += ptx::exp2f_approx(logit(c) * sl2 - ms);
+        sum = quad_sum(sum);
+        return cute::make_tuple(mx, ms + __log2f(sum));
+      };
+      const auto st = j == m_block ? stats(std::true_type{}) : stats(std::false_type{});
+      const float mx = cute::get<0>(st), blse2 = cute::get<1>(st);
       if (p.lse_mode != kSelect) {
         bool counted = true;
         if (p.lse_mode == kGivenLse) {
@@ -223,6 +228,14 @@ __global__ void __launch_bounds__(kCtaThreads, 1) select_kernel(const __grid_con
         list_insert(S, row, count[r], cap, mx, j, blse2);
       }
     }
+  };
+  typename Pipeline::PipelineState state;
+  for (int j = 0; j <= m_block; ++j) {
+    pipeline.consumer_wait(state);
+    wg_gemm<true>(mma, tSrQ, tSrK(_, _, _, state.index()), acc);
+    pipeline.consumer_release(state);
+    ++state;
+    score_block(acc, j);
   }
 
   // Write the rows (write_row), and the selected set's proxy lse.
