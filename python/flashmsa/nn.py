@@ -203,6 +203,20 @@ class MSAttention(nn.Module):
         return y, kl if self.kl_coef == 1.0 else _ScaleGrad.apply(kl, self.kl_coef)
 
 
+def last_kl(model: nn.Module, reduce: str = "mean") -> Tensor:
+    """The kl values of every MSAttention in `model` from its last forward, as one 0-dim tensor:
+    their mean (reduce="mean", the per-layer average) or sum ("sum"). When training, a layer's
+    kl is filled in by the backward: read this after loss.backward() (a sum built in the forward
+    would hold the forward-time 0s). No host sync until .item()."""
+    if reduce not in ("mean", "sum"):
+        raise ValueError(f"flashmsa.nn.last_kl: reduce: expected 'mean' or 'sum', got {reduce!r}")
+    vals = [m.last_kl for m in model.modules() if isinstance(m, MSAttention) and m.last_kl is not None]
+    if not vals:
+        raise ValueError("flashmsa.nn.last_kl: no MSAttention in the model has run a forward")
+    stacked = torch.stack([v.to(torch.float64 if v.dtype == torch.float64 else torch.float32) for v in vals])
+    return stacked.mean() if reduce == "mean" else stacked.sum()
+
+
 def set_warmup(model: nn.Module, warmup: bool) -> None:
     """Switch every MSAttention in `model` between dense warmup and sparse selection."""
     for m in model.modules():

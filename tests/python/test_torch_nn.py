@@ -169,3 +169,28 @@ def test_example_length_curriculum(tmp_path):
     assert [h["train_seqlen"] for h in hist] == [256, 512, 512, 512, 512]
     with pytest.raises(SystemExit):
         ex.main(["--steps", "1", "--seqlen", "512", "--start-seqlen", "1024"])
+
+
+def test_last_kl_collects_the_layers_values_after_the_backward():
+    """flashmsa.nn.last_kl: the mean (or sum) of the layers' kl values that the backward filled in,
+    equal to the values an evaluation forward computes."""
+    from flashmsa.nn import last_kl
+
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(layer(), layer(kl_coef=0.5))
+    with pytest.raises(ValueError, match="no MSAttention"):
+        last_kl(model)
+    x = torch.randn(1, 300, 32, dtype=torch.float64)
+    with torch.no_grad():
+        y0, kl0 = model[0](x)
+        _, kl1 = model[1](y0)
+    want = [kl0.item(), kl1.item()]
+    y, k0 = model[0](x)
+    y, k1 = model[1](y)
+    assert last_kl(model).item() == 0.0  # before the backward
+    (y.square().mean() + k0 + k1).backward()
+    assert abs(last_kl(model).item() - sum(want) / 2) < 1e-14
+    assert abs(last_kl(model, "sum").item() - sum(want)) < 1e-14
+    with pytest.raises(ValueError, match="reduce"):
+        last_kl(model, "max")
+
