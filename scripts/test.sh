@@ -14,5 +14,13 @@ else
   echo "[test] ctest (CPU suites; no GPU here: the GPU suite is built, not run)"
   ctest --test-dir "$BUILD_DIR" --output-on-failure -j "$(nproc)" -LE gpu
 fi
-echo "[test] pytest"
-FLASHMSA_BUILD_DIR="$BUILD_DIR" python3 -m pytest -q tests/python
+# The Python package as a user gets it: pip install . into a fresh virtual environment that sees
+# this machine's packages (torch), reusing the CMake build above (scikit-build-core, build/), then
+# pytest against the installed package, run from outside the source tree.
+VENV=${FLASHMSA_TEST_VENV:-$BUILD_DIR/test-venv}
+echo "[test] pip install . (into $VENV)"
+python3 -m venv --system-site-packages "$VENV"
+"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check .
+echo "[test] pytest (the installed package)"
+tests=$(pwd)/tests/python
+(cd "$VENV" && FLASHMSA_TEST_INSTALLED=1 "$VENV/bin/python" -m pytest -q "$tests")

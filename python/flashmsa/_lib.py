@@ -162,12 +162,15 @@ class BwdArgs(ctypes.Structure):
 LIB_NAME = "libflashmsa.so"
 _PKG_DIR = pathlib.Path(__file__).resolve().parent
 _REPO_ROOT = _PKG_DIR.parents[1]
+# the package used from the repository (python/flashmsa), not an installed copy
+_IN_SOURCE_TREE = (_REPO_ROOT / "include" / "flashmsa" / "flashmsa.h").is_file()
 
 
 def library_candidates() -> list[pathlib.Path]:
-    """Where the library is looked for, in order: $FLASHMSA_LIBRARY, then the repository's build
-    directory ($FLASHMSA_BUILD_DIR, relative to the current directory or the repository root,
-    default build/), then next to the package."""
+    """Where the library is looked for, in order: $FLASHMSA_LIBRARY; the build directory
+    $FLASHMSA_BUILD_DIR (relative to the current directory, or to the repository root when the
+    package is the source tree's); the library installed inside the package (pip install:
+    flashmsa/lib/); the repository's build/ (source tree only)."""
     env = os.environ.get("FLASHMSA_LIBRARY")
     if env:
         return [pathlib.Path(env)]
@@ -175,8 +178,12 @@ def library_candidates() -> list[pathlib.Path]:
     build = os.environ.get("FLASHMSA_BUILD_DIR")
     if build:
         b = pathlib.Path(build)
-        found += [b / LIB_NAME] if b.is_absolute() else [pathlib.Path.cwd() / b / LIB_NAME, _REPO_ROOT / b / LIB_NAME]
-    found += [_REPO_ROOT / "build" / LIB_NAME, _PKG_DIR / LIB_NAME]
+        found += [b / LIB_NAME] if b.is_absolute() else [pathlib.Path.cwd() / b / LIB_NAME]
+        if not b.is_absolute() and _IN_SOURCE_TREE:
+            found.append(_REPO_ROOT / b / LIB_NAME)
+    found.append(_PKG_DIR / "lib" / LIB_NAME)
+    if _IN_SOURCE_TREE:
+        found.append(_REPO_ROOT / "build" / LIB_NAME)
     return found
 
 

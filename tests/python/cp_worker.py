@@ -16,7 +16,8 @@ import pathlib
 import sys
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "python"))
+if os.environ.get("FLASHMSA_TEST_INSTALLED") != "1":  # (conftest.py: the package under test)
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "python"))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

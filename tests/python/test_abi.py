@@ -11,7 +11,6 @@ import pytest
 
 torch = pytest.importorskip("torch")
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "python"))
 
 import flashmsa  # noqa: E402
 from flashmsa import _autograd as A  # noqa: E402

@@ -27,7 +27,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 HERE = pathlib.Path(__file__).resolve()
-sys.path.insert(0, str(HERE.parents[2] / "python"))
+if os.environ.get("FLASHMSA_TEST_INSTALLED") != "1":  # also run as a script (the distributed workers)
+    sys.path.insert(0, str(HERE.parents[2] / "python"))
 
 import flashmsa  # noqa: E402
 import flashmsa.distributed as fcp  # noqa: E402
@@ -712,7 +713,7 @@ def test_thread_creation_failure_falls_back_and_stays_exact(tmp_path):
     """FLASHMSA_NUM_THREADS=1024 under an address-space limit: the threads that cannot start leave
     their work to the calling thread; the result is bitwise the unlimited one."""
     env = dict(os.environ, FLASHMSA_NUM_THREADS="1024", OMP_NUM_THREADS="1")
-    py = str(HERE.parents[2] / "python")
+    py = str(pathlib.Path(flashmsa.__file__).parents[1])  # the package under test
     outs = []
     for limited in (False, True):
         script = _LIMITED if limited else _LIMITED.replace("resource.setrlimit", "(lambda *a: None)")

@@ -18,7 +18,6 @@ import pytest
 
 torch = pytest.importorskip("torch")
 HERE = pathlib.Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parents[1] / "python"))
 
 import flashmsa  # noqa: E402
 import flashmsa.distributed as fcp  # noqa: E402

@@ -9,7 +9,6 @@ import sys
 import pytest
 
 torch = pytest.importorskip("torch")
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "python"))
 
 import flashmsa  # noqa: E402
 from flashmsa import _lib as L  # noqa: E402

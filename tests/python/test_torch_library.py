@@ -10,7 +10,6 @@ import pytest
 
 torch = pytest.importorskip("torch")
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "python"))
 
 import flashmsa  # noqa: E402
 from flashmsa import _lib as L  # noqa: E402
@@ -52,9 +51,26 @@ def test_library_lookup_order(monkeypatch, tmp_path):
     monkeypatch.delenv("FLASHMSA_LIBRARY")
     monkeypatch.setenv("FLASHMSA_BUILD_DIR", str(tmp_path))
     c = L.library_candidates()
-    assert c[0] == tmp_path / "libflashmsa.so" and c[-1].parent == ROOT / "python" / "flashmsa"
+    installed = pathlib.Path(L.__file__).parent / "lib" / "libflashmsa.so"  # pip install's place
+    assert c[0] == tmp_path / "libflashmsa.so" and c[1] == installed
     monkeypatch.setenv("FLASHMSA_BUILD_DIR", "build-rel")
-    assert ROOT / "build-rel" / "libflashmsa.so" in L.library_candidates()
+    c = L.library_candidates()
+    assert pathlib.Path.cwd() / "build-rel" / "libflashmsa.so" in c
+    # the repository root's build-rel/ and build/ only for the source tree's package
+    in_tree = ROOT in pathlib.Path(L.__file__).resolve().parents
+    assert (ROOT / "build-rel" / "libflashmsa.so" in c) == in_tree
+    assert (ROOT / "build" / "libflashmsa.so" in c) == in_tree
+
+
+def test_installed_package_is_under_test():
+    """With FLASHMSA_TEST_INSTALLED=1 (CI after pip install .): the package and the library come
+    from the installation, not from the source tree."""
+    if os.environ.get("FLASHMSA_TEST_INSTALLED") != "1":
+        pytest.skip("testing the source tree's package (FLASHMSA_TEST_INSTALLED is not 1)")
+    pkg = pathlib.Path(flashmsa.__file__).resolve().parent
+    assert ROOT not in pkg.parents, f"flashmsa imported from the source tree: {pkg}"
+    assert L.library_path().resolve() == pkg / "lib" / "libflashmsa.so"
+    assert (pkg / "bin" / "flashmsa").is_file()
 
 
 def test_loaded_library():
@@ -85,7 +101,7 @@ def test_import_without_library(tmp_path):
             "x = torch.randn(1, 130, 2, 8)\n"
             "out, kl = flashmsa.reference.msa_attention(x, x[:, :, :1], x[:, :, :1], x, x[:, :, :1], 2)\n"
             "try:\n    flashmsa.msa_attention(x, x[:, :, :1], x[:, :, :1], x, x[:, :, :1], 2)\n"
-            "except OSError as e:\n    print('ERR', e)\n") % str(ROOT / "python")
+            "except OSError as e:\n    print('ERR', e)\n") % str(pathlib.Path(flashmsa.__file__).parents[1])
     env = {**os.environ, "FLASHMSA_LIBRARY": str(tmp_path / "nope.so")}
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert "ERR" in r.stdout and "nope.so" in r.stdout and "FLASHMSA_LIBRARY" in r.stdout, r.stdout + r.stderr

@@ -8,7 +8,6 @@ import pytest
 
 torch = pytest.importorskip("torch")
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "python"))
 
 import flashmsa  # noqa: E402
 from flashmsa.nn import MSAttention, positions, set_warmup  # noqa: E402

@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "python"))
 
 import flashmsa  # noqa: E402
 import spec_numpy  # noqa: E402
