@@ -17,7 +17,7 @@ fi
 # The Python package as a user gets it: pip install . into a fresh virtual environment that sees
 # this machine's packages (torch), reusing the CMake build above (scikit-build-core, build/), then
 # pytest against the installed package, run from outside the source tree.
-VENV=${FLASHMSA_TEST_VENV:-$BUILD_DIR/test-venv}
+VENV=$(realpath -m "${FLASHMSA_TEST_VENV:-$BUILD_DIR/test-venv}")
 echo "[test] pip install . (into $VENV)"
 python3 -m venv --system-site-packages "$VENV"
 "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check .
