@@ -57,7 +57,7 @@ def test_library_lookup_order(monkeypatch, tmp_path):
     c = L.library_candidates()
     assert pathlib.Path.cwd() / "build-rel" / "libflashmsa.so" in c
     # the repository root's build-rel/ and build/ only for the source tree's package
-    in_tree = ROOT in pathlib.Path(L.__file__).resolve().parents
+    in_tree = ROOT / "python" in pathlib.Path(L.__file__).resolve().parents
     assert (ROOT / "build-rel" / "libflashmsa.so" in c) == in_tree
     assert (ROOT / "build" / "libflashmsa.so" in c) == in_tree
 
@@ -68,7 +68,7 @@ def test_installed_package_is_under_test():
     if os.environ.get("FLASHMSA_TEST_INSTALLED") != "1":
         pytest.skip("testing the source tree's package (FLASHMSA_TEST_INSTALLED is not 1)")
     pkg = pathlib.Path(flashmsa.__file__).resolve().parent
-    assert ROOT not in pkg.parents, f"flashmsa imported from the source tree: {pkg}"
+    assert ROOT / "python" not in pkg.parents, f"flashmsa imported from the source tree: {pkg}"
     assert L.library_path().resolve() == pkg / "lib" / "libflashmsa.so"
     assert (pkg / "bin" / "flashmsa").is_file()
 
