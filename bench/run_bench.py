@@ -33,19 +33,8 @@ def log(*a):
 
 
 def median_ms(fn, iters=10, warmup=3):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    times.sort()
-    return times[len(times) // 2]
+    """Median ms of fn over `iters` single timed calls (CUDA events) after `warmup` calls."""
+    return user_path.median_ms(fn, lambda: None, iters, warmup, reps=1)
 
 
 def sdpa_times(cfg, T, backend):

@@ -98,7 +98,7 @@ def _backward(ctx, *output_grads):
         dkl = dkl.reshape(())
     # torch.use_deterministic_algorithms(True) selects the bitwise reproducible backward
     deterministic = torch.are_deterministic_algorithms_enabled()
-    kl_out = getattr(ctx, "kl_out", None)
+    kl_out = ctx.kl_out
     outs = bwd_op(*args_tuple(BWD_ARGS, dict(
         s, dout=dout, dlse=dlse, dkl=dkl, max_seqlen=ctx.max_seqlen, mode=ctx.mode,
         softmax_scale=ctx.softmax_scale, proxy_scale=ctx.proxy_scale, deterministic=deterministic,

@@ -137,11 +137,11 @@ def proxy_lse_usable(key: tuple) -> bool:
 
 # ---- backward -------------------------------------------------------------------------------
 def bwd_outputs(q, k, v, qp, kp):
-    """(dq, dk, dv, dqp, dkp, kl); dqp, dkp are empty without qp, kp."""
+    """(dq, dk, dv, dqp, dkp, kl); dqp, dkp are empty without qp, kp; kl is written by bwd()."""
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    kl = torch.zeros((), dtype=stat_dtype(q), device=q.device)
+    kl = torch.empty((), dtype=stat_dtype(q), device=q.device)
     if qp is None:
         return dq, dk, dv, _empty(q), _empty(q), kl
     dqp = torch.empty(qp.shape, dtype=qp.dtype, device=qp.device)
@@ -182,6 +182,8 @@ def bwd(dout, dlse, dkl, q, k, v, qp, kp, cu_seqlens, indices, out, lse, proxy_l
     def run(features):
         a.kl = L.view(kl) if "kl_bwd" in features else L.NONE
         L.call("bwd", a, q.device)
+        if "kl_bwd" not in features:  # (the library writes kl only when it is passed)
+            kl.zero_()
 
     _run_declining(run, ["kl_bwd"] if want_kl and qp is not None else [], key)
     return outs

@@ -213,7 +213,7 @@ def last_kl(model: nn.Module, reduce: str = "mean") -> Tensor:
     vals = [m.last_kl for m in model.modules() if isinstance(m, MSAttention) and m.last_kl is not None]
     if not vals:
         raise ValueError("flashmsa.nn.last_kl: no MSAttention in the model has run a forward")
-    stacked = torch.stack([v.to(torch.float64 if v.dtype == torch.float64 else torch.float32) for v in vals])
+    stacked = torch.stack(vals)
     return stacked.mean() if reduce == "mean" else stacked.sum()
 
 

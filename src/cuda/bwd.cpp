@@ -85,11 +85,8 @@ void run_bwd(const flashmsa_bwd_args_t& a, const Geometry& g, char* ws, const Bw
       attn_bwd::Common cp = c;  // the proxy side's own turn counters
       cp.turn_rows = l.deterministic ? reinterpret_cast<int32_t*>(ws + l.turn_qp) : nullptr;
       cp.turn_keys = l.deterministic ? reinterpret_cast<int32_t*>(ws + l.turn_kp) : nullptr;
-      if (l.has_teacher) run_kl_side(g, cp, mp.teacher, r, st);
-      else run_proxy_side(g, cp, r, st);
-      if (present(a.kl))  // the same fixed-order reduce as the forward's kl
-        attn_bwd::launch_kl_reduce(r.kl_acc, int64_t(g.Hp) * tiles::global_blocks_bound(g), kl_scales(g).value,
-                                   static_cast<float*>(a.kl.data), st);
+      run_proxy(g, cp, l.has_teacher ? mp.teacher : nullptr, r,
+                present(a.kl) ? static_cast<float*>(a.kl.data) : nullptr, st);
     }
     convert(d, reinterpret_cast<float*>(ws + l.dqp), token_tensor<void>(a.dqp, g), seqs, g.max_seqlen, g.Hp, pscale,
             st);

@@ -190,10 +190,10 @@ struct ProxyRun {
   const float* dkl = nullptr;
   bool grads = true;
 };
-// The kl kernel (SPARSE/GIVEN): the proxy side only, the teacher read from the main backward's buffer.
-void run_kl_side(const Geometry& g, const attn_bwd::Common& c, const float* teacher, const ProxyRun& r,
-                 cudaStream_t st);
-// The recomputing proxy kernel (DENSE mode): the teacher from the group's S^T, chunk by chunk.
-void run_proxy_side(const Geometry& g, const attn_bwd::Common& c, const ProxyRun& r, cudaStream_t st);
+// The proxy side: with a teacher (SPARSE/GIVEN: the main backward's buffer) the kl kernel, without
+// one (DENSE) the recomputing proxy kernel (the teacher from the group's S^T, chunk by chunk);
+// then, when kl_out is given, the kl value there (the partials added in a fixed order).
+void run_proxy(const Geometry& g, const attn_bwd::Common& c, const float* teacher, const ProxyRun& r, float* kl_out,
+               cudaStream_t st);
 
 }  // namespace flashmsa::cuda

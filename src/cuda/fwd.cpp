@@ -80,10 +80,8 @@ void run_fwd_kl(const flashmsa_fwd_args_t& a, const Geometry& g, const int32_t* 
   r.plse_ws = reinterpret_cast<float*>(ws + l.plse);
   r.kl_acc = reinterpret_cast<float*>(ws + l.kl);
   r.grads = false;
-  if (l.has_teacher) run_kl_side(g, c, reinterpret_cast<const float*>(ws + l.teach), r, st);
-  else run_proxy_side(g, c, r, st);
-  attn_bwd::launch_kl_reduce(r.kl_acc, int64_t(g.Hp) * tiles::global_blocks_bound(g), kl_scales(g).value,
-                             static_cast<float*>(a.kl.data), st);
+  run_proxy(g, c, l.has_teacher ? reinterpret_cast<const float*>(ws + l.teach) : nullptr, r,
+            static_cast<float*>(a.kl.data), st);
 }
 
 }  // namespace

@@ -54,6 +54,39 @@ attn_bwd::Common proxy_common(const Geometry& g, const attn_bwd::Common& c, cons
   return pc;
 }
 
+// The kl kernel (SPARSE/GIVEN): the proxy side only, the teacher read from the main backward's buffer.
+void run_kl_side(const Geometry& g, const attn_bwd::Common& c, const float* teacher, const ProxyRun& r,
+                 cudaStream_t st) {
+  attn_bwd::KlArgs kp;
+  kp.c = proxy_common(g, c, r, st);
+  kp.teacher = teacher;
+  kp.grads = r.grads;
+  kp.batched = g.batched;
+  kp.total = g.total;
+  by_dtype(dtype_of(g), [&](auto D) {
+    by_det(deterministic(kp.c),
+           [&](auto Det) { attn_bwd::run_kl<decltype(D)::value, decltype(Det)::value>(kp, st); });
+  });
+}
+
+// The recomputing proxy kernel (DENSE mode): the teacher from the group's S^T, chunk by chunk.
+void run_proxy_side(const Geometry& g, const attn_bwd::Common& c, const ProxyRun& r, cudaStream_t st) {
+  attn_bwd::ProxyArgs pp;
+  pp.c = proxy_common(g, c, r, st);
+  pp.G = g.Hq / g.Hp;
+  pp.grads = r.grads;
+  pp.batched = g.batched;
+  pp.total = g.total;
+  by_dtype(dtype_of(g), [&](auto D) {
+    by_det(deterministic(pp.c), [&](auto Det) {
+      constexpr Dtype kD = decltype(D)::value;
+      constexpr bool kDet = decltype(Det)::value;
+      if (tiles::proxy_chunk_tokens(pp.G) == 16) attn_bwd::run_proxy<kD, 16, kDet>(pp, st);
+      else attn_bwd::run_proxy<kD, 64, kDet>(pp, st);
+    });
+  });
+}
+
 }  // namespace
 
 attn_bwd::Common common_base(const Geometry& g, const flashmsa_tensor_t& q, const flashmsa_tensor_t& k,
@@ -93,35 +126,13 @@ void launch_main(Dtype d, const attn_bwd::MainArgs& a, int units, cudaStream_t s
   });
 }
 
-void run_kl_side(const Geometry& g, const attn_bwd::Common& c, const float* teacher, const ProxyRun& r,
-                 cudaStream_t st) {
-  attn_bwd::KlArgs kp;
-  kp.c = proxy_common(g, c, r, st);
-  kp.teacher = teacher;
-  kp.grads = r.grads;
-  kp.batched = g.batched;
-  kp.total = g.total;
-  by_dtype(dtype_of(g), [&](auto D) {
-    by_det(deterministic(kp.c),
-           [&](auto Det) { attn_bwd::run_kl<decltype(D)::value, decltype(Det)::value>(kp, st); });
-  });
-}
-
-void run_proxy_side(const Geometry& g, const attn_bwd::Common& c, const ProxyRun& r, cudaStream_t st) {
-  attn_bwd::ProxyArgs pp;
-  pp.c = proxy_common(g, c, r, st);
-  pp.G = g.Hq / g.Hp;
-  pp.grads = r.grads;
-  pp.batched = g.batched;
-  pp.total = g.total;
-  by_dtype(dtype_of(g), [&](auto D) {
-    by_det(deterministic(pp.c), [&](auto Det) {
-      constexpr Dtype kD = decltype(D)::value;
-      constexpr bool kDet = decltype(Det)::value;
-      if (tiles::proxy_chunk_tokens(pp.G) == 16) attn_bwd::run_proxy<kD, 16, kDet>(pp, st);
-      else attn_bwd::run_proxy<kD, 64, kDet>(pp, st);
-    });
-  });
+void run_proxy(const Geometry& g, const attn_bwd::Common& c, const float* teacher, const ProxyRun& r, float* kl_out,
+               cudaStream_t st) {
+  if (teacher) run_kl_side(g, c, teacher, r, st);
+  else run_proxy_side(g, c, r, st);
+  if (kl_out)
+    attn_bwd::launch_kl_reduce(r.kl_acc, int64_t(g.Hp) * tiles::global_blocks_bound(g), kl_scales(g).value, kl_out,
+                               st);
 }
 
 }  // namespace flashmsa::cuda
