@@ -4,6 +4,8 @@
 #   sanitize   compute-sanitizer memcheck + racecheck on the small cases
 #   pytest     the Python tests against the CUDA build (tests/python, GPU ones included)
 #   run        the main job on the GPU
+#   wheel      the wheel of .whl/ (pip wheel . -w .whl) installed without an index; the GPU pytest
+#              against it from outside the source tree; `flashmsa run` (console command) timed
 #   profile    per-kernel durations of one m3 training step (scripts/gpu_profile.sh)
 #   kbench     flashmsa's kernels alone (flashmsa_bench, KBENCH_ARGS), no peers
 #   bench      the benchmarks with peers (BENCH_ARGS)
@@ -66,6 +68,28 @@ if has pytest; then
   stamp "pytest (CUDA build)"
   FLASHMSA_BUILD_DIR=.gpu timeout 300 python3 -m pytest -q -rs tests/python ${PYTEST_ARGS:-} > "$OUT/pytest.log" 2>&1; echo "pytest rc=$?"
   tail -25 "$OUT/pytest.log"
+fi
+if has wheel; then
+  # The wheel built here (pip wheel . -w .whl, carried): installed into a fresh environment with
+  # no index, then the GPU pytest against the installed package from outside the source tree, and
+  # the default main job through the console command, timed (README: "<= 5 s").
+  stamp "wheel"
+  W=/tmp/flashmsa-wheel; rm -rf "$W"; tests=$(pwd)/tests/python
+  # --target, not a venv: the machine's python3 may keep torch where a venv does not look
+  PY=python3; BIN="$W/bin"; export PYTHONPATH="$W"
+  python3 -m pip install --quiet --no-index --no-deps --target "$W" .whl/flashmsa-*.whl; echo "wheel install rc=$?"
+  (cd /tmp && "$PY" -c "import flashmsa, flashmsa._lib as L; print('flashmsa from', flashmsa.__file__); print('library', L.library_path(), 'cuda available', L.cuda_available())" 2>&1 | tee "$OUT/wheel_import.txt")
+  for i in 1 2 3; do
+    s0=$(date +%s.%N); (cd /tmp && timeout 100 "$BIN/flashmsa" run > "$OUT/wheel_run_default_$i.log" 2>&1); rc=$?; s1=$(date +%s.%N)
+    echo "flashmsa run (defaults, console command) #$i rc=$rc wall $(python3 -c "print(f'{$s1-$s0:.2f}')") s" | tee -a "$OUT/wheel_run_wall.txt"
+  done
+  tail -30 "$OUT/wheel_run_default_1.log"
+  (cd /tmp && timeout 100 "$BIN/flashmsa" run --check > "$OUT/wheel_run_check_32k.log" 2>&1); echo "flashmsa run --check (32k defaults) rc=$?"
+  tail -20 "$OUT/wheel_run_check_32k.log"
+  (cd /tmp && timeout 100 "$BIN/flashmsa" run --pattern random --check --seqlen 5000 --batch 2 > "$OUT/wheel_run_check_random.log" 2>&1); echo "flashmsa run --check (random) rc=$?"
+  tail -16 "$OUT/wheel_run_check_random.log"
+  (cd /tmp && FLASHMSA_TEST_INSTALLED=1 PYTHONUNBUFFERED=1 timeout ${WHEEL_PYTEST_S:-240} "$PY" -m pytest -q -rs "$tests" ${PYTEST_ARGS:-} > "$OUT/wheel_pytest.log" 2>&1); echo "pytest (installed wheel) rc=$?"
+  tail -8 "$OUT/wheel_pytest.log"
 fi
 if has run; then
   stamp "main job"

@@ -8,6 +8,9 @@ need_apt=()
 for pkg in cmake ninja-build g++ libgtest-dev ccache python3 python3-pip; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg")
 done
+# python3 -m venv (scripts/run.sh and scripts/test.sh install the package into a venv) needs
+# ensurepip, which Debian ships in python3-venv
+python3 -c "import ensurepip" >/dev/null 2>&1 || need_apt+=(python3-venv)
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "[setup] apt-get install ${need_apt[*]}"
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"

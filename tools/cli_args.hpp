@@ -71,6 +71,10 @@ struct Config {
   int nseq() const { return int(cu.size()) - 1; }
   double scale() const { return 1.0 / std::sqrt(double(D)); }
   double proxy_scale() const { return 1.0 / std::sqrt(double(Dp)); }
+  // Whether the step keeps host copies of every tensor: always on the CPU; on CUDA only for
+  // --check and --save (otherwise the inputs are drawn on the device, the statistics read the
+  // device tensors, and only the indices and kl come back).
+  bool host_copies() const { return !on_cuda || check || !save_dir.empty(); }
 };
 
 // Parses the flags of `run` into c (throws UsageError). Returns false when help was asked for.

@@ -10,6 +10,7 @@
 #endif
 
 #include "cli_check.hpp"
+#include "cli_device.hpp"
 #include "cli_util.hpp"
 #include "flashmsa/flashmsa.hpp"
 
@@ -67,6 +68,10 @@ void poison(void*, size_t bytes) {
   if (bytes) none();
 }
 void sync() {}
+void draw_inputs(const Config&, Tensors&) { none(); }
+double mass_recall(const Config&, const Tensors&, const std::vector<int64_t>&) { none(); }
+int64_t count_unwritten(const Buf&) { none(); }
+void moments(const Buf&, double*, double*) { none(); }
 #endif
 }  // namespace dev
 
@@ -97,6 +102,13 @@ void declare(const Config& c, Tensors& t) {
     t.dv.declare("dv", dt, {T, c.Hkv, c.D}, Buf::kTokens, true);
     t.dqp.declare("dqp", dt, {T, c.Hp, c.Dp}, Buf::kTokens, true);
     t.dkp.declare("dkp", dt, {T, c.Hpk, c.Dp}, Buf::kTokens, true);
+  }
+}
+
+void release_device(Tensors& t) {
+  for (Buf* b : t.all()) {
+    dev::release(b->device);
+    b->device = nullptr;
   }
 }
 
@@ -136,7 +148,7 @@ double estimate_host_bytes(const Config& c) {
       bufs += double(b->numel()) * double(dtype_size(b->dtype));
       if (b->kind == Buf::kTokens) tok_elems += double(b->numel());
     }
-  double need = bufs;
+  double need = c.host_copies() ? bufs : double(t.indices.bytes());
   if (!c.on_cuda) need += 16.0 * tok_elems;
   if (c.check && c.total <= kCheckFullMaxTokens) need += 16.0 * tok_elems;
   return need;

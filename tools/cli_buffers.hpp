@@ -94,6 +94,9 @@ struct Tensors {
 // Shapes and dtypes of every tensor of the step (no memory yet).
 void declare(const Config& c, Tensors& t);
 
+// Frees the device copies of t (idempotent).
+void release_device(Tensors& t);
+
 // The library's view of a buffer: host or device memory; [B, S, H, X] for per-token tensors of
 // a batched call; absent when the tensor is not part of this step.
 struct Views {

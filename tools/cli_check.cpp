@@ -4,6 +4,7 @@
 #include <string>
 #include <vector>
 
+#include "cli_device.hpp"
 #include "cli_keys.hpp"
 #include "cli_stats.hpp"
 #include "cli_util.hpp"
@@ -298,6 +299,35 @@ CheckResult run_check(const Config& c, const Tensors& t) {
   if (c.sparse() && !(r.index_agreement >= kIndexAgreementMin)) r.pass = false;
   progress("[check] done in %.3f s\n", now_s() - t0);
   return r;
+}
+
+void check_device_parts(const Config& c, const Tensors& t, const Stats& s, CheckResult& r) {
+  if (!c.on_cuda) return;
+  progress("[check] device-drawn inputs and device statistics ...\n");
+  std::vector<const Buf*> normals = {&t.q, &t.k, &t.v, &t.dout, &t.dlse};
+  if (c.pattern == Pattern::Random) normals.insert(normals.end(), {&t.qp, &t.kp});
+  for (const Buf* b : normals) {
+    if (!b->used || b->numel() < 1000) continue;
+    double mean = 0, var = 0;
+    dev::moments(*b, &mean, &var);
+    const double n = double(b->numel());
+    const double mean_bar = 6.0 / std::sqrt(n), var_bar = 6.0 * std::sqrt(2.0 / n) + 1e-3;
+    DeviceCheck d;
+    d.name = "input " + b->name;
+    d.ok = std::fabs(mean) <= mean_bar && std::fabs(var - 1.0) <= var_bar;
+    d.detail = fmt("N(0,1): mean %.2e (|.| <= %.1e), var %.6f (|var-1| <= %.1e)", mean, mean_bar, var, var_bar);
+    r.device.push_back(d);
+  }
+  if (c.sparse()) {
+    const double host = host_mass_recall(c, t, s.recall_row_ids);
+    DeviceCheck d;
+    d.name = "recall";
+    d.ok = std::fabs(s.recall - host) <= kRecallAgreement;
+    d.detail = fmt("device %.12f vs host fp64 %.12f (|diff| %.1e <= %.0e)", s.recall, host,
+                   std::fabs(s.recall - host), kRecallAgreement);
+    r.device.push_back(d);
+  }
+  for (const DeviceCheck& d : r.device) r.pass = r.pass && d.ok;
 }
 
 }  // namespace flashmsa::cli

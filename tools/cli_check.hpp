@@ -42,8 +42,16 @@ struct Err {
   }
 };
 
+// A check of the parts of a CUDA run that only the device computes (the drawn inputs, the
+// device statistics): a name, what was measured against which bar, and the verdict.
+struct DeviceCheck {
+  std::string name, detail;
+  bool ok = false;
+};
+
 struct CheckResult {
   bool ran = false;
+  std::vector<DeviceCheck> device;
   std::string scope;
   std::vector<Err> errs;
   double index_agreement = NAN;
@@ -54,5 +62,13 @@ struct CheckResult {
 
 // The check of the step that ran on t, with progress lines.
 CheckResult run_check(const Config& c, const Tensors& t);
+
+struct Stats;
+// On CUDA: the moments of the inputs drawn on the device (N(0, 1) within 6 standard errors) and
+// the device's recall against the host's fp64 recall over the same rows (within 1e-9); added
+// to r (r.pass false on a failure).
+void check_device_parts(const Config& c, const Tensors& t, const Stats& s, CheckResult& r);
+
+constexpr double kRecallAgreement = 1e-9;  // |device recall - host recall| at most this
 
 }  // namespace flashmsa::cli

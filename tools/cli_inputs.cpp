@@ -1,11 +1,25 @@
 #include "cli_inputs.hpp"
 
+#include "cli_device.hpp"
 #include "patterns.hpp"
 
 namespace flashmsa::cli {
 
 void generate(const Config& c, Tensors& t) {
   const size_t T = size_t(c.total);
+  if (c.on_cuda) {
+    dev::draw_inputs(c, t);
+    t.cu.allocate_host();
+    for (size_t i = 0; i < c.cu.size(); ++i) t.cu.i32()[i] = int32_t(c.cu[i]);
+    if (c.has_bwd()) t.dkl.assign({c.kl_grad});
+    if (c.host_copies())
+      for (Buf* b : t.all())
+        if (b->used && b->device) {
+          b->allocate_host();
+          dev::download(b->host.data(), b->device, b->bytes());
+        }
+    return;
+  }
   t.q.assign(normal_values(c.seed, kStreamQ, T * c.Hq * c.D));
   t.k.assign(normal_values(c.seed, kStreamK, T * c.Hkv * c.D));
   t.v.assign(normal_values(c.seed, kStreamV, T * c.Hkv * c.D));

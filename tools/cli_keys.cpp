@@ -31,16 +31,23 @@ void key_set(const Config& c, const int32_t* indices, int p, int64_t t, std::vec
 PairCounts count_pairs(const Config& c, const int32_t* indices) {
   PairCounts pc;
   const int G = c.Hq / c.Hp;
-  std::vector<int64_t> keys;
   for (int p = 0; p < c.Hp; ++p)
     for (int64_t t = 0; t < c.total; ++t) {
       const int b = seq_of(c, t);
       pc.proxy_pairs += double(t - c.cu[size_t(b)] + 1);
       if (!c.sparse()) {
         pc.main_pairs += double(t - c.cu[size_t(b)] + 1) * G;
-      } else {
-        key_set(c, indices, p, t, keys);
-        pc.main_pairs += double(keys.size()) * G;
+      } else {  // |U_p(t)| without listing it: the causal part of each valid slot's block
+        const int64_t s0 = c.cu[size_t(b)], len = c.cu[size_t(b) + 1] - s0;
+        const int64_t nblocks = (len + kBlock - 1) / kBlock;
+        const int32_t* row = indices + (int64_t(p) * c.total + t) * c.topk;
+        int64_t n = 0;
+        for (int s = 0; s < c.topk; ++s) {
+          const int64_t j = row[s];
+          if (j < 0 || j >= nblocks) continue;
+          n += std::max<int64_t>(0, std::min(s0 + j * kBlock + kBlock, t + 1) - (s0 + j * kBlock));
+        }
+        pc.main_pairs += double(n) * G;
       }
     }
   return pc;

@@ -66,7 +66,8 @@ void print_report(const Config& c, const Stats& s, const Timings& tm, const Chec
     row("union factor (128-query tiles)", "-   (warmup: no selection)");
   }
   row("keys per (token, proxy head)", fmt("%.1f   (%.1f%% of the dense causal pairs)", s.keys_per_token, 100.0 * s.density));
-  row("attention-mass recall", fmt("%.4f   (%s)", s.recall, s.recall_rows.c_str()));
+  row("attention-mass recall", fmt("%.4f   (%s%s)", s.recall, s.recall_rows.c_str(),
+                                   s.recall_on_device ? "; fp64 on the GPU" : ""));
   row("kl", fmt("%.9g", s.kl));
   if (s.nonfinite_outputs)
     row("UNWRITTEN OUTPUTS (NaN)", s.nonfinite_names);
@@ -109,6 +110,8 @@ void print_report(const Config& c, const Stats& s, const Timings& tm, const Chec
       std::printf("  %-10s %14.6f %14s   %s  (fraction of equal slots over %lld; threshold %.2f)\n",
                   "indices", chk.index_agreement, "", chk.index_agreement >= kIndexAgreementMin ? "ok" : "FAIL",
                   (long long)chk.index_slots, kIndexAgreementMin);
+    for (const DeviceCheck& d : chk.device)
+      std::printf("  %-10s %s   %s\n", d.name.c_str(), d.detail.c_str(), d.ok ? "ok" : "FAIL");
     std::printf("  threshold rel-L2 <= %.0e (%s)  =>  %s\n", chk.threshold, flashmsa_dtype_name(c.dtype),
                 chk.pass ? "PASS" : "FAIL");
     std::printf("\n");

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <limits>
 
+#include "cli_device.hpp"
 #include "cli_util.hpp"
 #include "patterns.hpp"
 
@@ -71,25 +72,26 @@ double logsumexp(const std::vector<double>& x) {
   return m + std::log(s);
 }
 
-// Attention-mass recall of the selection: for each (query head, token) of the given rows, the
-// share of the dense causal softmax mass of the main attention that lies in the key set;
-// the mean over the rows (summed in row order, whatever thread computed which row).
-double mass_recall(const Config& c, const double* q, const double* k, const int32_t* indices,
-                   const std::vector<int64_t>& rows) {
+}  // namespace
+
+double host_mass_recall(const Config& c, const Tensors& t, const std::vector<int64_t>& rows) {
   const int64_t n = int64_t(rows.size()) * c.Hq;
   if (n == 0) return 1.0;
   const double scale = c.scale();
+  const int32_t* indices = t.indices.i32();
+  const std::vector<double> k = t.k.values();
   std::vector<double> rec(size_t(n), 0.0);
   parallel_items(n, [&](int64_t r) {
-    const int64_t t = rows[size_t(r / c.Hq)];
+    const int64_t tok = rows[size_t(r / c.Hq)];
     const int h = int(r % c.Hq), kv = kv_of(c, h);
-    const int64_t s0 = c.cu[size_t(seq_of(c, t))];
-    const double* qrow = q + (t * c.Hq + h) * c.D;
-    std::vector<double> xd(size_t(t - s0 + 1));
-    for (int64_t u = s0; u <= t; ++u) xd[size_t(u - s0)] = scale * dot4(qrow, k + (u * c.Hkv + kv) * c.D, c.D);
+    const int64_t s0 = c.cu[size_t(seq_of(c, tok))];
+    std::vector<double> qrow(size_t(c.D));
+    for (int d = 0; d < c.D; ++d) qrow[size_t(d)] = t.q.get((tok * c.Hq + h) * c.D + d);
+    std::vector<double> xd(size_t(tok - s0 + 1));
+    for (int64_t u = s0; u <= tok; ++u) xd[size_t(u - s0)] = scale * dot4(qrow.data(), k.data() + (u * c.Hkv + kv) * c.D, c.D);
     const double lse_dense = logsumexp(xd);
     std::vector<int64_t> keys;
-    key_set(c, indices, group_of(c, h), t, keys);
+    key_set(c, indices, group_of(c, h), tok, keys);
     double mass = 0;
     for (int64_t u : keys) mass += std::exp(xd[size_t(u - s0)] - lse_dense);
     rec[size_t(r)] = mass;
@@ -98,8 +100,6 @@ double mass_recall(const Config& c, const double* q, const double* k, const int3
   for (double x : rec) s += x;
   return s / double(n);
 }
-
-}  // namespace
 
 std::vector<int64_t> sample_rows(const Config& c) {
   Rng r(c.seed, kStreamSample);
@@ -134,8 +134,9 @@ Stats compute_stats(const Config& c, const Tensors& t) {
       s.recall_rows = "seeded sample of " + std::to_string(rows.size()) + " tokens x " +
                       std::to_string(c.Hq) + " heads";
     }
-    const std::vector<double> q = t.q.values(), k = t.k.values();
-    s.recall = mass_recall(c, q.data(), k.data(), idx, rows);
+    s.recall_on_device = c.on_cuda;
+    s.recall_row_ids = rows;
+    s.recall = c.on_cuda ? dev::mass_recall(c, t, rows) : host_mass_recall(c, t, rows);
   } else {
     s.recall = 1.0;
     s.recall_rows = "dense causal set";
@@ -145,7 +146,9 @@ Stats compute_stats(const Config& c, const Tensors& t) {
                        &t.dqp, &t.dkp}) {
     if (!b->used) continue;
     int64_t bad = 0;
-    if (b->dtype == FLASHMSA_DTYPE_INT32) {
+    if (b->device) {
+      bad = dev::count_unwritten(*b);
+    } else if (b->dtype == FLASHMSA_DTYPE_INT32) {
       for (int64_t i = 0; i < b->numel(); ++i) bad += b->i32()[i] < -1 ? 1 : 0;
     } else {
       for (int64_t i = 0; i < b->numel(); ++i) bad += std::isnan(b->get(i)) ? 1 : 0;

@@ -21,6 +21,8 @@ constexpr double kRecallFullBudget = 5e10;  // recall on all rows when the dense
 struct Stats {
   double union_factor = NAN, blocks_per_token = NAN, keys_per_token = NAN, density = NAN;
   double recall = NAN;
+  bool recall_on_device = false;
+  std::vector<int64_t> recall_row_ids;  // the tokens the recall ran over
   std::string recall_rows;
   double kl = NAN;
   PairCounts pairs;
@@ -32,7 +34,12 @@ struct Stats {
 // The seeded sample of kSampleTokens distinct tokens (ascending).
 std::vector<int64_t> sample_rows(const Config& c);
 
-// The statistics of the step that ran on t, with progress lines.
+// The statistics of the step that ran on t, with progress lines. On CUDA the recall and the
+// unwritten-entry counts read the device tensors (cli_device.hpp).
 Stats compute_stats(const Config& c, const Tensors& t);
+
+// The attention-mass recall over the given rows from the host copies of q, k and indices, in
+// fp64 (the CPU's statistic; on CUDA --check compares the device's against it).
+double host_mass_recall(const Config& c, const Tensors& t, const std::vector<int64_t>& rows);
 
 }  // namespace flashmsa::cli

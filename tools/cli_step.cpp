@@ -163,7 +163,7 @@ Timings run_step(const Config& c, Tensors& t) {
   if (c.on_cuda) {
     progress("[cuda] copying inputs to the device ...\n");
     for (Buf* b : t.all())
-      if (b->used) {
+      if (b->used && !b->device) {  // the inputs drawn on the device are there already
         b->device = dev::alloc(b->bytes());
         if (b->output) dev::poison(b->device, b->bytes());
         else dev::upload(b->device, b->host.data(), b->bytes());
@@ -185,15 +185,15 @@ Timings run_step(const Config& c, Tensors& t) {
       tm.bwd_ms = run_stage("backward", "backward + kl, dkl " + fmt("%g", c.kl_grad) + " (" + where + ")",
                             c.on_cuda, a.bwd, flashmsa_bwd_workspace_size, flashmsa_bwd);
   } catch (...) {
-    if (c.on_cuda)
-      for (Buf* b : t.all()) dev::release(b->device), b->device = nullptr;
+    release_device(t);
     throw;
   }
-  if (c.on_cuda) {
+  if (c.on_cuda)
     for (Buf* b : t.all())
-      if (b->used && b->output) dev::download(b->host.data(), b->device, b->bytes());
-    for (Buf* b : t.all()) dev::release(b->device), b->device = nullptr;
-  }
+      if (b->used && b->output && (c.host_copies() || b == &t.indices || b == &t.kl)) {
+        b->allocate_host();
+        dev::download(b->host.data(), b->device, b->bytes());
+      }
   return tm;
 }
 

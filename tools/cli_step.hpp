@@ -29,8 +29,9 @@ struct Timings {
   double select_ms = NAN, fwd_ms = NAN, bwd_ms = NAN;
 };
 
-// Runs the stages of the step on t (generated), with progress lines; on CUDA the tensors go to
-// the device and the outputs come back into the host copies.
+// Runs the stages of the step on t (generated), with progress lines. On CUDA the tensors stay on
+// the device (release_device frees them); the outputs come back into host copies when
+// c.host_copies(), else only the indices and kl.
 Timings run_step(const Config& c, Tensors& t);
 
 }  // namespace flashmsa::cli

@@ -61,7 +61,11 @@ int run(const std::vector<std::string>& args) {
   const Timings tm = run_step(c, t);
   const Stats s = compute_stats(c, t);
   CheckResult chk;
-  if (c.check) chk = run_check(c, t);
+  if (c.check) {
+    chk = run_check(c, t);
+    check_device_parts(c, t, s, chk);
+  }
+  release_device(t);
   if (!c.save_dir.empty()) save_all(c, t);
   print_report(c, s, tm, chk);
   if (s.nonfinite_outputs) {

@@ -102,25 +102,30 @@ def test_validate_raises_at_once_and_writes_nothing():
 
 @cuda
 def test_backward_fault_poisons_gradients():
-    """The library backward with invalid cu_seqlens (the forward was valid): NaN gradients, and
-    flashmsa.check() names flashmsa_bwd."""
+    """The library backward with invalid cu_seqlens (the forward was valid): NaN gradients and a
+    NaN kl value (the backward's kl output is poisoned too), and flashmsa.check() names
+    flashmsa_bwd."""
     from flashmsa import _kernels as K
     flashmsa.check()
     args, cu = _inputs(requires_grad=False)
     q, k, v, qp, kp = args
     out, lse, idx, plse, kl, _ = K.fwd(q, k, v, qp, kp, cu, None, 2000, L.MODE_SPARSE, L.NUMERICS_TRAIN, 4, 0.0, 0.0,
-                                       0, True, True, False)
+                                       K.KL_VALUE, True, True, False)
     dout = torch.randn_like(out)
     dkl = torch.ones((), device="cuda")
     bad = torch.tensor([0, 1000, 1500], dtype=torch.int32, device="cuda")
-    grads = K.bwd(dout, None, dkl, q, k, v, qp, kp, bad, idx, out, lse, plse, 2000, L.MODE_SPARSE, 0.0, 0.0, False)
+    grads = K.bwd(dout, None, dkl, q, k, v, qp, kp, bad, idx, out, lse, plse, 2000, L.MODE_SPARSE, 0.0, 0.0, False,
+                  want_kl=True)
+    assert len(grads) == 6  # dq, dk, dv, dqp, dkp, kl
     for g in grads:
         assert torch.isnan(g).all()
     with pytest.raises(flashmsa.InvalidArgumentError, match="flashmsa_bwd"):
         flashmsa.check()
-    grads = K.bwd(dout, None, dkl, q, k, v, qp, kp, cu, idx, out, lse, plse, 2000, L.MODE_SPARSE, 0.0, 0.0, False)
+    grads = K.bwd(dout, None, dkl, q, k, v, qp, kp, cu, idx, out, lse, plse, 2000, L.MODE_SPARSE, 0.0, 0.0, False,
+                  want_kl=True)
     for g in grads:
         assert torch.isfinite(g).all()
+    assert torch.equal(grads[5], kl)  # the backward's kl is the forward's
     flashmsa.check()
 
 
