@@ -186,7 +186,8 @@ _FONT = {  # 3x5 glyphs, rows top to bottom
 
 def _tiny_png(steps, series, warmup_steps, path: pathlib.Path):
     """Three line panels (loss, kl, recall) and a dashed line at the end of the warmup, written
-    as a PNG with zlib alone."""
+    as a PNG with zlib alone. A series may be (name, ys, [more ys, ...]): the further lines (on
+    the same steps) are drawn in orange in the same panel."""
     import struct
     import zlib
 
@@ -216,18 +217,21 @@ def _tiny_png(steps, series, warmup_steps, path: pathlib.Path):
 
     pw = (W - 4 * pad) // 3
     smin, smax = min(steps), max(max(steps), 1)
-    for p, (name, ys) in enumerate(series):
+    for p, (name, ys, *more) in enumerate(series):
+        more = more[0] if more else []
+        every = list(ys) + [v for m in more for v in m]
         x0, y0, x1, y1 = pad + p * (pw + pad), pad + 25, pad + p * (pw + pad) + pw, H - pad
-        lo, hi = (0.0, 1.0) if name == "recall" else (min(ys + [0.0]), max(ys) or 1.0)
+        lo, hi = (0.0, 1.0) if name == "recall" else (min(every + [0.0]), max(every) or 1.0)
         for a, b, c, d in ((x0, y0, x0, y1), (x0, y1, x1, y1)):
             line(a, b, c, d, (0, 0, 0))
         wx = x0 + round((warmup_steps - smin) / (smax - smin or 1) * (x1 - x0))
         for yy in range(y0, y1, 6):
             line(wx, yy, wx, min(yy + 3, y1), (150, 150, 150))
-        pts = [(x0 + round((s - smin) / (smax - smin or 1) * (x1 - x0)),
-                y1 - round((v - lo) / (hi - lo or 1) * (y1 - y0))) for s, v in zip(steps, ys)]
-        for (a, b), (c, d) in zip(pts, pts[1:]):
-            line(a, b, c, d, (31, 119, 180))
+        for vals, color in [(m, (255, 127, 14)) for m in more] + [(ys, (31, 119, 180))]:
+            pts = [(x0 + round((s - smin) / (smax - smin or 1) * (x1 - x0)),
+                    y1 - round((v - lo) / (hi - lo or 1) * (y1 - y0))) for s, v in zip(steps, vals)]
+            for (a, b), (c, d) in zip(pts, pts[1:]):
+                line(a, b, c, d, color)
         text(x0 + 5, pad, name)
     raw = b"".join(b"\x00" + bytes(img[y * W * 3:(y + 1) * W * 3]) for y in range(H))
 
