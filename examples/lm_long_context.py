@@ -44,17 +44,20 @@ except ImportError:  # run from a checkout
 from flashmsa.nn import MSAttention, last_kl, rotary, set_warmup
 
 BLOCK = 128
+# proxy_lr_mult: the proxy projections (qp_proj, kp_proj: trained by the kl term alone) learn at
+# this multiple of lr. At 1x the proxy lags the main attention while that changes fast and its kl
+# rises, in the warmup and after the switch alike; at 5x it follows (docs/lm_long_context.md).
 PRESETS = {
     # CI-sized: 8 blocks, topk 2 (25% of the blocks at the trained length), fp32 on the CPU
     # backend (the library's fp64 reference kernels)
     "cpu": dict(seqlen=1024, batch=2, dim=64, layers=2, heads=4, kv_heads=2, proxy_heads=2, head_dim=16,
-                topk=2, steps=40, warmup_steps=20, lr=3e-3, eval_every=10, eval_batches=2, recall_rows=32,
-                dtype="float32", device="cpu"),
+                topk=2, steps=40, warmup_steps=20, lr=3e-3, proxy_lr_mult=5.0, eval_every=10, eval_batches=2,
+                recall_rows=32, dtype="float32", device="cpu"),
     # the H200 run: 4 layers, head dim 128, GQA with MSA at the flash-msa heads (16/2/4/1), 16k
     # tokens (128 blocks), topk 16 (12.5% of the blocks), bf16 compute with fp32 weights
     "h200": dict(seqlen=16384, batch=2, dim=1024, layers=4, heads=16, kv_heads=2, proxy_heads=4, head_dim=128,
-                 topk=16, steps=1500, warmup_steps=300, lr=1e-3, eval_every=50, eval_batches=4, recall_rows=256,
-                 dtype="bfloat16", device="cuda"),
+                 topk=16, steps=1500, warmup_steps=300, lr=1e-3, proxy_lr_mult=5.0, eval_every=50, eval_batches=4,
+                 recall_rows=256, dtype="bfloat16", device="cuda"),
 }
 
 
@@ -220,7 +223,7 @@ def evaluate(model, batches, a, device, want_selection=False):
     """Validation loss (mean over the fixed batches); for MSA also kl (the forward's value in the
     model's current mode) and the selection's recall at sampled rows, averaged over the layers,
     and optionally the last batch's layer-0 selection."""
-    losses, kls, recalls, sel = [], [], [], None
+    losses, kls, other_kls, recalls, sel = [], [], [], [], None
     inputs = []
     hooks = []
     if model.kind == "msa":
@@ -234,6 +237,12 @@ def evaluate(model, batches, a, device, want_selection=False):
             if model.kind == "msa":
                 kls.append(float(kl))
                 for li, (blk, h) in enumerate(zip(model.blocks, inputs)):
+                    # the kl of the other set too (same layer input): over the causal set (warmup
+                    # mode) and over the selected set (sparse mode), whichever mode is on
+                    cur = blk.attn.warmup
+                    blk.attn.warmup = not cur
+                    other_kls.append(float(blk.attn(h)[1]))
+                    blk.attn.warmup = cur
                     q, k, v, qp, kp = blk.attn.project(h)
                     idx = flashmsa.msa_select(qp, kp, a.topk)
                     recalls.append(sampled_recall(q, k, idx, rows))
@@ -243,7 +252,10 @@ def evaluate(model, batches, a, device, want_selection=False):
         h.remove()
     r = dict(val_loss=sum(losses) / len(losses))
     if model.kind == "msa":
-        r.update(kl=sum(kls) / len(kls), recall=sum(recalls) / len(recalls))
+        kl, other = sum(kls) / len(kls), sum(other_kls) / len(other_kls)
+        warm = model.blocks[0].attn.warmup
+        r.update(kl=kl, recall=sum(recalls) / len(recalls), kl_causal_set=kl if warm else other,
+                 kl_selected_set=other if warm else kl)
     if want_selection:
         r["selection"] = sel
     return r
@@ -276,7 +288,10 @@ def train(kind, a, train_data, val_batches, init, device, log):
     differ = set(own) ^ set(init)  # the dense model has no proxy projections
     assert all(".qp_proj." in n or ".kp_proj." in n for n in differ), differ
     model.load_state_dict({n: init[n] for n in own}, strict=True)
-    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    proxy = [p for n, p in model.named_parameters() if ".qp_proj." in n or ".kp_proj." in n]
+    rest = [p for n, p in model.named_parameters() if not (".qp_proj." in n or ".kp_proj." in n)]
+    groups = [dict(params=rest)] + ([dict(params=proxy, lr=a.lr * a.proxy_lr_mult)] if proxy else [])
+    opt = torch.optim.AdamW(groups, lr=a.lr, betas=(0.9, 0.95), weight_decay=0.1)
     warm = max(1, a.steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / a.steps)))))
@@ -295,7 +310,8 @@ def train(kind, a, train_data, val_batches, init, device, log):
                      train_s=train_s)
             train_kl = []
             hist.append(r)
-            extra = (f"  kl {r['kl']:.4f}  recall {r['recall']:.4f}" if kind == "msa" else "")
+            extra = (f"  kl {r['kl']:.4f} (causal set {r['kl_causal_set']:.4f}, selected set "
+                     f"{r['kl_selected_set']:.4f})  recall {r['recall']:.4f}" if kind == "msa" else "")
             log(f"[{kind:5s}] step {step:5d} {r['mode']:>10}  val loss {r['val_loss']:.4f}{extra}  "
                 f"({train_s:.1f} s training)")
         if step == a.steps:
@@ -433,10 +449,11 @@ def main(argv=None):
     if out:
         (out / "lm_long_context.json").write_text(json.dumps(result, indent=1))
         with open(out / "lm_long_context.csv", "w") as f:
-            f.write("run,step,mode,val_loss,kl,recall,train_kl\n")
+            f.write("run,step,mode,val_loss,kl,kl_causal_set,kl_selected_set,recall,train_kl\n")
             for kind in ("msa", "dense"):
                 for h in runs[kind]["curve"]:
-                    f.write(f"{kind},{h['step']},{h['mode']},{h['val_loss']},{h.get('kl', '')},{h.get('recall', '')},"
+                    f.write(f"{kind},{h['step']},{h['mode']},{h['val_loss']},{h.get('kl', '')},"
+                            f"{h.get('kl_causal_set', '')},{h.get('kl_selected_set', '')},{h.get('recall', '')},"
                             f"{'' if h['train_kl'] is None else h['train_kl']}\n")
         png = plot(runs, a, out / "lm_long_context.png")
         log(f"wrote {out / 'lm_long_context.json'}, .csv and {png}")
