@@ -277,6 +277,9 @@ def main(argv=None):
         p.add_argument("--" + k.replace("_", "-"), type=type(v), default=None,
                        help=f"{about.get(k, '')}(cpu preset: {v}; gpu preset: {PRESETS['gpu'][k]})")
     p.add_argument("--kl-coef", type=float, default=1.0)
+    p.add_argument("--proxy-lr-mult", type=float, default=1.0,
+                   help="learning rate of the proxy projections (trained by the kl alone) over --lr; "
+                        "5 made the kl fall in examples/lm_long_context.py (docs/lm_long_context.md)")
     p.add_argument("--backend", choices=["flashmsa", "reference"], default="flashmsa")
     p.add_argument("--device", default=None)
     p.add_argument("--seed", type=int, default=0)
@@ -302,7 +305,10 @@ def main(argv=None):
 
     task = task_of(a.seqlen)
     model = Model(a, task).to(device=device)  # fp32 weights; a.dtype is the compute dtype
-    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.0)
+    proxy = [p for n, p in model.named_parameters() if ".qp_proj." in n or ".kp_proj." in n]
+    rest = [p for n, p in model.named_parameters() if not (".qp_proj." in n or ".kp_proj." in n)]
+    opt = torch.optim.AdamW([dict(params=rest), dict(params=proxy, lr=a.lr * a.proxy_lr_mult)], lr=a.lr,
+                            weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50))
     gen = torch.Generator().manual_seed(a.seed + 1)
     eval_batch = [t.to(device) for t in task.batch(a.batch, torch.Generator().manual_seed(12345))]

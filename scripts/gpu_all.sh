@@ -16,6 +16,8 @@
 #   ab         every A/B variant .gpu/flashmsa_bench_<name> (scripts/bench_variant.sh) next to
 #              .gpu/flashmsa_bench, m3 32k clustered (AB_ARGS="--options 0" skips the option runs)
 #   example    examples/train_long_context.py --gpu (EXAMPLE_ARGS), curves under $OUT/example
+#   lm         examples/lm_long_context.py --preset h200 (LM_ARGS), MSA vs dense SDPA on the stdlib's
+#              source, results under $OUT/lm (issue 17)
 #   balance    the backward's CTA balance on the real m3 32k selections (bench/list_balance.py)
 #   metadata   the metadata-guard tests (Metadata.*) alone, under compute-sanitizer memcheck
 #              (the 200-corruption fuzz included), and the Python GPU tests of invalid cu_seqlens
@@ -148,6 +150,13 @@ if has example; then
   FLASHMSA_BUILD_DIR=.gpu PYTHONUNBUFFERED=1 timeout ${EXAMPLE_S:-300} python3 examples/train_long_context.py --gpu \
     --out "$OUT/example" ${EXAMPLE_ARGS:-} > "$OUT/example/train_long_context.txt" 2>&1; echo "example rc=$?"
   tail -40 "$OUT/example/train_long_context.txt"
+fi
+if has lm; then
+  stamp "real-data LM (MSA vs dense)"
+  mkdir -p "$OUT/lm"
+  FLASHMSA_BUILD_DIR=.gpu PYTHONUNBUFFERED=1 timeout ${LM_S:-540} python3 examples/lm_long_context.py --preset h200 \
+    --out "$OUT/lm" ${LM_ARGS:-} > "$OUT/lm/log.txt" 2>&1; echo "lm rc=$?"
+  grep -E "^\[|final|union|corpus|model" "$OUT/lm/log.txt" | tail -40
 fi
 if has cp; then
   stamp "context parallelism (NCCL)"
