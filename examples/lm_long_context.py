@@ -293,8 +293,10 @@ def train(kind, a, train_data, val_batches, init, device, log):
     groups = [dict(params=rest)] + ([dict(params=proxy, lr=a.lr * a.proxy_lr_mult)] if proxy else [])
     opt = torch.optim.AdamW(groups, lr=a.lr, betas=(0.9, 0.95), weight_decay=0.1)
     warm = max(1, a.steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / a.steps)))))
+    def lr_factor(s):  # linear warmup over 5% of the steps, then cosine to 0.1 (or constant)
+        decay = 1.0 if a.lr_schedule == "constant" else 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / a.steps)))
+        return min(1.0, (s + 1) / warm) * decay
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
     gen = torch.Generator().manual_seed(a.seed + 1)  # the same batches, in the same order, for both runs
     hist, train_s, train_kl = [], 0.0, []
     for step in range(a.steps + 1):
@@ -378,6 +380,8 @@ def main(argv=None):
     for k, v in PRESETS["cpu"].items():
         p.add_argument("--" + k.replace("_", "-"), type=type(v), default=None,
                        help=f"(cpu preset: {v}; h200 preset: {PRESETS['h200'][k]})")
+    p.add_argument("--lr-schedule", choices=["cosine", "constant"], default="cosine",
+                   help="after a linear warmup over 5%% of the steps: cosine decay to 0.1x, or constant")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="directory for the JSON, CSV, PNG and the saved selection")
     a = p.parse_args(argv)
