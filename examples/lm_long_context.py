@@ -41,7 +41,7 @@ try:
 except ImportError:  # run from a checkout
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "python"))
     import flashmsa
-from flashmsa.nn import MSAttention, last_kl, rotary, set_warmup
+from flashmsa.nn import MSAttention, last_kl, proxy_param_groups, rotary, set_warmup
 
 BLOCK = 128
 # proxy_lr_mult: the proxy projections (qp_proj, kp_proj: trained by the kl term alone) learn at
@@ -288,10 +288,8 @@ def train(kind, a, train_data, val_batches, init, device, log):
     differ = set(own) ^ set(init)  # the dense model has no proxy projections
     assert all(".qp_proj." in n or ".kp_proj." in n for n in differ), differ
     model.load_state_dict({n: init[n] for n in own}, strict=True)
-    proxy = [p for n, p in model.named_parameters() if ".qp_proj." in n or ".kp_proj." in n]
-    rest = [p for n, p in model.named_parameters() if not (".qp_proj." in n or ".kp_proj." in n)]
-    groups = [dict(params=rest)] + ([dict(params=proxy, lr=a.lr * a.proxy_lr_mult)] if proxy else [])
-    opt = torch.optim.AdamW(groups, lr=a.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    opt = torch.optim.AdamW(proxy_param_groups(model, a.lr * a.proxy_lr_mult), lr=a.lr, betas=(0.9, 0.95),
+                            weight_decay=0.1)
     warm = max(1, a.steps // 20)
     def lr_factor(s):  # linear warmup over 5% of the steps, then cosine to 0.1 (or constant)
         decay = 1.0 if a.lr_schedule == "constant" else 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / a.steps)))

@@ -29,7 +29,7 @@ try:
 except ImportError:  # run from a checkout
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "python"))
     import flashmsa
-from flashmsa.nn import MSAttention, set_warmup
+from flashmsa.nn import MSAttention, proxy_param_groups, set_warmup
 from flashmsa.reference import attention_mass_recall
 
 PRESETS = {
@@ -305,10 +305,7 @@ def main(argv=None):
 
     task = task_of(a.seqlen)
     model = Model(a, task).to(device=device)  # fp32 weights; a.dtype is the compute dtype
-    proxy = [p for n, p in model.named_parameters() if ".qp_proj." in n or ".kp_proj." in n]
-    rest = [p for n, p in model.named_parameters() if not (".qp_proj." in n or ".kp_proj." in n)]
-    opt = torch.optim.AdamW([dict(params=rest), dict(params=proxy, lr=a.lr * a.proxy_lr_mult)], lr=a.lr,
-                            weight_decay=0.0)
+    opt = torch.optim.AdamW(proxy_param_groups(model, a.lr * a.proxy_lr_mult), lr=a.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50))
     gen = torch.Generator().manual_seed(a.seed + 1)
     eval_batch = [t.to(device) for t in task.batch(a.batch, torch.Generator().manual_seed(12345))]

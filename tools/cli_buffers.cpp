@@ -6,7 +6,7 @@
 #include <unistd.h>
 
 #ifdef FLASHMSA_WITH_CUDA
-#include <cuda_runtime.h>
+#include "cli_cuda.hpp"
 #endif
 
 #include "cli_check.hpp"
@@ -20,13 +20,6 @@ namespace flashmsa::cli {
 
 namespace dev {
 #ifdef FLASHMSA_WITH_CUDA
-namespace {
-void ok(cudaError_t e, const char* what) {
-  if (e != cudaSuccess)
-    throw flashmsa::Error(FLASHMSA_ERROR_DEVICE, std::string("flashmsa run: ") + what + ": " +
-                                                     cudaGetErrorString(e));
-}
-}  // namespace
 void* alloc(size_t bytes) {
   if (bytes == 0) return nullptr;
   void* p = nullptr;

@@ -4,24 +4,17 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-#include <cuda_runtime.h>
 
 #include <algorithm>
 #include <string>
 
+#include "cli_cuda.hpp"
 #include "cli_keys.hpp"
-#include "flashmsa/flashmsa.hpp"
 #include "patterns.hpp"
 
 namespace flashmsa::cli::dev {
 
 namespace {
-
-void ok(cudaError_t e, const char* what) {
-  if (e != cudaSuccess)
-    throw flashmsa::Error(FLASHMSA_ERROR_DEVICE, std::string("flashmsa run: ") + what + ": " +
-                                                     cudaGetErrorString(e));
-}
 
 // A device allocation released at scope exit.
 struct Scratch {
@@ -91,23 +84,26 @@ unsigned grid_for(int64_t n) {
   return unsigned(std::max<int64_t>(1, std::min<int64_t>((n + 255) / 256, 132 * 16)));
 }
 
+// f(T()) for the element type T of dt (bf16, fp16, fp32); `what` names the use in the error.
+template <class F>
+void by_dtype(flashmsa_dtype_t dt, const char* what, F&& f) {
+  switch (dt) {
+    case FLASHMSA_DTYPE_BF16: f(__nv_bfloat16()); break;
+    case FLASHMSA_DTYPE_FP16: f(__half()); break;
+    case FLASHMSA_DTYPE_FP32: f(float()); break;
+    default:
+      throw flashmsa::Error(FLASHMSA_ERROR_NOT_SUPPORTED,
+                            std::string("flashmsa run: no ") + what + " for " + flashmsa_dtype_name(dt));
+  }
+}
+
 void draw(void* out, flashmsa_dtype_t dt, int64_t n, uint64_t key, float noise = 1.f,
           const float* topics = nullptr, const int32_t* picks = nullptr, int npick = 0, int D = 1) {
   if (n == 0) return;
-  switch (dt) {
-    case FLASHMSA_DTYPE_BF16:
-      draw_kernel<<<grid_for(n), 256>>>(static_cast<__nv_bfloat16*>(out), n, key, noise, topics, picks, npick, D);
-      break;
-    case FLASHMSA_DTYPE_FP16:
-      draw_kernel<<<grid_for(n), 256>>>(static_cast<__half*>(out), n, key, noise, topics, picks, npick, D);
-      break;
-    case FLASHMSA_DTYPE_FP32:
-      draw_kernel<<<grid_for(n), 256>>>(static_cast<float*>(out), n, key, noise, topics, picks, npick, D);
-      break;
-    default:
-      throw flashmsa::Error(FLASHMSA_ERROR_NOT_SUPPORTED,
-                            std::string("flashmsa run: no device generator for ") + flashmsa_dtype_name(dt));
-  }
+  by_dtype(dt, "device generator", [&](auto zero) {
+    using T = decltype(zero);
+    draw_kernel<<<grid_for(n), 256>>>(static_cast<T*>(out), n, key, noise, topics, picks, npick, D);
+  });
   ok(cudaGetLastError(), "drawing the inputs");
 }
 
@@ -216,18 +212,6 @@ __global__ void moments_kernel(const T* x, int64_t n, double* acc) {
   }
 }
 
-template <class F>
-void by_dtype(flashmsa_dtype_t dt, F&& f) {
-  switch (dt) {
-    case FLASHMSA_DTYPE_BF16: f(__nv_bfloat16()); break;
-    case FLASHMSA_DTYPE_FP16: f(__half()); break;
-    case FLASHMSA_DTYPE_FP32: f(float()); break;
-    default:
-      throw flashmsa::Error(FLASHMSA_ERROR_NOT_SUPPORTED,
-                            std::string("flashmsa run: no device statistics for ") + flashmsa_dtype_name(dt));
-  }
-}
-
 }  // namespace
 
 void draw_inputs(const Config& c, Tensors& t) {
@@ -286,7 +270,7 @@ double mass_recall(const Config& c, const Tensors& t, const std::vector<int64_t>
   Scratch rec(sizeof(double) * size_t(n));
   const int threads = 256;
   const size_t smem = sizeof(double) * (size_t(c.D) + 3 * (threads / 32)) + size_t(c.max_seqlen / 128 + 1);
-  by_dtype(t.q.dtype, [&](auto zero) {
+  by_dtype(t.q.dtype, "device statistics", [&](auto zero) {
     using T = decltype(zero);
     auto kern = recall_kernel<T>;
     ok(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)), "recall (shared memory)");
@@ -311,7 +295,7 @@ int64_t count_unwritten(const Buf& b) {
   if (b.dtype == FLASHMSA_DTYPE_INT32) {
     unwritten_kernel<<<grid_for(n), 256>>>(static_cast<const int32_t*>(b.device), n, cnt.as<unsigned long long>());
   } else {
-    by_dtype(b.dtype, [&](auto zero) {
+    by_dtype(b.dtype, "device statistics", [&](auto zero) {
       using T = decltype(zero);
       unwritten_kernel<<<grid_for(n), 256>>>(static_cast<const T*>(b.device), n, cnt.as<unsigned long long>());
     });
@@ -326,7 +310,7 @@ void moments(const Buf& b, double* mean, double* var) {
   const int64_t n = b.numel();
   Scratch acc(2 * sizeof(double));
   ok(cudaMemset(acc.p, 0, 2 * sizeof(double)), "cudaMemset");
-  by_dtype(b.dtype, [&](auto zero) {
+  by_dtype(b.dtype, "device statistics", [&](auto zero) {
     using T = decltype(zero);
     moments_kernel<<<grid_for(n), 256>>>(static_cast<const T*>(b.device), n, acc.as<double>());
   });

@@ -10,6 +10,17 @@ int seq_of(const Config& c, int64_t t) {
   return int(it - c.cu.begin()) - 1;
 }
 
+namespace {
+// The keys [lo, hi) of slot value j of token t (sequence start s0, nblocks blocks): the block's
+// keys up to t; false for an empty slot.
+bool slot_keys(int64_t j, int64_t s0, int64_t nblocks, int64_t t, int64_t& lo, int64_t& hi) {
+  if (j < 0 || j >= nblocks) return false;
+  lo = s0 + j * kBlock;
+  hi = std::min(lo + kBlock, t + 1);
+  return true;
+}
+}  // namespace
+
 void key_set(const Config& c, const int32_t* indices, int p, int64_t t, std::vector<int64_t>& keys) {
   keys.clear();
   const int b = seq_of(c, t);
@@ -21,10 +32,9 @@ void key_set(const Config& c, const int32_t* indices, int p, int64_t t, std::vec
   const int64_t nblocks = (len + kBlock - 1) / kBlock;
   const int32_t* row = indices + (int64_t(p) * c.total + t) * c.topk;
   for (int s = 0; s < c.topk; ++s) {
-    const int64_t j = row[s];
-    if (j < 0 || j >= nblocks) continue;  // empty slot
-    const int64_t lo = s0 + j * kBlock, hi = std::min(lo + kBlock, t + 1);
-    for (int64_t u = lo; u < hi; ++u) keys.push_back(u);
+    int64_t lo, hi;
+    if (slot_keys(row[s], s0, nblocks, t, lo, hi))
+      for (int64_t u = lo; u < hi; ++u) keys.push_back(u);
   }
 }
 
@@ -41,12 +51,9 @@ PairCounts count_pairs(const Config& c, const int32_t* indices) {
         const int64_t s0 = c.cu[size_t(b)], len = c.cu[size_t(b) + 1] - s0;
         const int64_t nblocks = (len + kBlock - 1) / kBlock;
         const int32_t* row = indices + (int64_t(p) * c.total + t) * c.topk;
-        int64_t n = 0;
-        for (int s = 0; s < c.topk; ++s) {
-          const int64_t j = row[s];
-          if (j < 0 || j >= nblocks) continue;
-          n += std::max<int64_t>(0, std::min(s0 + j * kBlock + kBlock, t + 1) - (s0 + j * kBlock));
-        }
+        int64_t n = 0, lo, hi;
+        for (int s = 0; s < c.topk; ++s)
+          if (slot_keys(row[s], s0, nblocks, t, lo, hi)) n += std::max<int64_t>(0, hi - lo);
         pc.main_pairs += double(n) * G;
       }
     }

@@ -217,6 +217,26 @@ def last_kl(model: nn.Module, reduce: str = "mean") -> Tensor:
     return stacked.mean() if reduce == "mean" else stacked.sum()
 
 
+def proxy_param_groups(model: nn.Module, proxy_lr: float) -> list:
+    """Optimizer parameter groups: every parameter of `model`, with the proxy projections of
+    each MSAttention (qp_proj, kp_proj: trained by the kl term alone) in a group of their own at
+    learning rate proxy_lr. At the model's rate the proxy lags a fast-changing main attention and
+    the kl rises; 5x made it fall on real text (docs/lm_long_context.md). Without MSAttention the
+    result is one group.
+
+        opt = torch.optim.AdamW(proxy_param_groups(model, 5 * lr), lr=lr)
+    """
+    if isinstance(proxy_lr, bool) or not isinstance(proxy_lr, numbers.Real) or not (0 < proxy_lr < math.inf):
+        raise ValueError(f"flashmsa.nn.proxy_param_groups: proxy_lr: expected a finite value > 0, got {proxy_lr!r}")
+    proxy = {id(p) for m in model.modules() if isinstance(m, MSAttention)
+             for p in (*m.qp_proj.parameters(), *m.kp_proj.parameters())}
+    rest = [p for p in model.parameters() if id(p) not in proxy]
+    groups = [dict(params=rest)]
+    if proxy:
+        groups.append(dict(params=[p for p in model.parameters() if id(p) in proxy], lr=proxy_lr))
+    return groups
+
+
 def set_warmup(model: nn.Module, warmup: bool) -> None:
     """Switch every MSAttention in `model` between dense warmup and sparse selection."""
     for m in model.modules():

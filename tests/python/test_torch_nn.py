@@ -193,3 +193,18 @@ def test_last_kl_collects_the_layers_values_after_the_backward():
     with pytest.raises(ValueError, match="reduce"):
         last_kl(model, "max")
 
+
+
+def test_proxy_param_groups():
+    from flashmsa.nn import proxy_param_groups
+    model = torch.nn.Sequential(MSAttention(32, 4, 2, 2, head_dim=8, dtype=torch.float64), torch.nn.Linear(32, 32))
+    groups = proxy_param_groups(model, 0.5)
+    proxy = list(model[0].qp_proj.parameters()) + list(model[0].kp_proj.parameters())
+    assert len(groups) == 2 and "lr" not in groups[0] and groups[1]["lr"] == 0.5
+    assert [id(p) for p in groups[1]["params"]] == [id(p) for p in proxy]
+    assert len(groups[0]["params"]) + len(proxy) == len(list(model.parameters()))
+    assert not {id(p) for p in groups[0]["params"]} & {id(p) for p in proxy}
+    torch.optim.AdamW(groups, lr=0.1)  # a valid optimizer argument
+    assert len(proxy_param_groups(torch.nn.Linear(3, 3), 0.5)) == 1
+    with pytest.raises(ValueError, match="proxy_lr"):
+        proxy_param_groups(model, 0.0)
