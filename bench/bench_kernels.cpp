@@ -86,6 +86,7 @@ double median_ms(F&& f, int iters) {
 int main(int argc, char** argv) {
   std::string config = "m3", seqlens = "32768", patterns = "clustered,random", save_dir;
   int iters = 10;
+  bool select_only = false;  // --only select: time the selection alone (A/B of selection builds; no main inputs drawn)
   bool options = true;  // --options 0: skip the deterministic / out_lo timings (variant builds that refuse them)
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string k = argv[i], v = argv[i + 1];
@@ -95,6 +96,7 @@ int main(int argc, char** argv) {
     else if (k == "--iters") iters = std::atoi(v.c_str());
     else if (k == "--save-indices") save_dir = v;
     else if (k == "--options") options = v != "0";
+    else if (k == "--only" && v == "select") select_only = true;
     else { std::fprintf(stderr, "unknown flag %s\n", k.c_str()); return 2; }
   }
   Config c = config == "fmsa" ? Config{"fmsa", 16, 2, 4, 1, 16} : Config{"m3", 64, 4, 4, 1, 16};
@@ -108,9 +110,9 @@ int main(int argc, char** argv) {
       cli::parse_pattern(pat_s, &pat);
       std::vector<int64_t> cu{0, T};
       auto proxy = cli::draw_proxy(pat, cu, c.Hp, c.Hpk, D, 1234);
-      void* q = upload_bf16(cli::normal_values(1, cli::kStreamQ, size_t(T) * c.Hq * D));
-      void* k = upload_bf16(cli::normal_values(1, cli::kStreamK, size_t(T) * c.Hkv * D));
-      void* v = upload_bf16(cli::normal_values(1, cli::kStreamV, size_t(T) * c.Hkv * D));
+      void* q = select_only ? nullptr : upload_bf16(cli::normal_values(1, cli::kStreamQ, size_t(T) * c.Hq * D));
+      void* k = select_only ? nullptr : upload_bf16(cli::normal_values(1, cli::kStreamK, size_t(T) * c.Hkv * D));
+      void* v = select_only ? nullptr : upload_bf16(cli::normal_values(1, cli::kStreamV, size_t(T) * c.Hkv * D));
       void* qp = upload_bf16(proxy.qp);
       void* kp = upload_bf16(proxy.kp);
       int32_t cu32[2] = {0, int32_t(T)};
@@ -135,6 +137,24 @@ int main(int argc, char** argv) {
       const size_t sws = workspace_size(s);
       CK(cudaMalloc(&wss, std::max<size_t>(sws, 256)));
       const double t_sel = median_ms([&] { flashmsa::select(s, wss, sws); }, iters);
+      if (select_only) {
+        std::vector<int32_t> hidx(size_t(c.Hp) * T * c.topk);
+        CK(cudaMemcpy(hidx.data(), idx, hidx.size() * 4, cudaMemcpyDeviceToHost));
+        ref::Problem pb;
+        pb.cu = cu;
+        pb.total = T;
+        pb.Hq = c.Hq; pb.Hkv = c.Hkv; pb.Hp = c.Hp; pb.Hpk = c.Hpk; pb.D = D; pb.Dp = D;
+        pb.topk = c.topk;
+        pb.mode = FLASHMSA_MODE_GIVEN;
+        const auto pc = ref::count_pairs(pb, hidx.data());
+        std::printf("{\"gpu\": \"%s\", \"config\": \"%s\", \"seqlen\": %lld, \"pattern\": \"%s\", \"topk\": %d, "
+                    "\"select_ms\": %.4f, \"select_tflops\": %.1f}\n",
+                    prop.name, c.name.c_str(), (long long)T, pat_s.c_str(), c.topk, t_sel,
+                    2.0 * D * pc.proxy_pairs / (t_sel * 1e-3) / 1e12);
+        std::fflush(stdout);
+        for (void* ptr : {q, k, v, qp, kp, dcu, idx, plse, out, lse, wss}) cudaFree(ptr);
+        continue;
+      }
 
       FwdArgs f;
       f.q = dv(q, FLASHMSA_DTYPE_BF16, {T, c.Hq, D});

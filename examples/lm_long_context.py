@@ -297,6 +297,7 @@ def train(kind, a, train_data, val_batches, init, device, log):
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
     gen = torch.Generator().manual_seed(a.seed + 1)  # the same batches, in the same order, for both runs
     hist, train_s, train_kl = [], 0.0, []
+    phase_s = {"warmup": 0.0, "sparse": 0.0}  # by step index, for both runs: like against like
     for step in range(a.steps + 1):
         sparse = step >= a.warmup_steps
         if kind == "msa":
@@ -328,10 +329,12 @@ def train(kind, a, train_data, val_batches, init, device, log):
         opt.step()
         sched.step()
         sync(device)
-        train_s += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        train_s += dt
+        phase_s["sparse" if sparse else "warmup"] += dt
         if kind == "msa":
             train_kl.append(last_kl(model).item())  # the backward filled it in
-    return model, hist, train_s
+    return model, hist, train_s, phase_s
 
 
 def plot(runs, a, path: pathlib.Path) -> pathlib.Path:
@@ -414,9 +417,12 @@ def main(argv=None):
 
     runs = {}
     for kind in ("msa", "dense"):
-        model, curve, train_s = train(kind, a, train_data, val_batches, init, device, log)
+        model, curve, train_s, phase_s = train(kind, a, train_data, val_batches, init, device, log)
         step_s = train_s / a.steps
+        n_sparse = a.steps - a.warmup_steps
         runs[kind] = dict(curve=curve, train_s=train_s, step_ms=1e3 * step_s,
+                          step_ms_warmup_phase=1e3 * phase_s["warmup"] / a.warmup_steps if a.warmup_steps else None,
+                          step_ms_sparse_phase=1e3 * phase_s["sparse"] / n_sparse if n_sparse else None,
                           tokens_per_s=a.batch * a.seqlen / step_s,
                           attention_share=attention_share(model, a, device, step_s))
         if kind == "msa":
@@ -425,19 +431,25 @@ def main(argv=None):
             runs[kind]["trained_selection"] = union_stats(sel, a.batch, a.seqlen, a.topk)
             if out:
                 torch.save(sel[:, :a.seqlen].to(torch.int16).cpu(), out / "selection_layer0_seq0.pt")
-        log(f"[{kind:5s}] {runs[kind]['step_ms']:.1f} ms/step, {runs[kind]['tokens_per_s']:.0f} tokens/s, "
-            f"attention {runs[kind]['attention_share']:.0%} of the step")
+        r = runs[kind]
+        phases = (f" (steps {a.warmup_steps}+: {r['step_ms_sparse_phase']:.1f} ms)" if r["step_ms_sparse_phase"] else "")
+        log(f"[{kind:5s}] {r['step_ms']:.1f} ms/step{phases}, {r['tokens_per_s']:.0f} tokens/s, "
+            f"attention {r['attention_share']:.0%} of the step")
     msa, dense = runs["msa"], runs["dense"]
     gap = msa["curve"][-1]["val_loss"] / dense["curve"][-1]["val_loss"] - 1
     sparse_kl = [h["kl"] for h in msa["curve"] if h["mode"] == "sparse"]
     summary = dict(
         final_val_loss_msa=msa["curve"][-1]["val_loss"], final_val_loss_dense=dense["curve"][-1]["val_loss"],
         gap=gap, step_time_ratio_msa_over_dense=msa["step_ms"] / dense["step_ms"],
+        # the sparse phase alone (MSA sparse steps vs the dense run's same steps)
+        step_time_ratio_sparse_phase=(msa["step_ms_sparse_phase"] / dense["step_ms_sparse_phase"]
+                                      if msa["step_ms_sparse_phase"] else None),
         kl_first_sparse=sparse_kl[0] if sparse_kl else None, kl_last=sparse_kl[-1] if sparse_kl else None,
         recall_last=msa["curve"][-1]["recall"], trained_selection=msa["trained_selection"],
         synthetic_patterns=synthetic_union(a, device))
     log(f"final validation loss: MSA {summary['final_val_loss_msa']:.4f}, dense {summary['final_val_loss_dense']:.4f} "
-        f"(gap {gap:+.2%}); MSA step / dense step {summary['step_time_ratio_msa_over_dense']:.2f}; kl after the "
+        f"(gap {gap:+.2%}); MSA step / dense step {summary['step_time_ratio_msa_over_dense']:.2f} (sparse phase "
+        f"{summary['step_time_ratio_sparse_phase'] or float('nan'):.2f}); kl after the "
         f"switch {summary['kl_first_sparse']} -> {summary['kl_last']}; recall {summary['recall_last']:.4f}")
     ts, syn = summary["trained_selection"], summary["synthetic_patterns"]
     log(f"union factor of 128-query tiles: trained indexer {ts['union_factor']:.2f} (blocks per tile "

@@ -23,7 +23,8 @@
 #              (the 200-corruption fuzz included), and the Python GPU tests of invalid cu_seqlens
 #   alternate  two or more bench binaries (ALT_BINS, default .gpu/flashmsa_bench_before and
 #              .gpu/flashmsa_bench: the last commit's and this tree's) alternated ALT_ROUNDS times
-#              (default 2), ALT_ARGS (default m3 32k clustered), --options 0: a before/after in one call (session 5
+#              (default 2), ALT_ARGS (default m3 32k clustered; ';' separates argument sets, e.g. with
+#              "--only select" for the selection alone), --options 0: a before/after in one call (session 5
 #              measured the metadata guard's cost this way, against a variant without it)
 #   cp         context parallelism over NCCL on every GPU of the machine (needs 2 or more):
 #              tests/python/test_distributed.py::test_nccl_two_gpus_m3 for each token count in
@@ -58,11 +59,19 @@ if has metadata; then
 fi
 if has alternate; then
   stamp "alternated benches"
+  IFS=';' read -ra alt_sets <<< "${ALT_ARGS:---config m3 --seqlens 32768 --patterns clustered}"  # ';' separates argument sets
   for round in $(seq ${ALT_ROUNDS:-2}); do
-    for bin in ${ALT_BINS:-./.gpu/flashmsa_bench_before ./.gpu/flashmsa_bench}; do
-      [ -x "$bin" ] || continue
-      timeout 120 "$bin" ${ALT_ARGS:---config m3 --seqlens 32768 --patterns clustered} --options 0 | tee -a "$OUT/alternate.jsonl" |
-        python3 -c "import json,sys; [print(f\"  $bin round $round {r['config']} {r['seqlen']} {r['pattern']}: select {r['select_ms']:.3f} ({r['select_tflops']}) fwd {r['fwd_train_ms']:.3f} ({r['fwd_train_tflops']}) infer {r['fwd_infer_ms']:.3f} dense {r['dense_fwd_ms']:.3f} ({r['dense_fwd_tflops']}) bwd {r['bwd_ms']:.3f} step {r['step_ms']:.3f} ms\") for r in map(json.loads, sys.stdin)]"
+    for args in "${alt_sets[@]}"; do
+      for bin in ${ALT_BINS:-./.gpu/flashmsa_bench_before ./.gpu/flashmsa_bench}; do
+        [ -x "$bin" ] || continue
+        timeout 120 "$bin" $args --options 0 | tee -a "$OUT/alternate.jsonl" |
+          python3 -c "
+import json, sys
+for r in map(json.loads, sys.stdin):
+    f = lambda k: (f'{r[k]:.3f}' if isinstance(r.get(k), float) else '-')
+    print(f\"  $bin round $round {r['config']} {r['seqlen']} {r['pattern']}: select {f('select_ms')} ({r.get('select_tflops')}) \"
+          f\"fwd {f('fwd_train_ms')} ({r.get('fwd_train_tflops', '-')}) dense {f('dense_fwd_ms')} bwd {f('bwd_ms')} step {f('step_ms')} ms\")"
+      done
     done
   done
 fi

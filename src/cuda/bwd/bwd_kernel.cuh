@@ -289,6 +289,11 @@ __global__ void __launch_bounds__(kCtaThreads, 1) bwd_main_kernel(const __grid_c
   Tensor sKtw = local_tile(sKt, Shape<_64, Int<C::kBlockN>>{}, make_coord(w, _0{}));  // d half w
   Tensor tQrK = thr_dq.partition_fragment_B(sKtw);
 
+  // dS^T to shared memory with stmatrix (8x8 tiles, 16 bytes per lane and instruction); the
+  // element-wise store it replaces compiled to 32 generic 2-byte stores and ~220 address
+  // instructions per thread and chunk (ncu, session 8: 16% of the consumers' stall samples)
+  auto stsm_ds = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_sdp);
+  auto thr_stsm = stsm_ds.get_thread_slice(wtid);
   Tensor accS = partition_fragment_C(mma_sdp, Shape<_64, Int<C::kRows>>{});
   Tensor accdP = partition_fragment_C(mma_sdp, Shape<_64, Int<C::kRows>>{});
   Tensor accdV = partition_fragment_C(mma_dkv, Shape<_64, Int<C::kHeadDim>>{});
@@ -364,8 +369,8 @@ __global__ void __launch_bounds__(kCtaThreads, 1) bwd_main_kernel(const __grid_c
     wg_gemm<false>(mma_dkv, make_tensor(rdS.data(), acc_to_a_regs(rdS.layout())), tKVrQt(_, _, _, st), accdK);
     // stage dS^T (this warpgroup's 64 keys) for dQ = dS K over all 128 keys
     const int buf = c & 1;
-#pragma unroll
-    for (int x = 0; x < size(accdP); ++x) sdS(64 * w + get<0>(cS(x)), get<1>(cS(x)), buf) = rdS(x);
+    copy(stsm_ds, thr_stsm.retile_S(rdS), thr_stsm.partition_D(local_tile(sdS(_, _, buf), Shape<_64, Int<C::kRows>>{},
+                                                                          make_coord(w, _0{}))));
     // the tokens of this thread's dQ rows, read before the stage goes back to the producer
     const int32_t tok_a = S.tok[st][rq0], tok_b = S.tok[st][rq0 + 8];
     // (deterministic mode keeps the stage until its dQ adds are done: it reads the slots' turns)
@@ -389,6 +394,9 @@ __global__ void __launch_bounds__(kCtaThreads, 1) bwd_main_kernel(const __grid_c
         const int32_t t = e1 ? tok_b : tok_a;
         if (t < 0) continue;
         float* dst = p.dq_acc + (int64_t(t) * p.Hq + h0 + ((rq0 + 8 * e1) & (P.Rp - 1))) * C::kHeadDim + dq0;
+#if FLASHMSA_BWD_PROBE_NO_DQ_ADD  // measurement probe (wrong dq): the ceiling of a cheaper dQ reduction
+        if (accdQ(2 * e1) != 12345.f) continue;
+#endif
 #pragma unroll
         for (int i = 0; i < 8; ++i)
           atomicAdd(reinterpret_cast<float2*>(dst + 8 * i), make_float2(accdQ(4 * i + 2 * e1), accdQ(4 * i + 2 * e1 + 1)));

@@ -166,11 +166,6 @@ __global__ void __launch_bounds__(kCtaThreads, 1) select_kernel(const __grid_con
   const int cap = p.topk - 1;
   const float sl2 = p.proxy_scale * kLog2e;
   int count[2] = {0, 0};
-#if FLASHMSA_SELECT_REG_THRESHOLD
-  // A/B knob (default off): the owner lane keeps its full list's last score in a register, so a
-  // block the list rejects costs one compare and no shared-memory read
-  float list_last[2] = {-INFINITY, -INFINITY};
-#endif
   float local_lse2[2] = {0.f, 0.f};
   // lse-only modes: running log2-sum-exp2 of the counted blocks (kept by all four quad lanes)
   float run_m[2] = {-INFINITY, -INFINITY}, run_s[2] = {0.f, 0.f};
@@ -209,14 +204,9 @@ __global__ void __launch_bounds__(kCtaThreads, 1) select_kernel(const __grid_con
         mx = quad_max(mx);
         const float ms = mx * sl2;
         float sum = 0.f;
-#if FLASHMSA_SELECT_PROBE_NOEXP
-        // A/B probe (default off; WRONG proxy lse): the loop without the exps, for its ceiling
-        sum = 1.f;
-#else
 #pragma unroll
         for (int c = 0; c < size<1>(aRC); ++c) sum += ptx::exp2f_approx(logit(c) * sl2 - ms);
         sum = quad_sum(sum);
-#endif
         return cute::make_tuple(mx, ms + __log2f(sum));
       };
       const auto st = j == m_block ? stats(std::true_type{}) : stats(std::false_type{});
@@ -235,43 +225,11 @@ __global__ void __launch_bounds__(kCtaThreads, 1) select_kernel(const __grid_con
       } else if (j == m_block) {
         local_lse2[r] = blse2;
       } else if (cap > 0 && (lane & 3) == 0 && i < L) {
-#if FLASHMSA_SELECT_REG_THRESHOLD
-        if (count[r] < cap || outranks(mx, list_last[r])) {  // list_insert's own test, from a register
-          list_insert(S, row, count[r], cap, mx, j, blse2);
-          if (count[r] == cap) list_last[r] = S.score[cap - 1][row];
-        }
-#else
         list_insert(S, row, count[r], cap, mx, j, blse2);
-#endif
       }
     }
   };
   typename Pipeline::PipelineState state;
-#if FLASHMSA_SELECT_OVERLAP
-  // A/B knob (default off, docs/kernels/select.md "A/B knobs"): block j+1's GEMM runs under block
-  // j's scoring. As in the forward's loop, a GEMM's accumulator is read only after its wait, and
-  // no wgmma is in flight across the back edge (else ptxas serialises the pipeline: C7514/C7515):
-  // S_j is copied out of the GEMM's accumulator, S_{j+1} is issued into it, S_j is scored.
-  Tensor score_in = partition_fragment_C(mma, Shape<_64, Int<C::kBlockN>>{});
-  auto finish = [&] {
-    cute::warpgroup_wait<0>();
-    wg_gemm_done(mma, tSrQ, acc);
-    pipeline.consumer_release(state);
-    ++state;
-  };
-  pipeline.consumer_wait(state);
-  wg_gemm_issue<true>(mma, tSrQ, tSrK(_, _, _, state.index()), acc);
-  finish();
-  for (int j = 0; j < m_block; ++j) {  // unconditional issue and wait: ptxas sees every path
-#pragma unroll
-    for (int e = 0; e < size(acc); ++e) score_in(e) = acc(e);
-    pipeline.consumer_wait(state);
-    wg_gemm_issue<true>(mma, tSrQ, tSrK(_, _, _, state.index()), acc);
-    score_block(score_in, j);
-    finish();
-  }
-  score_block(acc, m_block);  // the local block
-#else
   for (int j = 0; j <= m_block; ++j) {
     pipeline.consumer_wait(state);
     wg_gemm<true>(mma, tSrQ, tSrK(_, _, _, state.index()), acc);
@@ -279,7 +237,6 @@ __global__ void __launch_bounds__(kCtaThreads, 1) select_kernel(const __grid_con
     ++state;
     score_block(acc, j);
   }
-#endif
 
   // Write the rows (write_row), and the selected set's proxy lse.
   if ((lane & 3) == 0) {
