@@ -56,7 +56,7 @@ PRESETS = {
     # the H200 run: 4 layers, head dim 128, GQA with MSA at the flash-msa heads (16/2/4/1), 16k
     # tokens (128 blocks), topk 16 (12.5% of the blocks), bf16 compute with fp32 weights
     "h200": dict(seqlen=16384, batch=2, dim=1024, layers=4, heads=16, kv_heads=2, proxy_heads=4, head_dim=128,
-                 topk=16, steps=1500, warmup_steps=300, lr=1e-3, proxy_lr_mult=5.0, eval_every=50, eval_batches=4,
+                 topk=16, steps=1000, warmup_steps=200, lr=1e-3, proxy_lr_mult=5.0, eval_every=50, eval_batches=4,
                  recall_rows=256, dtype="bfloat16", device="cuda"),
 }
 
@@ -207,6 +207,29 @@ def synthetic_union(a, device) -> dict:
         idx = flashmsa.msa_select(qp.detach()[None], kp.detach()[None], a.topk)
         res[pattern] = union_stats(idx, 1, a.seqlen, a.topk)
     return res
+
+
+@torch.no_grad()
+def causality_check(model, tok: torch.Tensor, a, device, seed: int = 7) -> float:
+    """Does anything leak from the future? The model's logits on the first half of a window must
+    not change when the second half's tokens do (the selection, the sparse and the dense attention
+    are all causal). Returns the max |difference| of the first half's logits: 0 unless a later
+    token reaches an earlier position (the half is a multiple of 128, so no query tile straddles
+    it, and nothing else in the forward mixes positions)."""
+    was_training = model.training
+    model.eval()
+    half = (tok.shape[1] // 2) // BLOCK * BLOCK
+    other = tok.clone()
+    g = torch.Generator().manual_seed(seed)
+    other[:, half:] = torch.randint(0, 256, other[:, half:].shape, generator=g).to(tok.device)
+    with torch.autocast(device.type, dtype=compute_dtype(a), enabled=a.dtype != "float32"):
+        la, _ = model(tok)
+        lb, _ = model(other)
+    model.train(was_training)
+    changed = (la[:, half:] != lb[:, half:]).float().mean().item()  # the second half must change
+    if changed == 0:
+        raise RuntimeError("causality check: the perturbed half did not change the logits")
+    return (la[:, :half].float() - lb[:, :half].float()).abs().max().item()
 
 
 def compute_dtype(a):
@@ -424,7 +447,8 @@ def main(argv=None):
                           step_ms_warmup_phase=1e3 * phase_s["warmup"] / a.warmup_steps if a.warmup_steps else None,
                           step_ms_sparse_phase=1e3 * phase_s["sparse"] / n_sparse if n_sparse else None,
                           tokens_per_s=a.batch * a.seqlen / step_s,
-                          attention_share=attention_share(model, a, device, step_s))
+                          attention_share=attention_share(model, a, device, step_s),
+                          causality_max_abs_diff=causality_check(model, val_batches[0][0], a, device))
         if kind == "msa":
             final = evaluate(model, val_batches, a, device, want_selection=True)
             sel = final.pop("selection")
@@ -434,7 +458,8 @@ def main(argv=None):
         r = runs[kind]
         phases = (f" (steps {a.warmup_steps}+: {r['step_ms_sparse_phase']:.1f} ms)" if r["step_ms_sparse_phase"] else "")
         log(f"[{kind:5s}] {r['step_ms']:.1f} ms/step{phases}, {r['tokens_per_s']:.0f} tokens/s, "
-            f"attention {r['attention_share']:.0%} of the step")
+            f"attention {r['attention_share']:.0%} of the step; first-half logits change by "
+            f"{r['causality_max_abs_diff']:.3g} when the second half's tokens change (0: causal)")
     msa, dense = runs["msa"], runs["dense"]
     gap = msa["curve"][-1]["val_loss"] / dense["curve"][-1]["val_loss"] - 1
     sparse_kl = [h["kl"] for h in msa["curve"] if h["mode"] == "sparse"]

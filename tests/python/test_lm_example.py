@@ -30,6 +30,22 @@ def test_corpus_is_the_stdlib_without_installed_packages():
     assert ex.load_corpus(1)[2]["val_bytes"] != facts["val_bytes"]
 
 
+def test_causality_check_sees_a_leak():
+    import types
+    ex = _example()
+    a = types.SimpleNamespace(**ex.PRESETS["cpu"])
+    torch.manual_seed(0)
+    m = ex.LM(a, "dense")
+    tok = torch.randint(0, 256, (2, a.seqlen))
+    assert ex.causality_check(m, tok, a, torch.device("cpu")) == 0.0
+    sdpa = ex.F.scaled_dot_product_attention
+    try:  # a baseline that sees the future must fail the check
+        ex.F.scaled_dot_product_attention = lambda q, k, v, is_causal=True, **kw: sdpa(q, k, v, is_causal=False, **kw)
+        assert ex.causality_check(m, tok, a, torch.device("cpu")) > 1e-3
+    finally:
+        ex.F.scaled_dot_product_attention = sdpa
+
+
 def test_cpu_preset_trains_both_models(tmp_path):
     ex = _example()
     r = ex.main(["--out", str(tmp_path)])
@@ -59,6 +75,11 @@ def test_cpu_preset_trains_both_models(tmp_path):
         assert 1.0 <= s["synthetic_patterns"][p]["union_factor"] <= 4.0
     assert r["corpus"]["files"] > 100 and r["runs"]["msa"]["tokens_per_s"] > 0
     assert 0 < r["runs"]["dense"]["attention_share"] < 2
+    # nothing leaks from the future: the first half's logits ignore the second half's tokens
+    # (the check itself sees a non-causal SDPA: its max difference is ~0.05 there)
+    assert r["runs"]["msa"]["causality_max_abs_diff"] == 0.0
+    assert r["runs"]["dense"]["causality_max_abs_diff"] == 0.0
+    assert r["runs"]["msa"]["step_ms_sparse_phase"] > 0 and s["step_time_ratio_sparse_phase"] > 0
     assert (tmp_path / "lm_long_context.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (tmp_path / "lm_long_context.csv").read_text().count("\n") == 1 + len(msa) + len(dense)
     sel = torch.load(tmp_path / "selection_layer0_seq0.pt")
