@@ -8,10 +8,11 @@ namespace flashmsa::cuda {
 
 namespace {
 
+// tiled: acc in the main kernel's tiled dq layout (bwd_params.cuh), else [total, heads, 128]
 void convert(Dtype d, const float* acc, TokenTensor<void> out, const Seqs& seqs, int64_t max_seqlen, int heads,
-             float scale, cudaStream_t st) {
+             float scale, cudaStream_t st, bool tiled = false) {
   by_dtype(d, [&](auto D) {
-    attn_bwd::launch_convert<decltype(D)::value>(acc, out, seqs, max_seqlen, heads, scale, st);
+    attn_bwd::launch_convert<decltype(D)::value>(acc, out, seqs, max_seqlen, heads, scale, st, tiled);
   });
 }
 
@@ -61,9 +62,9 @@ void run_bwd(const flashmsa_bwd_args_t& a, const Geometry& g, char* ws, const Bw
   mp.Rp = tiles::head_slots(c.R);
   mp.log_rp = __builtin_ctz(unsigned(mp.Rp));
   if (l.has_teacher) mp.teacher = reinterpret_cast<float*>(ws + l.teach);  // R = G here (bwd_features)
-  launch_main(d, mp, g.Hq / c.R, st);
+  const bool dq_tiled = launch_main(d, mp, g.Hq / c.R, st);
 
-  convert(d, dq_acc, token_tensor<void>(a.dq, g), seqs, g.max_seqlen, g.Hq, float(g.scale), st);
+  convert(d, dq_acc, token_tensor<void>(a.dq, g), seqs, g.max_seqlen, g.Hq, float(g.scale), st, dq_tiled);
   convert(d, dk_acc, token_tensor<void>(a.dk, g), seqs, g.max_seqlen, g.Hkv, float(g.scale), st);
   convert(d, dv_acc, token_tensor<void>(a.dv, g), seqs, g.max_seqlen, g.Hkv, 1.f, st);
   if (g.has_proxy) {

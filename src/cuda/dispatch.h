@@ -180,7 +180,7 @@ attn_bwd::Common common_base(const Geometry& g, const flashmsa_tensor_t& q, cons
                              const flashmsa_tensor_t& cu, float* lse2, int64_t padded, bool dense,
                              const int32_t* idx, int64_t idx_head, int64_t idx_tok, char* inv_ws,
                              cudaStream_t st, bool ranks = false);
-void launch_main(Dtype d, const attn_bwd::MainArgs& a, int units, cudaStream_t st);
+bool launch_main(Dtype d, const attn_bwd::MainArgs& a, int units, cudaStream_t st);  // true: dq_acc tiled
 
 // The proxy side: gradients (backward) or the kl value alone (forward's compute_kl).
 struct ProxyRun {

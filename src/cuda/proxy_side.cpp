@@ -119,11 +119,13 @@ attn_bwd::Common common_base(const Geometry& g, const flashmsa_tensor_t& q, cons
   return c;
 }
 
-void launch_main(Dtype d, const attn_bwd::MainArgs& a, int units, cudaStream_t st) {
+bool launch_main(Dtype d, const attn_bwd::MainArgs& a, int units, cudaStream_t st) {
+  bool tiled = false;
   by_dtype(d, [&](auto D) {
     by_det(deterministic(a.c),
-           [&](auto Det) { attn_bwd::run_main<decltype(D)::value, decltype(Det)::value>(a, units, st); });
+           [&](auto Det) { tiled = attn_bwd::run_main<decltype(D)::value, decltype(Det)::value>(a, units, st); });
   });
+  return tiled;
 }
 
 void run_proxy(const Geometry& g, const attn_bwd::Common& c, const float* teacher, const ProxyRun& r, float* kl_out,

@@ -35,6 +35,10 @@
 #define FLASHMSA_BWD_STAGES 3  // pipeline stages of the chunk rows (a build knob for measurements)
 #endif
 
+#ifndef FLASHMSA_BWD_DQ_TILED
+#define FLASHMSA_BWD_DQ_TILED 0  // A/B knob (default off): dQ by the TMA engine into the tiled layout
+#endif
+
 namespace flashmsa::cuda::attn_bwd {
 
 template <class Element>
@@ -314,6 +318,8 @@ __global__ void __launch_bounds__(kCtaThreads, 1) bwd_main_kernel(const __grid_c
       get<1>(cdQ(5)) != get<1>(cdQ(0)) + 9)
     __trap();
   const int kpos0 = int(key_base) + key0;  // in-sequence position of this thread's first key
+  constexpr bool kTiledDq = FLASHMSA_BWD_DQ_TILED && !kDet;  // dQ layout: dq_tiled_row (else [t, H, 128])
+  const int lane = wtid % 32, wq = wtid / 32;                // lane, and warp of the warpgroup (rows 16 wq ..)
   // teacher rows of this list: entries offsets[grp * nblk + gb] + li (sparse/given only)
   const int64_t entry0 = p.dense ? 0 : p.inv.offsets[int64_t(grp) * p.inv.nblk + gb];
   const float inv_g = 1.f / float(p.R);
@@ -373,8 +379,9 @@ __global__ void __launch_bounds__(kCtaThreads, 1) bwd_main_kernel(const __grid_c
                                                                           make_coord(w, _0{}))));
     // the tokens of this thread's dQ rows, read before the stage goes back to the producer
     const int32_t tok_a = S.tok[st][rq0], tok_b = S.tok[st][rq0 + 8];
-    // (deterministic mode keeps the stage until its dQ adds are done: it reads the slots' turns)
-    if (!turn_rows) pipeline.consumer_release(state);
+    // (deterministic mode keeps the stage until its dQ adds are done: it reads the slots' turns;
+    // the tiled dQ keeps it too: its Q and dO buffers stage the dQ rows)
+    if (!turn_rows && !kTiledDq) pipeline.consumer_release(state);
     ptx::fence_proxy_async_smem();
     barrier_sync(NamedBarrier::kConsumers, kConsumerThreads);  // dS^T staged by both
     wg_gemm<true>(mma_dq, tQrdS(_, _, _, buf), tQrK, accdQ);
@@ -387,7 +394,44 @@ __global__ void __launch_bounds__(kCtaThreads, 1) bwd_main_kernel(const __grid_c
       barrier_sync(NamedBarrier::kConsumers, kConsumerThreads);
     }
     // dQ rows of this chunk (unscaled: the convert kernel applies the softmax scale)
-    {
+    if constexpr (kTiledDq) {
+      // This warp's 16 rows x 64 (the warpgroup's d half) into 4 KB of this stage's Q buffer
+      // (warpgroup 0) or dO buffer (warpgroup 1): both warpgroups finished every GEMM that reads
+      // them before the barrier above, and the stage goes back to the producer only after the
+      // TMA engine has read the rows. Row r at r * 64 floats, its 8-float groups permuted by
+      // dq_tiled_swizzle (the stores of 8 rows x 8 floats then hit every bank exactly twice).
+      // Then one bulk reduce-add per run of consecutive valid rows of one token (its heads are
+      // adjacent in the tiled layout): m3, one 4 KB add per warp and chunk.
+      float* const stage = reinterpret_cast<float*>(w == 0 ? S.q.data() : S.dout.data()) +
+                           (st * C::kRows * C::kHeadDim) / 2 + wq * 16 * 64;
+      const int d_lo = get<1>(cdQ(0));
+#pragma unroll
+      for (int e1 = 0; e1 < 2; ++e1) {
+        const int32_t t = e1 ? tok_b : tok_a;
+        const int r = lane / 4 + 8 * e1;
+        const int sw = dq_tiled_swizzle(t, h0 + ((rq0 + 8 * e1) & (P.Rp - 1)));
+#pragma unroll
+        for (int i = 0; i < 8; ++i)  // float2 units: 8-byte stores
+          reinterpret_cast<float2*>(stage)[(r * 64 + ((8 * i) ^ sw) + d_lo) / 2] =
+              make_float2(accdQ(4 * i + 2 * e1), accdQ(4 * i + 2 * e1 + 1));
+      }
+      ptx::fence_proxy_async_smem();  // the stores, visible to the async proxy
+      __syncwarp();
+      if (lane < 16) {
+        const int row = 16 * wq + lane;  // of the chunk's 64
+        const int hr = row & (P.Rp - 1);  // head slot of the row's token
+        const int32_t t = S.tok[st][row];
+        if (t >= 0 && (lane == 0 || hr == 0)) {  // the first valid row of a run
+          const int n = min(p.R - hr, 16 - lane);  // the token's remaining heads in this warp
+          ptx::bulk_reduce_add_f32(p.dq_acc + dq_tiled_row(t, w, h0 + hr, p.Hq),
+                                   static_cast<uint32_t>(__cvta_generic_to_shared(stage + lane * 64)), n * 64 * 4);
+        }
+        ptx::bulk_commit();
+        ptx::bulk_wait_read<0>();  // the rows are read: the stage may go back
+      }
+      __syncwarp();
+      pipeline.consumer_release(state);
+    } else {
       const int dq0 = 64 * w + get<1>(cdQ(0));
 #pragma unroll
       for (int e1 = 0; e1 < 2; ++e1) {
@@ -411,6 +455,9 @@ __global__ void __launch_bounds__(kCtaThreads, 1) bwd_main_kernel(const __grid_c
     ++state;
   }
 
+  if constexpr (kTiledDq) {
+    if (lane < 16) ptx::bulk_wait<0>();  // every dQ add done before the CTA ends
+  }
   if (P.teacher_only) return;
   // dK_j, dV_j of this unit: fp32 atomics (several units may share a kv head), in unit order in
   // deterministic mode
@@ -437,7 +484,7 @@ void launch_main(const MainParams<Element>& P, int units, cudaStream_t stream) {
 // bwd.h's run_main: the TMA descriptors of K_j and V_j (teacher_only reads no V: the K
 // descriptor stands in), then the launch (one instantiation per translation unit).
 template <Dtype D, bool kDet>
-void run_main(const MainArgs& a, int units, cudaStream_t stream) {
+bool run_main(const MainArgs& a, int units, cudaStream_t stream) {
   using Element = typename ElementOf<D>::type;
   using Stage = typename MainParams<Element>::StageLayout;
   MainParams<Element> p;
@@ -449,6 +496,7 @@ void run_main(const MainArgs& a, int units, cudaStream_t stream) {
                                                              a.c.seqs.batch, a.total).copy;
   p.tma_shape = tk.shape;
   launch_main<Element, kDet>(p, units, stream);
+  return FLASHMSA_BWD_DQ_TILED && !kDet;  // dq_acc in the tiled layout (bwd_common.cuh)
 }
 
 }  // namespace flashmsa::cuda::attn_bwd

@@ -129,7 +129,7 @@ __global__ void inversion_offsets_kernel(const uint32_t* keys, int64_t n, int64_
 }
 
 template <class Element>
-__global__ void convert_kernel(const float* acc, TokenTensor<void> out, Seqs seqs, int heads, float scale) {
+__global__ void convert_kernel(const float* acc, TokenTensor<void> out, Seqs seqs, int heads, float scale, bool tiled) {
   const int64_t i = int64_t(blockIdx.x) * (blockDim.x / 16) + threadIdx.x / 16;
   const int h = blockIdx.y, b = blockIdx.z;
   int64_t s0, L;
@@ -137,7 +137,8 @@ __global__ void convert_kernel(const float* acc, TokenTensor<void> out, Seqs seq
   if (i >= L) return;
   const int64_t t = s0 + i;
   const int d = (threadIdx.x % 16) * 8;
-  const float* src = acc + (t * heads + h) * kHeadDimInst + d;
+  const float* src = tiled ? acc + dq_tiled_row(t, d / 64, h, heads) + ((d % 64) ^ dq_tiled_swizzle(t, h))
+                          : acc + (t * heads + h) * kHeadDimInst + d;
   Element* dst = out.template row<Element>(b, t, h) + d;
   const float4 x0 = *reinterpret_cast<const float4*>(src), x1 = *reinterpret_cast<const float4*>(src + 4);
   alignas(16) Element v[8] = {Element(x0.x * scale), Element(x0.y * scale), Element(x0.z * scale), Element(x0.w * scale),
@@ -266,10 +267,10 @@ Inversion build_inversion(const InversionArgs& a, void* ws, cudaStream_t st) {
 
 template <Dtype D>
 void launch_convert(const float* acc, TokenTensor<void> out, const Seqs& seqs, int64_t max_seqlen, int heads,
-                    float scale, cudaStream_t st) {
+                    float scale, cudaStream_t st, bool tiled) {
   if (seqs.batch == 0 || max_seqlen == 0) return;
   dim3 grid(unsigned((max_seqlen + 15) / 16), heads, seqs.batch);
-  convert_kernel<typename ElementOf<D>::type><<<grid, 256, 0, st>>>(acc, out, seqs, heads, scale);
+  convert_kernel<typename ElementOf<D>::type><<<grid, 256, 0, st>>>(acc, out, seqs, heads, scale, tiled);
   FLASHMSA_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -280,7 +281,9 @@ void launch_kl_reduce(const float* partials, int64_t n, double scale, float* out
 
 template void launch_preprocess<Dtype::kBf16>(const PreprocessArgs&, cudaStream_t);
 template void launch_preprocess<Dtype::kFp16>(const PreprocessArgs&, cudaStream_t);
-template void launch_convert<Dtype::kBf16>(const float*, TokenTensor<void>, const Seqs&, int64_t, int, float, cudaStream_t);
-template void launch_convert<Dtype::kFp16>(const float*, TokenTensor<void>, const Seqs&, int64_t, int, float, cudaStream_t);
+template void launch_convert<Dtype::kBf16>(const float*, TokenTensor<void>, const Seqs&, int64_t, int, float, cudaStream_t,
+                                          bool);
+template void launch_convert<Dtype::kFp16>(const float*, TokenTensor<void>, const Seqs&, int64_t, int, float, cudaStream_t,
+                                          bool);
 
 }  // namespace flashmsa::cuda::attn_bwd

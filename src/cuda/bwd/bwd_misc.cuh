@@ -47,7 +47,7 @@ const int32_t* build_blk_off(const Seqs& seqs, void* ws, cudaStream_t st);
 // out[t, h, :] = scale * acc[t, h, :] in the output dtype.
 template <Dtype>
 void launch_convert(const float* acc, TokenTensor<void> out, const Seqs& seqs, int64_t max_seqlen, int heads,
-                    float scale, cudaStream_t st);
+                    float scale, cudaStream_t st, bool tiled = false);
 
 // kl = scale * (sum of n per-CTA partials, added in a fixed order): deterministic.
 void launch_kl_reduce(const float* partials, int64_t n, double scale, float* out, cudaStream_t st);

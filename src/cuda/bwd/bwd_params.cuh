@@ -12,6 +12,16 @@ namespace flashmsa::cuda::attn_bwd {
 // main backward, both through padded_offset(..., kPadTile).
 constexpr int kPadTile = 128;
 
+// The tiled dq accumulator (the main kernel's A/B knob FLASHMSA_BWD_DQ_TILED; run_main says
+// which layout its dq_acc has): [total, 2 (d half), H, 64] fp32, so that the heads of a token's
+// d half are contiguous (one bulk reduce-add per token and warp), with each row's eight 8-float
+// groups permuted by XOR with dq_tiled_swizzle (conflict-free staging in shared memory).
+// Element (t, h, d) sits at dq_tiled_row(t, d / 64, h, H) + ((d % 64) ^ dq_tiled_swizzle(t, h)).
+__host__ __device__ inline int dq_tiled_swizzle(int64_t t, int h) { return 8 * int((t + h) & 3); }
+__host__ __device__ inline int64_t dq_tiled_row(int64_t t, int half, int h, int H) {
+  return ((t * 2 + half) * H + h) * 64;
+}
+
 // The inversion: for each (proxy head p, global key block gb) the tokens (global index,
 // ascending) whose key set holds block gb: list = tokens[offsets[p * nblk + gb] ..
 // offsets[p * nblk + gb + 1]). Global blocks number the blocks of all sequences in order:
