@@ -137,8 +137,9 @@ int main(int argc, char** argv) {
       const size_t sws = workspace_size(s);
       CK(cudaMalloc(&wss, std::max<size_t>(sws, 256)));
       const double t_sel = median_ms([&] { flashmsa::select(s, wss, sws); }, iters);
-      if (select_only) {
-        std::vector<int32_t> hidx(size_t(c.Hp) * T * c.topk);
+      // the selection made (host copy) and the effective work it defines
+      std::vector<int32_t> hidx(size_t(c.Hp) * T * c.topk);
+      auto selected_pairs = [&] {
         CK(cudaMemcpy(hidx.data(), idx, hidx.size() * 4, cudaMemcpyDeviceToHost));
         ref::Problem pb;
         pb.cu = cu;
@@ -146,7 +147,10 @@ int main(int argc, char** argv) {
         pb.Hq = c.Hq; pb.Hkv = c.Hkv; pb.Hp = c.Hp; pb.Hpk = c.Hpk; pb.D = D; pb.Dp = D;
         pb.topk = c.topk;
         pb.mode = FLASHMSA_MODE_GIVEN;
-        const auto pc = ref::count_pairs(pb, hidx.data());
+        return ref::count_pairs(pb, hidx.data());
+      };
+      if (select_only) {
+        const auto pc = selected_pairs();
         std::printf("{\"gpu\": \"%s\", \"config\": \"%s\", \"seqlen\": %lld, \"pattern\": \"%s\", \"topk\": %d, "
                     "\"select_ms\": %.4f, \"select_tflops\": %.1f}\n",
                     prop.name, c.name.c_str(), (long long)T, pat_s.c_str(), c.topk, t_sel,
@@ -261,15 +265,7 @@ int main(int argc, char** argv) {
       for (void* ptr : {dout, dq, dk, dvv, dqp, dkp, dkl, klv, wsb, wsf}) cudaFree(ptr);
 
       // effective work from the selection actually made
-      std::vector<int32_t> hidx(size_t(c.Hp) * T * c.topk);
-      CK(cudaMemcpy(hidx.data(), idx, hidx.size() * 4, cudaMemcpyDeviceToHost));
-      ref::Problem pb;
-      pb.cu = cu;
-      pb.total = T;
-      pb.Hq = c.Hq; pb.Hkv = c.Hkv; pb.Hp = c.Hp; pb.Hpk = c.Hpk; pb.D = D; pb.Dp = D;
-      pb.topk = c.topk;
-      pb.mode = FLASHMSA_MODE_GIVEN;
-      const auto pc = ref::count_pairs(pb, hidx.data());
+      const auto pc = selected_pairs();
       const double dense_pairs = double(c.Hq) * double(T) * double(T + 1) / 2;
       // union factor: distinct blocks per 128-query tile / topk, mean over tiles and heads
       double uf = 0;
