@@ -13,6 +13,8 @@
 #              without the forward's kl, next to the kernel sum) against cuDNN, USER_ARGS (default
 #              "--configs m3 --seqlens 32768,65536,131072;--configs fmsa --seqlens 16384,32768": one
 #              run_bench.py per ';'-separated list, clustered and random), under $OUT/user/<n>
+#   sweep      the top-k sweep of the user's step against cuDNN (bench/topk_sweep.py, SWEEP_ARGS; issue 16's
+#              PNG), under $OUT/sweep
 #   ab         every A/B variant .gpu/flashmsa_bench_<name> (scripts/bench_variant.sh) next to
 #              .gpu/flashmsa_bench, m3 32k clustered (AB_ARGS="--options 0" skips the option runs)
 #   example    examples/train_long_context.py --gpu (EXAMPLE_ARGS), curves under $OUT/example
@@ -133,6 +135,13 @@ if has user; then
       > "$OUT/user/$n/log.txt" 2>&1; echo "user ($args) rc=$?"
     grep -E "^\| (m3|fmsa)" "$OUT"/user/$n/*.md 2>/dev/null || tail -5 "$OUT/user/$n/log.txt"
   done
+fi
+if has sweep; then
+  stamp "top-k sweep"
+  mkdir -p "$OUT/sweep"
+  PYTHONUNBUFFERED=1 timeout ${SWEEP_S:-560} python3 bench/topk_sweep.py --out "$OUT/sweep" ${SWEEP_ARGS:-} \
+    > "$OUT/sweep/log.txt" 2>&1; echo "sweep rc=$?"
+  grep -E "^\| (m3|fmsa)" "$OUT/sweep/topk-sweep.md" 2>/dev/null || tail -5 "$OUT/sweep/log.txt"
 fi
 if has ab; then
   stamp "A/B variants"
