@@ -320,6 +320,9 @@ __global__ void __launch_bounds__(kCtaThreads, 1) bwd_main_kernel(const __grid_c
   const int kpos0 = int(key_base) + key0;  // in-sequence position of this thread's first key
   constexpr bool kTiledDq = FLASHMSA_BWD_DQ_TILED && !kDet;  // dQ layout: dq_tiled_row (else [t, H, 128])
   const int lane = wtid % 32, wq = wtid / 32;                // lane, and warp of the warpgroup (rows 16 wq ..)
+  if constexpr (kTiledDq) {  // the tiled staging takes a warp's dQ rows as 16 wq + lane / 4 (+ 8)
+    if (rq0 != 16 * wq + lane / 4) __trap();
+  }
   // teacher rows of this list: entries offsets[grp * nblk + gb] + li (sparse/given only)
   const int64_t entry0 = p.dense ? 0 : p.inv.offsets[int64_t(grp) * p.inv.nblk + gb];
   const float inv_g = 1.f / float(p.R);
@@ -422,9 +425,9 @@ __global__ void __launch_bounds__(kCtaThreads, 1) bwd_main_kernel(const __grid_c
         const int hr = row & (P.Rp - 1);  // head slot of the row's token
         const int32_t t = S.tok[st][row];
         if (t >= 0 && (lane == 0 || hr == 0)) {  // the first valid row of a run
-          const int n = min(p.R - hr, 16 - lane);  // the token's remaining heads in this warp
+          const int run = min(p.R - hr, 16 - lane);  // the token's remaining heads in this warp
           ptx::bulk_reduce_add_f32(p.dq_acc + dq_tiled_row(t, w, h0 + hr, p.Hq),
-                                   static_cast<uint32_t>(__cvta_generic_to_shared(stage + lane * 64)), n * 64 * 4);
+                                   static_cast<uint32_t>(__cvta_generic_to_shared(stage + lane * 64)), run * 64 * 4);
         }
         ptx::bulk_commit();
         ptx::bulk_wait_read<0>();  // the rows are read: the stage may go back
@@ -455,10 +458,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) bwd_main_kernel(const __grid_c
     ++state;
   }
 
-  if constexpr (kTiledDq) {
-    if (lane < 16) ptx::bulk_wait<0>();  // every dQ add done before the CTA ends
-  }
-  if (P.teacher_only) return;
+  if (P.teacher_only) return;  // (no dQ adds were issued)
   // dK_j, dV_j of this unit: fp32 atomics (several units may share a kv head), in unit order in
   // deterministic mode
   int32_t* kv_turn = turn_keys ? turn_keys + int64_t(gb) * p.Hkv + kvh : nullptr;
@@ -467,6 +467,9 @@ __global__ void __launch_bounds__(kCtaThreads, 1) bwd_main_kernel(const __grid_c
   add_key_rows(accdK, cKV, key_base, L, s0, p.Hkv, kvh, p.dk_acc);
   add_key_rows(accdV, cKV, key_base, L, s0, p.Hkv, kvh, p.dv_acc);
   pass_turn(kv_turn, kv_order);
+  if constexpr (kTiledDq) {
+    if (lane < 16) ptx::bulk_wait<0>();  // every dQ add done before the CTA ends
+  }
 }
 
 // kDet: the deterministic instantiation (P.c.turn_rows and turn_keys set), else the default one
@@ -496,7 +499,7 @@ bool run_main(const MainArgs& a, int units, cudaStream_t stream) {
                                                              a.c.seqs.batch, a.total).copy;
   p.tma_shape = tk.shape;
   launch_main<Element, kDet>(p, units, stream);
-  return FLASHMSA_BWD_DQ_TILED && !kDet;  // dq_acc in the tiled layout (bwd_common.cuh)
+  return FLASHMSA_BWD_DQ_TILED && !kDet;  // dq_acc in the tiled layout (bwd_params.cuh)
 }
 
 }  // namespace flashmsa::cuda::attn_bwd
