@@ -320,9 +320,6 @@ __global__ void __launch_bounds__(kCtaThreads, 1) bwd_main_kernel(const __grid_c
   const int kpos0 = int(key_base) + key0;  // in-sequence position of this thread's first key
   constexpr bool kTiledDq = FLASHMSA_BWD_DQ_TILED && !kDet;  // dQ layout: dq_tiled_row (else [t, H, 128])
   const int lane = wtid % 32, wq = wtid / 32;                // lane, and warp of the warpgroup (rows 16 wq ..)
-  if constexpr (kTiledDq) {  // the tiled staging takes a warp's dQ rows as 16 wq + lane / 4 (+ 8)
-    if (rq0 != 16 * wq + lane / 4) __trap();
-  }
   // teacher rows of this list: entries offsets[grp * nblk + gb] + li (sparse/given only)
   const int64_t entry0 = p.dense ? 0 : p.inv.offsets[int64_t(grp) * p.inv.nblk + gb];
   const float inv_g = 1.f / float(p.R);
@@ -404,7 +401,9 @@ __global__ void __launch_bounds__(kCtaThreads, 1) bwd_main_kernel(const __grid_c
       // TMA engine has read the rows. Row r at r * 64 floats, its 8-float groups permuted by
       // dq_tiled_swizzle (the stores of 8 rows x 8 floats then hit every bank exactly twice).
       // Then one bulk reduce-add per run of consecutive valid rows of one token (its heads are
-      // adjacent in the tiled layout): m3, one 4 KB add per warp and chunk.
+      // adjacent in the tiled layout): m3, one 4 KB add per warp and chunk. It takes a warp's dQ
+      // rows as 16 wq + lane / 4 (+ 8), the SM90 accumulator layout that the check after cdQ's
+      // definition tests in part (a full runtime check here raised the spills from 92 to 156 B).
       float* const stage = reinterpret_cast<float*>(w == 0 ? S.q.data() : S.dout.data()) +
                            (st * C::kRows * C::kHeadDim) / 2 + wq * 16 * 64;
       const int d_lo = get<1>(cdQ(0));
@@ -458,7 +457,12 @@ __global__ void __launch_bounds__(kCtaThreads, 1) bwd_main_kernel(const __grid_c
     ++state;
   }
 
-  if (P.teacher_only) return;  // (no dQ adds were issued)
+  if constexpr (kTiledDq) {
+    // every dQ add done before the CTA ends (here rather than after the dK/dV adds: there it kept
+    // registers live and the spills grew from 92 to 156 bytes)
+    if (lane < 16) ptx::bulk_wait<0>();
+  }
+  if (P.teacher_only) return;
   // dK_j, dV_j of this unit: fp32 atomics (several units may share a kv head), in unit order in
   // deterministic mode
   int32_t* kv_turn = turn_keys ? turn_keys + int64_t(gb) * p.Hkv + kvh : nullptr;
@@ -467,9 +471,6 @@ __global__ void __launch_bounds__(kCtaThreads, 1) bwd_main_kernel(const __grid_c
   add_key_rows(accdK, cKV, key_base, L, s0, p.Hkv, kvh, p.dk_acc);
   add_key_rows(accdV, cKV, key_base, L, s0, p.Hkv, kvh, p.dv_acc);
   pass_turn(kv_turn, kv_order);
-  if constexpr (kTiledDq) {
-    if (lane < 16) ptx::bulk_wait<0>();  // every dQ add done before the CTA ends
-  }
 }
 
 // kDet: the deterministic instantiation (P.c.turn_rows and turn_keys set), else the default one
