@@ -1,20 +1,15 @@
 """examples/lm_long_context.py, CPU preset (issue 17): a byte-level LM on the Python standard
 library's source, MSA vs dense SDPA from the same weights on the same batches. Runs in ~40 s on
 the CPU backend."""
-import importlib.util
-import pathlib
-
 import pytest
 
+from file_module import load
+
 torch = pytest.importorskip("torch")
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _example():
-    spec = importlib.util.spec_from_file_location("lm_long_context", ROOT / "examples" / "lm_long_context.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load("examples/lm_long_context.py", "lm_long_context")
 
 
 def test_corpus_is_the_stdlib_without_installed_packages():

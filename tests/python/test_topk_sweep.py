@@ -1,17 +1,12 @@
 """bench/topk_sweep.py's table, speed-ups and --plot mode on a synthetic result (the sweep itself
 needs CUDA: `python3 bench/topk_sweep.py --out DIR` on the GPU machine)."""
-import importlib.util
 import json
-import pathlib
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+from file_module import load
 
 
 def _sweep():
-    spec = importlib.util.spec_from_file_location("topk_sweep", ROOT / "bench" / "topk_sweep.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load("bench/topk_sweep.py", "topk_sweep")
 
 
 def _result():
