@@ -103,22 +103,9 @@ def run(args) -> dict:
             cud = run_bench.sdpa_times(cfg, T, "cudnn")
             torch.cuda.empty_cache()
             inputs = user_path.make_inputs(cfg, T, args.pattern, dev)
-            leaves = inputs[:5]
-            g = torch.Generator(device=dev).manual_seed(1)
-            dout = torch.randn(inputs[0].shape, generator=g, device=dev).to(inputs[0].dtype)
-            one = torch.ones((), device=dev)
-
-            def clear():
-                for x in leaves:
-                    x.grad = None
-
             for k in (int(x) for x in args.topks.split(",")):
                 run_bench.log(f"[sweep] user step {name} {T} topk {k}")
-
-                def step():
-                    out, kl = user_path.user_call(inputs, k)
-                    torch.autograd.backward([out, kl], [dout, one])
-
+                step, clear, _ = user_path.training_step(inputs, k)
                 row = dict(config=name, seqlen=T, topk=k, cudnn_step_ms=cud["step_ms"], cudnn_peak_gb=cud["peak_gb"])
                 try:
                     row["step_ms"] = user_path.median_ms(step, clear, args.iters, 2)
@@ -133,7 +120,7 @@ def run(args) -> dict:
                 clear()
                 torch.cuda.empty_cache()
                 result["rows"].append(row)
-            del inputs, leaves, dout
+            del inputs
             torch.cuda.empty_cache()
     return result
 

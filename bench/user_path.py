@@ -119,6 +119,28 @@ def median_ms(fn, setup, iters=10, warmup=3, reps=3):
     return times[len(times) // 2]
 
 
+def training_step(inputs, topk, compute_kl=None):
+    """(step, clear, dout) on make_inputs' `inputs`: step(compute_kl=None) runs the README's call
+    and its backward, torch.autograd.backward([out, kl], [dout, 1]), and returns kl; clear() drops
+    the leaves' .grad between runs; dout is the fixed upstream gradient (seed 1)."""
+    dev = inputs[0].device
+    leaves = inputs[:5]
+    g = torch.Generator(device=dev).manual_seed(1)
+    dout = torch.randn(inputs[0].shape, generator=g, device=dev).to(inputs[0].dtype)
+    one = torch.ones((), device=dev)  # the gradient of kl (fp32 for bf16 inputs)
+
+    def clear():
+        for x in leaves:
+            x.grad = None
+
+    def step(compute_kl=compute_kl):
+        out, kl = user_call(inputs, topk, compute_kl)
+        torch.autograd.backward([out, kl], [dout, one])
+        return kl
+
+    return step, clear, dout
+
+
 def user_step_times(cfg, T, pattern, iters=10, warmup=3, log=None):
     """The user's path on the GPU for one (config, T, pattern), times in ms (median of `iters`):
     user_fwd_ms / user_step_ms: the README's call with its defaults, alone and with its backward
@@ -131,17 +153,9 @@ def user_step_times(cfg, T, pattern, iters=10, warmup=3, log=None):
     log(what) is called before each measurement."""
     flashmsa = import_flashmsa()
     say = log or (lambda what: None)
-    dev = torch.device("cuda")
-    inputs = make_inputs(cfg, T, pattern, dev)
-    leaves = inputs[:5]
-    g = torch.Generator(device=dev).manual_seed(1)
-    dout = torch.randn(inputs[0].shape, generator=g, device=dev).to(inputs[0].dtype)
-    one = torch.ones((), device=dev)  # the gradient of kl (fp32 for bf16 inputs)
+    inputs = make_inputs(cfg, T, pattern, torch.device("cuda"))
+    train_step, clear, dout = training_step(inputs, cfg["topk"])
     last = {}  # kl of the latest step (after its backward: no graph kept alive)
-
-    def clear():
-        for x in leaves:
-            x.grad = None
 
     def fwd(compute_kl):
         def run():
@@ -150,9 +164,7 @@ def user_step_times(cfg, T, pattern, iters=10, warmup=3, log=None):
 
     def step(compute_kl):
         def run():
-            out, kl = user_call(inputs, cfg["topk"], compute_kl)
-            torch.autograd.backward([out, kl], [dout, one])
-            last["kl"] = kl
+            last["kl"] = train_step(compute_kl)
         return run
 
     r = dict(library=str(flashmsa.library_path()))
