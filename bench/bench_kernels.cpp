@@ -96,7 +96,13 @@ int main(int argc, char** argv) {
     else if (k == "--iters") iters = std::atoi(v.c_str());
     else if (k == "--save-indices") save_dir = v;
     else if (k == "--options") options = v != "0";
-    else if (k == "--only" && v == "select") select_only = true;
+    else if (k == "--only") {
+      if (v != "select") {
+        std::fprintf(stderr, "--only takes 'select' (the selection alone), got '%s'\n", v.c_str());
+        return 2;
+      }
+      select_only = true;
+    }
     else { std::fprintf(stderr, "unknown flag %s\n", k.c_str()); return 2; }
   }
   Config c = config == "fmsa" ? Config{"fmsa", 16, 2, 4, 1, 16} : Config{"m3", 64, 4, 4, 1, 16};
