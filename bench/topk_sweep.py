@@ -37,15 +37,18 @@ def speedups(result: dict) -> dict:
 def markdown(result: dict) -> str:
     lines = [f"GPU {result['gpu']}, torch {result['torch']}, {result['date']}, {result['pattern']} selections. "
              f"Command: `{result['command']}`.", "",
-             "| config | T | topk | share of the blocks | step ms | cuDNN fwd+bwd ms | speed-up | peak GB ours |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| config | T | topk | share of the blocks | step ms | cuDNN fwd+bwd ms | speed-up | peak GB ours | "
+             "peak GB cuDNN |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         step = f"{r['step_ms']:.2f}" if r.get("step_ms") else f"error: {r.get('error', '?')[:60]}"
         sp = f"**{r['cudnn_step_ms'] / r['step_ms']:.2f}x**" if r.get("step_ms") and r.get("cudnn_step_ms") else "-"
         share = min(1.0, r["topk"] * 128 / r["seqlen"])
         peak = f"{r['peak_gb']:.2f}" if r.get("peak_gb") else "-"
         cud = f"{r['cudnn_step_ms']:.1f}" if r.get("cudnn_step_ms") else "-"
-        lines.append(f"| {r['config']} | {r['seqlen']} | {r['topk']} | {share:.1%} | {step} | {cud} | {sp} | {peak} |")
+        cpeak = f"{r['cudnn_peak_gb']:.2f}" if r.get("cudnn_peak_gb") else "-"
+        lines.append(f"| {r['config']} | {r['seqlen']} | {r['topk']} | {share:.1%} | {step} | {cud} | {sp} | {peak} "
+                     f"| {cpeak} |")
     return "\n".join(lines) + "\n"
 
 
@@ -120,7 +123,9 @@ def run(args) -> dict:
                 clear()
                 torch.cuda.empty_cache()
                 result["rows"].append(row)
-            del inputs
+                with open(os.path.join(args.out, "topk-sweep.json"), "w") as f:  # a run cut short keeps its rows
+                    json.dump(result, f, indent=1)
+            del inputs, step, clear  # the closures hold the inputs: free them before the next cuDNN run
             torch.cuda.empty_cache()
     return result
 

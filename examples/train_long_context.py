@@ -4,8 +4,9 @@ across a long sequence: key/value pairs lie far back (outside the query's own 12
 the last tokens ask for the values of some keys. Dense warmup first (the proxy learns to imitate
 the attention through the kl term), then sparse: every query token keeps only topk blocks.
 
-Prints, every --eval-every steps: loss, answer accuracy, kl, and the selection's attention-mass
-recall at the query tokens (share of the dense attention mass inside the blocks the proxy would
+Prints, every --eval-every steps: loss, answer accuracy, kl (the library's value, a mean over every
+row; then split, on the first evaluation sequence, into the query rows the loss sees and the filler
+rows it does not constrain), and the selection's attention-mass recall at the query tokens (share of the dense attention mass inside the blocks the proxy would
 select), and plots them (PNG: matplotlib if present, else a tiny built-in PNG writer).
 
     python3 examples/train_long_context.py                   # CPU, a few minutes
@@ -120,7 +121,7 @@ class Model(nn.Module):
 # ---- evaluation ------------------------------------------------------------------------------
 @torch.no_grad()
 def evaluate(model, tok, val, tgt, topk):
-    """(loss, accuracy, kl, recall, recall per layer): recall is the attention-mass recall of the selection at the
+    """(loss, accuracy, kl, recall, recall per layer, (kl at the query rows, kl at the filler rows)): recall is the attention-mass recall of the selection at the
     query tokens, averaged over the layers; the selection is msa_select on each layer's proxy."""
     with model.autocast():
         return _evaluate(model, tok, val, tgt, topk)
@@ -140,6 +141,9 @@ def _evaluate(model, tok, val, tgt, topk):
         q, k, v, qp, kp = blk.attn.project(x)
         idx = flashmsa.msa_select(qp, kp, topk)
         recalls.append(attention_mass_recall(q, k, idx, rows=ask.flatten()).item())
+    ask0 = ask[0]
+    split = [kl_split(blk.attn, x[:1], ask0) for blk, x in zip(model.blocks, inputs)]
+    kl_rows = (sum(a for a, _ in split) / len(split), sum(b for _, b in split) / len(split))
     kl = float(kl) / model.blocks[0].attn.kl_coef
     if kl == 0.0 and tok.device.type == "cuda":  # a placeholder: the backend declined the value
         for b in model.blocks:
@@ -147,7 +151,45 @@ def _evaluate(model, tok, val, tgt, topk):
         kl = float(model(tok[:1], val[:1])[1]) / model.blocks[0].attn.kl_coef
         for b in model.blocks:
             b.attn.backend = "flashmsa"
-    return loss.item(), acc.item(), kl, sum(recalls) / len(recalls), recalls
+    return loss.item(), acc.item(), kl, sum(recalls) / len(recalls), recalls, kl_rows
+
+
+def kl_split(attn, x, rows):
+    """The kl of one sequence (x [1, S, E]) split by rows: (mean kl at the rows where rows [S] is
+    True, i.e. the query tokens the loss sees; mean kl at the other rows, the filler the loss does
+    not constrain). Same definition as the library's value (teacher: the mean of the group's main
+    attention; student: the proxy's softmax; both over the set the mode trains on: the causal set
+    in the warmup, the selected blocks after it), computed here in fp32 one proxy head at a time."""
+    proj = attn.project(x)
+    with torch.autocast(x.device.type, enabled=False):
+        return _kl_split(attn, [t[0] for t in proj], rows)
+
+
+def _kl_split(attn, proj, rows):
+    dt = proj[3].dtype
+    q, k, _, qp, kp = (t.float() for t in proj)  # [S, H, D]
+    S, Hq, D = q.shape
+    Hp, Hkv, Hpk = qp.shape[1], k.shape[1], kp.shape[1]
+    causal = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()
+    if not attn.warmup:
+        idx = flashmsa.msa_select(qp[None].to(dt), kp[None].to(dt), attn.topk).long()  # [Hp, S, topk], -1 pads
+        nb = (S + 127) // 128
+        chosen = torch.zeros(Hp, S, nb + 1, dtype=torch.bool, device=q.device)
+        chosen.scatter_(2, torch.where(idx < 0, nb, idx), True)
+        blk = torch.arange(S, device=q.device) // 128
+    total = torch.zeros(S, device=q.device)
+    for h in range(Hp):
+        mask = causal if attn.warmup else causal & chosen[h, :, :nb][:, blk]
+        t = 0
+        for g in range(h * (Hq // Hp), (h + 1) * (Hq // Hp)):
+            s = (q[:, g] @ k[:, g // (Hq // Hkv)].T) * D ** -0.5
+            t = t + torch.softmax(s.masked_fill(~mask, float("-inf")), -1)
+        t = t / (Hq // Hp)
+        z = (qp[:, h] @ kp[:, h // (Hp // Hpk)].T) * qp.shape[-1] ** -0.5
+        log_s = torch.log_softmax(z.masked_fill(~mask, float("-inf")), -1)
+        total += torch.where(t > 0, t * (t.clamp_min(1e-30).log() - log_s), torch.zeros_like(t)).sum(-1)
+    per_row = total / Hp
+    return per_row[rows].mean().item(), per_row[~rows].mean().item()
 
 
 # ---- plotting --------------------------------------------------------------------------------
@@ -279,7 +321,8 @@ def main(argv=None):
     p.add_argument("--kl-coef", type=float, default=1.0)
     p.add_argument("--proxy-lr-mult", type=float, default=1.0,
                    help="learning rate of the proxy projections (trained by the kl alone) over --lr; "
-                        "5 made the kl fall in examples/lm_long_context.py (docs/lm_long_context.md)")
+                        "5 made the kl fall in examples/lm_long_context.py (docs/lm_long_context.md), not in this "
+                        "example's --gpu preset (examples/results/gpu/README.md)")
     p.add_argument("--backend", choices=["flashmsa", "reference"], default="flashmsa")
     p.add_argument("--device", default=None)
     p.add_argument("--seed", type=int, default=0)
@@ -316,7 +359,7 @@ def main(argv=None):
     if a.start_seqlen < a.seqlen:
         print(f"length curriculum in the warmup: training sequences of {a.start_seqlen} tokens doubling "
               f"to {a.seqlen}; evaluation always at {a.seqlen} tokens")
-    print(f"{'step':>5} {'mode':>6} {'train S':>7} {'loss':>7} {'acc':>6} {'kl':>8} {'recall':>7} {'per layer':>16} "
+    print(f"{'step':>5} {'mode':>6} {'train S':>7} {'loss':>7} {'acc':>6} {'kl':>8} {'kl@query':>8} {'kl@fill':>8} {'recall':>7} {'per layer':>16} "
           f"{'s/step':>7}")
     hist, t0, last = [], time.time(), time.time()
     for step in range(a.steps + 1):
@@ -325,13 +368,15 @@ def main(argv=None):
         set_warmup(model, not sparse)
         if step % a.eval_every == 0 or step == a.steps:
             model.eval()
-            loss, acc, kl, rec, per = evaluate(model, *eval_batch, a.topk)
+            loss, acc, kl, rec, per, (kl_q, kl_f) = evaluate(model, *eval_batch, a.topk)
             model.train()
             dt = (time.time() - last) / max(1, a.eval_every if step else 1)
             last = time.time()
             hist.append(dict(step=step, mode="sparse" if sparse else "dense", train_seqlen=S, loss=loss,
-                             acc=acc, kl=kl, recall=rec, recall_per_layer=per))
-            print(f"{step:5d} {hist[-1]['mode']:>6} {S:7d} {loss:7.4f} {acc:6.3f} {kl:8.5f} {rec:7.4f} "
+                             acc=acc, kl=kl, kl_query_rows=kl_q, kl_filler_rows=kl_f, recall=rec,
+                             recall_per_layer=per))
+            print(f"{step:5d} {hist[-1]['mode']:>6} {S:7d} {loss:7.4f} {acc:6.3f} {kl:8.5f} {kl_q:8.5f} {kl_f:8.5f} "
+                  f"{rec:7.4f} "
                   f"{' '.join(f'{r:.3f}' for r in per):>16} {dt:7.3f}", flush=True)
             if a.out:  # kept up to date, so a run cut short still leaves its curves
                 save(a, hist)

@@ -24,9 +24,9 @@ def test_speedups_sorted_by_topk_without_failed_rows():
 
 def test_markdown_rows():
     md = _sweep().markdown(_result())
-    assert "| m3 | 32768 | 4 | 1.6% | 14.00 | 112.0 | **8.00x** | 4.80 |" in md
-    assert "| m3 | 32768 | 64 | 25.0% | 112.00 | 112.0 | **1.00x** | 4.80 |" in md
-    assert "| fmsa | 32768 | 8 | 3.1% | error: out of memory | 28.0 | - | - |" in md
+    assert "| m3 | 32768 | 4 | 1.6% | 14.00 | 112.0 | **8.00x** | 4.80 | 5.05 |" in md
+    assert "| m3 | 32768 | 64 | 25.0% | 112.00 | 112.0 | **1.00x** | 4.80 | 5.05 |" in md
+    assert "| fmsa | 32768 | 8 | 3.1% | error: out of memory | 28.0 | - | - | - |" in md
 
 
 def test_plot_mode_rewrites_table_from_json(tmp_path):
