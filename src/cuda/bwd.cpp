@@ -8,11 +8,17 @@ namespace flashmsa::cuda {
 
 namespace {
 
-// tiled: acc in the main kernel's tiled dq layout (bwd_params.cuh), else [total, heads, 128]
 void convert(Dtype d, const float* acc, TokenTensor<void> out, const Seqs& seqs, int64_t max_seqlen, int heads,
-             float scale, cudaStream_t st, bool tiled = false) {
+             float scale, cudaStream_t st) {
+  by_dtype(d, [&](auto D) { attn_bwd::launch_convert<decltype(D)::value>(acc, out, seqs, max_seqlen, heads, scale, st); });
+}
+
+// the deterministic mode's fixed-point accumulators: unit per row (padded_stride > 0) or one
+void convert_fixed(Dtype d, const char* acc, TokenTensor<void> out, const Seqs& seqs, int64_t max_seqlen, int heads,
+                   float scale, const float* unit, int64_t padded_stride, const int32_t* bad, cudaStream_t st) {
   by_dtype(d, [&](auto D) {
-    attn_bwd::launch_convert<decltype(D)::value>(acc, out, seqs, max_seqlen, heads, scale, st, tiled);
+    attn_bwd::launch_convert_fixed<decltype(D)::value>(reinterpret_cast<const int64_t*>(acc), out, seqs, max_seqlen,
+                                                       heads, scale, unit, padded_stride, bad, st);
   });
 }
 
@@ -24,6 +30,32 @@ void run_bwd(const flashmsa_bwd_args_t& a, const Geometry& g, char* ws, const Bw
   float* dv_acc = reinterpret_cast<float*>(ws + l.dv);
   // the accumulators start at zero (this launch initialises them; nothing else does)
   FLASHMSA_CUDA_CHECK(cudaMemsetAsync(ws + l.dq, 0, l.inv - l.dq, st));
+  // deterministic mode: the bounds and units of the fixed-point sums (before the preprocess, which
+  // reads them for the dq rows' units)
+  float* const fix = l.deterministic ? reinterpret_cast<float*>(ws + l.fix) : nullptr;
+  const int32_t* const bad = reinterpret_cast<const int32_t*>(fix) + attn_bwd::kBad;  // dq, dk, dv, dqp, dkp
+  if (l.deterministic) {
+    attn_bwd::FixInputs fi;
+    fi.q = token_tensor<const void>(a.q, g);
+    fi.k = token_tensor<const void>(a.k, g);
+    fi.v = token_tensor<const void>(a.v, g);
+    fi.dout = token_tensor<const void>(a.dout, g);
+    if (g.has_proxy) {
+      fi.qp = token_tensor<const void>(a.qp, g);
+      fi.kp = token_tensor<const void>(a.kp, g);
+    }
+    fi.dlse = head_tensor<const float>(a.dlse);
+    fi.dkl = present(a.dkl) ? static_cast<const float*>(a.dkl.data) : nullptr;
+    fi.Hq = g.Hq;
+    fi.Hkv = g.Hkv;
+    fi.Hp = g.has_proxy ? g.Hp : 0;
+    fi.Hpk = g.has_proxy ? g.Hpk : 0;
+    fi.seqs = seqs;
+    fi.total = g.total;
+    fi.max_seqlen = g.max_seqlen;
+    fi.dtype = d;
+    attn_bwd::launch_fix_bounds(fi, fix, st);
+  }
 
   attn_bwd::PreprocessArgs pa;
   pa.out = token_tensor<const void>(a.out, g);
@@ -37,13 +69,17 @@ void run_bwd(const flashmsa_bwd_args_t& a, const Geometry& g, char* ws, const Bw
   pa.lse2 = reinterpret_cast<float*>(ws + l.lse2);
   pa.dsum = reinterpret_cast<float*>(ws + l.dsum);
   pa.padded_stride = l.padded;
+  if (l.deterministic) {
+    pa.dq_unit = reinterpret_cast<float*>(ws + l.dq_unit);
+    pa.fix = fix;
+  }
   by_dtype(d, [&](auto D) { attn_bwd::launch_preprocess<decltype(D)::value>(pa, st); });
 
   attn_bwd::MainArgs mp;
   attn_bwd::Common& c = mp.c;
   c = common_base(g, a.q, a.k, a.cu_seqlens, pa.lse2, l.padded, a.mode == FLASHMSA_MODE_DENSE,
                   static_cast<const int32_t*>(a.indices.data), a.indices.strides[0], a.indices.strides[1],
-                  ws + l.inv, st, l.deterministic);
+                  ws + l.inv, st);
   c.v = token_tensor<const void>(a.v, g);
   c.dout = token_tensor<const void>(a.dout, g);
   c.dsum.ptr = pa.dsum;
@@ -53,20 +89,34 @@ void run_bwd(const flashmsa_bwd_args_t& a, const Geometry& g, char* ws, const Bw
   c.dq_acc = dq_acc;
   c.dk_acc = dk_acc;
   c.dv_acc = dv_acc;
-  if (l.deterministic) {
-    c.turn_rows = reinterpret_cast<int32_t*>(ws + l.turn_q);
-    c.turn_keys = reinterpret_cast<int32_t*>(ws + l.turn_kv);
+  if (l.deterministic) {  // fixed point: dq with a unit per row, dk and dv with one unit each
+    c.dq_fix = reinterpret_cast<int64_t*>(ws + l.dq);
+    c.dk_fix = reinterpret_cast<int64_t*>(ws + l.dk);
+    c.dv_fix = reinterpret_cast<int64_t*>(ws + l.dv);
+    c.dq_unit.ptr = reinterpret_cast<const float*>(ws + l.dq_unit);
+    c.dq_unit.head = l.padded;
+    c.dq_unit.tok = 1;
+    c.fix = fix;
   }
   mp.batched = g.batched;
   mp.total = g.total;
   mp.Rp = tiles::head_slots(c.R);
   mp.log_rp = __builtin_ctz(unsigned(mp.Rp));
   if (l.has_teacher) mp.teacher = reinterpret_cast<float*>(ws + l.teach);  // R = G here (bwd_features)
-  const bool dq_tiled = launch_main(d, mp, g.Hq / c.R, st);
+  launch_main(d, mp, g.Hq / c.R, st);
 
-  convert(d, dq_acc, token_tensor<void>(a.dq, g), seqs, g.max_seqlen, g.Hq, float(g.scale), st, dq_tiled);
-  convert(d, dk_acc, token_tensor<void>(a.dk, g), seqs, g.max_seqlen, g.Hkv, float(g.scale), st);
-  convert(d, dv_acc, token_tensor<void>(a.dv, g), seqs, g.max_seqlen, g.Hkv, 1.f, st);
+  if (l.deterministic) {
+    convert_fixed(d, ws + l.dq, token_tensor<void>(a.dq, g), seqs, g.max_seqlen, g.Hq, float(g.scale),
+                  reinterpret_cast<const float*>(ws + l.dq_unit), l.padded, bad + 0, st);
+    convert_fixed(d, ws + l.dk, token_tensor<void>(a.dk, g), seqs, g.max_seqlen, g.Hkv, float(g.scale),
+                  fix + attn_bwd::kUnitDk, 0, bad + 1, st);
+    convert_fixed(d, ws + l.dv, token_tensor<void>(a.dv, g), seqs, g.max_seqlen, g.Hkv, 1.f,
+                  fix + attn_bwd::kUnitDv, 0, bad + 2, st);
+  } else {
+    convert(d, dq_acc, token_tensor<void>(a.dq, g), seqs, g.max_seqlen, g.Hq, float(g.scale), st);
+    convert(d, dk_acc, token_tensor<void>(a.dk, g), seqs, g.max_seqlen, g.Hkv, float(g.scale), st);
+    convert(d, dv_acc, token_tensor<void>(a.dv, g), seqs, g.max_seqlen, g.Hkv, 1.f, st);
+  }
   if (g.has_proxy) {
     float pscale = 1.f;
     if (bwd_proxy_side(a, g)) {  // the proxy gradient (dkl) and/or the kl value (kl)
@@ -83,16 +133,29 @@ void run_bwd(const flashmsa_bwd_args_t& a, const Geometry& g, char* ws, const Bw
       r.kl_acc = reinterpret_cast<float*>(ws + l.kl);
       r.dkl = static_cast<const float*>(a.dkl.data);
       r.grads = present(a.dkl);  // without dkl the accumulators stay zero
-      attn_bwd::Common cp = c;  // the proxy side's own turn counters
-      cp.turn_rows = l.deterministic ? reinterpret_cast<int32_t*>(ws + l.turn_qp) : nullptr;
-      cp.turn_keys = l.deterministic ? reinterpret_cast<int32_t*>(ws + l.turn_kp) : nullptr;
+      attn_bwd::Common cp = c;
+      if (l.deterministic && l.has_teacher) {  // the kl kernel: dqp, dkp in fixed point
+        cp.dqp_fix = reinterpret_cast<int64_t*>(ws + l.dqp);
+        cp.dkp_fix = reinterpret_cast<int64_t*>(ws + l.dkp);
+      } else if (l.deterministic) {  // the recomputing proxy kernel (DENSE): fp32 adds in turn order
+        cp.fix = nullptr;
+        cp.turn_rows = reinterpret_cast<int32_t*>(ws + l.turn_qp);
+        cp.turn_keys = reinterpret_cast<int32_t*>(ws + l.turn_kp);
+      }
       run_proxy(g, cp, l.has_teacher ? mp.teacher : nullptr, r,
                 present(a.kl) ? static_cast<float*>(a.kl.data) : nullptr, st);
     }
-    convert(d, reinterpret_cast<float*>(ws + l.dqp), token_tensor<void>(a.dqp, g), seqs, g.max_seqlen, g.Hp, pscale,
-            st);
-    convert(d, reinterpret_cast<float*>(ws + l.dkp), token_tensor<void>(a.dkp, g), seqs, g.max_seqlen, g.Hpk, pscale,
-            st);
+    if (l.deterministic && l.has_teacher) {
+      convert_fixed(d, ws + l.dqp, token_tensor<void>(a.dqp, g), seqs, g.max_seqlen, g.Hp, pscale,
+                    fix + attn_bwd::kUnitDqp, 0, bad + 3, st);
+      convert_fixed(d, ws + l.dkp, token_tensor<void>(a.dkp, g), seqs, g.max_seqlen, g.Hpk, pscale,
+                    fix + attn_bwd::kUnitDkp, 0, bad + 4, st);
+    } else {  // (zeros when the proxy side did not run: the zeroed accumulators read as fp32)
+      convert(d, reinterpret_cast<float*>(ws + l.dqp), token_tensor<void>(a.dqp, g), seqs, g.max_seqlen, g.Hp,
+              pscale, st);
+      convert(d, reinterpret_cast<float*>(ws + l.dkp), token_tensor<void>(a.dkp, g), seqs, g.max_seqlen, g.Hpk,
+              pscale, st);
+    }
   }
 }
 

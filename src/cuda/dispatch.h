@@ -124,13 +124,15 @@ size_t teacher_bytes(const Geometry& g);
 attn_bwd::InversionArgs inversion_args(const int32_t* idx, int64_t idx_head, int64_t idx_tok,
                                        const flashmsa_tensor_t& cu, const Geometry& g);
 
-// Workspace of the backward after the guard's, in order: lse2, dsum (padded), the dq/dk/dv/dqp/dkp
-// accumulators, the deterministic mode's turn counters, the inversion (or the block offsets in
+// Workspace of the backward after the guard's, in order: lse2, dsum (padded), the deterministic
+// mode's dq units, the dq/dk/dv/dqp/dkp accumulators (dq, dqp: int64 in deterministic mode), the
+// deterministic mode's bounds and flags and turn counters, the inversion (or the block offsets in
 // dense mode), the proxy lse, the kl partials and the teacher.
 struct BwdLayout {
   size_t lse2 = 0, dsum = 0, dq = 0, dk = 0, dv = 0, dqp = 0, dkp = 0, inv = 0, plse = 0, kl = 0, teach = 0,
          total = 0;
-  size_t turn_q = 0, turn_kv = 0, turn_qp = 0, turn_kp = 0;  // deterministic mode's turn counters
+  size_t dq_unit = 0, fix = 0;  // deterministic mode: dq units [Hq, padded]; the FixWord block
+  size_t turn_qp = 0, turn_kp = 0;  // deterministic mode, DENSE: the recomputing proxy kernel's turns
   bool deterministic = false;
   int64_t padded = 0;
   bool has_teacher = false;
@@ -179,8 +181,8 @@ void run_select(const flashmsa_tensor_t& qp, const flashmsa_tensor_t& kp, const 
 attn_bwd::Common common_base(const Geometry& g, const flashmsa_tensor_t& q, const flashmsa_tensor_t& k,
                              const flashmsa_tensor_t& cu, float* lse2, int64_t padded, bool dense,
                              const int32_t* idx, int64_t idx_head, int64_t idx_tok, char* inv_ws,
-                             cudaStream_t st, bool ranks = false);
-bool launch_main(Dtype d, const attn_bwd::MainArgs& a, int units, cudaStream_t st);  // true: dq_acc tiled
+                             cudaStream_t st);
+void launch_main(Dtype d, const attn_bwd::MainArgs& a, int units, cudaStream_t st);
 
 // The proxy side: gradients (backward) or the kl value alone (forward's compute_kl).
 struct ProxyRun {

@@ -8,12 +8,12 @@ namespace flashmsa::cuda {
 
 namespace {
 
-// The default or the deterministic instantiation, by whether the parameters carry turn counters
-// (both kinds or none: one without the other would order only half of the adds).
-bool deterministic(const attn_bwd::Common& c) {
-  if (!c.turn_rows != !c.turn_keys)
-    fail(FLASHMSA_ERROR_INTERNAL, "flashmsa_bwd: CUDA backend: turn counters for rows and keys must come together");
-  return c.turn_rows != nullptr;
+// The default or the deterministic instantiation of a kernel: `det` says which the parameters ask
+// for, `ready` whether they carry what it needs (the main and kl kernels: their fixed-point
+// accumulators, bwd_params.cuh; the recomputing proxy kernel: its turn counters).
+bool deterministic(bool det, bool ready) {
+  if (det && !ready) fail(FLASHMSA_ERROR_INTERNAL, "flashmsa_bwd: CUDA backend: deterministic mode without its sums");
+  return det;
 }
 
 // The proxy lse the kl needs: the given tensor, or recomputed over the same sets into workspace.
@@ -64,7 +64,7 @@ void run_kl_side(const Geometry& g, const attn_bwd::Common& c, const float* teac
   kp.batched = g.batched;
   kp.total = g.total;
   by_dtype(dtype_of(g), [&](auto D) {
-    by_det(deterministic(kp.c),
+    by_det(deterministic(kp.c.fix != nullptr, kp.c.dqp_fix && kp.c.dkp_fix),
            [&](auto Det) { attn_bwd::run_kl<decltype(D)::value, decltype(Det)::value>(kp, st); });
   });
 }
@@ -78,7 +78,11 @@ void run_proxy_side(const Geometry& g, const attn_bwd::Common& c, const ProxyRun
   pp.batched = g.batched;
   pp.total = g.total;
   by_dtype(dtype_of(g), [&](auto D) {
-    by_det(deterministic(pp.c), [&](auto Det) {
+    // DENSE mode only (SPARSE/GIVEN has the teacher): a token's blocks take their dqp turns in
+    // block order
+    if (pp.c.turn_keys && !pp.c.dense)
+      fail(FLASHMSA_ERROR_INTERNAL, "flashmsa_bwd: CUDA backend: the deterministic proxy kernel needs DENSE mode");
+    by_det(deterministic(pp.c.turn_keys != nullptr, pp.c.turn_rows != nullptr), [&](auto Det) {
       constexpr Dtype kD = decltype(D)::value;
       constexpr bool kDet = decltype(Det)::value;
       if (tiles::proxy_chunk_tokens(pp.G) == 16) attn_bwd::run_proxy<kD, 16, kDet>(pp, st);
@@ -92,7 +96,7 @@ void run_proxy_side(const Geometry& g, const attn_bwd::Common& c, const ProxyRun
 attn_bwd::Common common_base(const Geometry& g, const flashmsa_tensor_t& q, const flashmsa_tensor_t& k,
                              const flashmsa_tensor_t& cu, float* lse2, int64_t padded, bool dense,
                              const int32_t* idx, int64_t idx_head, int64_t idx_tok, char* inv_ws,
-                             cudaStream_t st, bool ranks) {
+                             cudaStream_t st) {
   attn_bwd::Common c;
   c.q = token_tensor<const void>(q, g);
   c.k = token_tensor<const void>(k, g);
@@ -106,7 +110,6 @@ attn_bwd::Common common_base(const Geometry& g, const flashmsa_tensor_t& q, cons
     c.inv.nblk = tiles::global_blocks_bound(g);
   } else {
     attn_bwd::InversionArgs ia = inversion_args(idx, idx_head, idx_tok, cu, g);
-    ia.ranks = ranks;
     c.inv = attn_bwd::build_inversion(ia, inv_ws, st);
   }
   c.Hq = g.Hq;
@@ -119,13 +122,11 @@ attn_bwd::Common common_base(const Geometry& g, const flashmsa_tensor_t& q, cons
   return c;
 }
 
-bool launch_main(Dtype d, const attn_bwd::MainArgs& a, int units, cudaStream_t st) {
-  bool tiled = false;
+void launch_main(Dtype d, const attn_bwd::MainArgs& a, int units, cudaStream_t st) {
   by_dtype(d, [&](auto D) {
-    by_det(deterministic(a.c),
-           [&](auto Det) { tiled = attn_bwd::run_main<decltype(D)::value, decltype(Det)::value>(a, units, st); });
+    by_det(deterministic(a.c.fix != nullptr, a.c.dq_fix && a.c.dk_fix && a.c.dv_fix && a.c.dq_unit.ptr),
+           [&](auto Det) { attn_bwd::run_main<decltype(D)::value, decltype(Det)::value>(a, units, st); });
   });
-  return tiled;
 }
 
 void run_proxy(const Geometry& g, const attn_bwd::Common& c, const float* teacher, const ProxyRun& r, float* kl_out,

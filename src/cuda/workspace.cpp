@@ -47,19 +47,25 @@ BwdLayout bwd_layout(const flashmsa_bwd_args_t& a, const Geometry& g) {
   auto take = [&](size_t bytes) { const size_t o = off; off += align_up(bytes); return o; };
   l.lse2 = take(size_t(g.Hq) * l.padded * 4);
   l.dsum = take(size_t(g.Hq) * l.padded * 4);
-  l.dq = take(size_t(g.total) * g.Hq * kHeadDim * 4);
-  l.dk = take(size_t(g.total) * g.Hkv * kHeadDim * 4);
-  l.dv = take(size_t(g.total) * g.Hkv * kHeadDim * 4);
+  l.deterministic = a.deterministic;
+  // deterministic mode: the accumulators are 64-bit fixed point (bwd_params.cuh), with a unit per
+  // dq row (padded like dsum; written by the preprocess, so outside the zeroed range). The
+  // recomputing proxy kernel (DENSE mode) keeps fp32 dqp/dkp sums in turn order instead.
+  const size_t fix = a.deterministic ? 8 : 4;
+  if (a.deterministic) l.dq_unit = take(size_t(g.Hq) * l.padded * 4);
+  l.dq = take(size_t(g.total) * g.Hq * kHeadDim * fix);
+  l.dk = take(size_t(g.total) * g.Hkv * kHeadDim * fix);
+  l.dv = take(size_t(g.total) * g.Hkv * kHeadDim * fix);
   if (g.has_proxy) {
-    l.dqp = take(size_t(g.total) * g.Hp * kHeadDim * 4);
-    l.dkp = take(size_t(g.total) * g.Hpk * kHeadDim * 4);
+    l.dqp = take(size_t(g.total) * g.Hp * kHeadDim * fix);
+    l.dkp = take(size_t(g.total) * g.Hpk * kHeadDim * fix);
   }
   if (a.deterministic) {  // zeroed with the accumulators (the range [dq, inv))
-    l.deterministic = true;
-    l.turn_q = take(size_t(g.total) * size_t(g.Hq / tiles::bwd_unit_heads(g)) * 4);
-    l.turn_kv = take(size_t(global_blocks_bound(g)) * g.Hkv * 4);
-    l.turn_qp = take(size_t(g.total) * g.Hp * 4);
-    l.turn_kp = take(size_t(global_blocks_bound(g)) * g.Hpk * 4);
+    l.fix = take(attn_bwd::kFixWords * 4);
+    if (a.mode == FLASHMSA_MODE_DENSE) {
+      l.turn_qp = take(size_t(g.total) * g.Hp * 4);
+      l.turn_kp = take(size_t(global_blocks_bound(g)) * g.Hpk * 4);
+    }
   }
   l.inv = take(a.mode == FLASHMSA_MODE_DENSE ? attn_bwd::blk_off_workspace(g.batch)
                                              : attn_bwd::inversion_workspace(inversion_args(

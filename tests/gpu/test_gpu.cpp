@@ -615,6 +615,71 @@ TEST(Deterministic, SmallSparse) {
   run_bwd_case(Problem().heads(8, 2).proxy_heads(4, 1).with_topk(2).seqlens({130, 5, 300}),
                BwdCase().sparse().with_dlse().with_dkl(1.0).deterministic());
 }
+// The deterministic mode adds dq and dqp in 64-bit fixed point with a unit from a bound of each
+// row's sum (bwd_params.cuh). A contribution past its bound must not come back as plausible
+// numbers: an lse that is not the rows' log-sum-exp (lse - 40: P up to e^40, far past the bound)
+// and a NaN in one element of q must both give NaN in every element of dq (and of dqp, whose
+// teacher then breaks its bound too), where a wrapped or saturated integer sum would give finite
+// garbage. (The default backward gives NaN rows for the NaN in q, and huge values for the lse.)
+void run_det_broken_bound(bool nan_q) {
+  PoolScope scope;
+  std::mt19937_64 rng(fresh_seed());
+  const Problem pb = fmsa().with_topk(4).seqlens({700, 300});
+  Inputs in = make_inputs(pb, rng);
+  FwdRun f = run_fwd(pb, in, FwdCall().key_sets(FLASHMSA_MODE_SPARSE, pb.topk, nullptr));
+  if (nan_q) {
+    in.q.host[size_t(pb.Hq) * pb.D * 500 + 3] = NAN;  // token 500, head 0, dim 3
+    upload(in.q);
+  } else {
+    for (double& x : f.lse.host) x -= 40.0;
+    upload(f.lse);
+  }
+  Tensor dout = random_input(token_shape(pb, pb.Hq, pb.D), pb.dtype, rng);
+  Tensor dklt;
+  dklt.shape = {};
+  dklt.dtype = FLASHMSA_DTYPE_FP32;
+  dklt.host = {1.0};
+  upload(dklt);
+  for (int det = 1; det >= 0; --det) {
+    Tensor dq = output(token_shape(pb, pb.Hq, pb.D), pb.dtype), dk = output(token_shape(pb, pb.Hkv, pb.D), pb.dtype),
+           dv = output(token_shape(pb, pb.Hkv, pb.D), pb.dtype), dqp = output(token_shape(pb, pb.Hp, pb.Dp), pb.dtype),
+           dkp = output(token_shape(pb, pb.Hpk, pb.Dp), pb.dtype);
+    flashmsa::BwdArgs a;
+    a.q = dev_view(in.q); a.k = dev_view(in.k); a.v = dev_view(in.v);
+    a.qp = dev_view(in.qp); a.kp = dev_view(in.kp);
+    a.cu_seqlens = dev_view(in.cu);
+    a.max_seqlen = pb.max_len();
+    a.mode = FLASHMSA_MODE_SPARSE;
+    a.indices = dev_view(f.indices);
+    a.out = dev_view(f.out);
+    a.lse = dev_view(f.lse);
+    a.dout = dev_view(dout);
+    a.dkl = dev_view(dklt);
+    a.dq = dev_view(dq); a.dk = dev_view(dk); a.dv = dev_view(dv); a.dqp = dev_view(dqp); a.dkp = dev_view(dkp);
+    a.deterministic = det;
+    const size_t ws_bytes = flashmsa::workspace_size(a);
+    void* ws = Pool::get().take(ws_bytes);
+    cudaMemset(ws, 0xff, ws_bytes);
+    flashmsa::bwd(a, ws, ws_bytes);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    download(dq);
+    download(dqp);
+    size_t finite_dq = 0, finite_dqp = 0;
+    for (double x : dq.host) finite_dq += std::isfinite(x);
+    for (double x : dqp.host) finite_dqp += std::isfinite(x);
+    std::printf("    %s, %s: finite dq %zu of %zu, dqp %zu of %zu\n", nan_q ? "NaN in q" : "lse - 40",
+                det ? "deterministic" : "default", finite_dq, dq.host.size(), finite_dqp, dqp.host.size());
+    if (det) {
+      EXPECT_EQ(finite_dq, 0u) << "deterministic dq: a broken bound must give NaN, not plausible numbers";
+      EXPECT_EQ(finite_dqp, 0u) << "deterministic dqp: a broken bound must give NaN, not plausible numbers";
+    } else if (nan_q) {  // (lse - 40 gives the default backward huge but finite values)
+      EXPECT_LT(finite_dq, dq.host.size()) << "the default backward was expected to show the NaN too";
+    }
+  }
+}
+TEST(Deterministic, SmallBrokenLseGivesNan) { run_det_broken_bound(false); }
+TEST(Deterministic, SmallNanInQGivesNan) { run_det_broken_bound(true); }
+
 TEST(Proxy, SmallDense) {
   run_bwd_case(Problem().heads(8, 2).proxy_heads(2, 1).with_topk(1).seqlens({200, 1}), BwdCase().dense().with_dkl(1.0));
 }

@@ -2,13 +2,17 @@
 """Checks on the compiled kernels' machine code (SASS) that CI can run without a GPU.
 
 The default (non-deterministic, kDet = false) backward kernels must add their gradients with
-REDG (a reduction that does not wait for a reply), never ATOMG; the deterministic ones (kDet =
-true) must hold their GPU-scope fences; every instantiation must be there; and no kernel's wgmma
-(forward and selection included) may be serialised by ptxas (C7515: a wait after every HGMMA), which a branch around a wgmma or
-a write to an accumulator in flight causes. A fence anywhere in a kernel (the
-deterministic mode's __threadfence) makes ptxas compile every atomicAdd of the kernel as ATOMG:
-that cost the main backward kernel 38% on the H200 (27.3 -> 37.7 ms at m3 32k) before the
-deterministic code moved into its own instantiation. docs/kernels/bwd.md has the story.
+REDG (a reduction that does not wait for a reply), never ATOMG. The deterministic main and kl
+kernels (kDet = true) add 64-bit fixed-point integers (bwd_params.cuh), whose sum does not depend
+on the order: they must hold 64-bit REDG adds, and no GPU-scope fence and no ATOMG. The
+deterministic recomputing proxy kernel (DENSE mode) orders fp32 adds by turn counters and must
+hold its GPU-scope fences. Every instantiation must be there, and no kernel's wgmma (forward and
+selection included) may be serialised by ptxas (C7515: a wait after every HGMMA), which a branch
+around a wgmma or a write to an accumulator in flight causes. A fence anywhere in a kernel (the
+turn code's __threadfence) makes ptxas compile every atomicAdd of the kernel as ATOMG: that cost
+the main backward kernel 38% on the H200 (27.3 -> 37.7 ms at m3 32k) before the deterministic
+code moved into its own instantiation, and it is why the fixed-point kernels hold no turn at
+all. docs/kernels/bwd.md has the story.
 
     python3 tests/sass/check_sass.py OBJECT.o ...      # the library's CUDA objects
     python3 tests/sass/check_sass.py --tools           # exit 0 when cuobjdump/nvdisasm are found
@@ -60,6 +64,8 @@ KERNELS = {"bwd_main_kernel": 2, "bwd_kl_kernel": 2, "bwd_proxy_kernel": 4}
 KDET = re.compile(r"Lb([01])E")  # the mangled bool template argument kDet
 ATOMIC = re.compile(r"\bATOMG?\.E\.")  # global or generic atomics that return a value
 REDUCTION = re.compile(r"\bREDG\.E\.")  # fire-and-forget global reductions
+FIXED_ADD = re.compile(r"\bREDG\.E\.ADD\.64\b")  # the deterministic mode's 64-bit integer adds
+FIXED_KERNELS = ("bwd_main_kernel", "bwd_kl_kernel")  # deterministic in fixed point (the proxy kernel: turns)
 GPU_FENCE = re.compile(r"\bMEMBAR\.[A-Z.]*GPU\b")
 HGMMA = re.compile(r"\bHGMMA\.")
 DEPBAR = re.compile(r"\bWARPGROUP\.DEPBAR\b")
@@ -93,13 +99,16 @@ def main(argv: list[str]) -> int:
                 continue
             det = int(m.group(1))
             seen[(kernel, det)] += 1
-            atomics, reds, fences = (len(r.findall(text)) for r in (ATOMIC, REDUCTION, GPU_FENCE))
-            print(f"{kernel} kDet={det} ({os.path.basename(obj)}): REDG {reds}, ATOMG/ATOM {atomics}, "
-                  f"GPU fences {fences}, HGMMA {mmas}, wgmma waits {waits}")
-            if det == 0 and (atomics or not reds):
-                failures.append(f"{kname}: {atomics} ATOMG/ATOM, {reds} REDG (the default kernel must add "
-                                f"with REDG only)")
-            if det == 1 and not fences:
+            atomics, reds, fences, fixed = (len(r.findall(text)) for r in (ATOMIC, REDUCTION, GPU_FENCE, FIXED_ADD))
+            print(f"{kernel} kDet={det} ({os.path.basename(obj)}): REDG {reds} (64-bit integer {fixed}), "
+                  f"ATOMG/ATOM {atomics}, GPU fences {fences}, HGMMA {mmas}, wgmma waits {waits}")
+            if det == 0 and (atomics or not reds or fixed):
+                failures.append(f"{kname}: {atomics} ATOMG/ATOM, {reds} REDG, {fixed} 64-bit (the default kernel "
+                                f"must add fp32 with REDG only)")
+            if det == 1 and kernel in FIXED_KERNELS and (atomics or fences or not fixed):
+                failures.append(f"{kname}: {atomics} ATOMG/ATOM, {fences} GPU fences, {fixed} 64-bit REDG (the "
+                                f"fixed-point deterministic kernel must add 64-bit integers with REDG, fence-free)")
+            if det == 1 and kernel not in FIXED_KERNELS and not fences:
                 failures.append(f"{kname}: no GPU-scope fence (is the deterministic code compiled in?)")
     for (kernel, det), n in seen.items():
         if n != KERNELS[kernel]:

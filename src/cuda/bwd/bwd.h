@@ -42,10 +42,10 @@ struct ProxyArgs {
   int64_t total = 0;
 };
 
-// kDet: the deterministic instantiation (c.turn_rows and c.turn_keys set), else the default one.
-// Returns true when its dq_acc is in the tiled layout (dq_tiled_row), false for [total, Hq, 128].
+// kDet: the deterministic instantiation (c.turn_keys and the fixed-point fields of Common set),
+// else the default one.
 template <Dtype, bool kDet>
-bool run_main(const MainArgs& a, int units, cudaStream_t stream);
+void run_main(const MainArgs& a, int units, cudaStream_t stream);
 template <Dtype, bool kDet>
 void run_kl(const KlArgs& a, cudaStream_t stream);
 // kTok: tokens per chunk (64 / G rounded: 16 or 64, tiles.h)

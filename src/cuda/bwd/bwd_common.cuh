@@ -62,6 +62,14 @@ __device__ __forceinline__ void store_kl_partial(float kl_sum, float (&warp_sums
   }
 }
 
+// Deterministic mode: one contribution c added to a fixed-point sum (bwd_params.cuh, fixed_unit);
+// bad is set when c * unit is past kFixLimit (or NaN).
+__device__ __forceinline__ void add_fixed(int64_t* dst, float c, float unit, bool& bad) {
+  const float x = c * unit;
+  bad |= !(fabsf(x) <= kFixLimit);
+  atomicAdd(reinterpret_cast<unsigned long long*>(dst), static_cast<unsigned long long>(__float2ll_rn(x)));
+}
+
 // Deterministic mode (ptx/order.cuh): the consumers wait for their turn on a shared counter (one
 // thread polls) and pass it on once every consumer thread's adds are visible. No-ops without a
 // counter.
@@ -112,6 +120,37 @@ __device__ __forceinline__ void add_key_rows(const Acc& acc, const Coord& c, int
     if (pos >= L) continue;
     const int64_t row = ((s0 + pos) * H + h) * kHeadDimInst + cute::get<1>(c(x));
     atomicAdd(reinterpret_cast<float2*>(out + row), make_float2(acc(x), acc(x + 1)));
+  }
+}
+
+// Deterministic mode: a thread's two adjacent elements (a, b) at columns (2 q, 2 q + 1) + 8 i of
+// an SM90 accumulator row (q = lane % 4; the row's four lanes hold its 8 columns), exchanged within
+// the quad so that each of the quad's two 64-bit adds covers 4 consecutive columns, one 32-byte
+// sector, instead of every other column (two sectors): A at column offset dA, B at dB from the
+// quad's first column. All 32 lanes must call it (a shuffle).
+__device__ __forceinline__ void quad_pair(float a, float b, float& A, float& B, int& dA, int& dB) {
+  const int q = threadIdx.x & 3;
+  const float recv = __shfl_xor_sync(0xffffffff, q < 2 ? b : a, 2);  // lanes q and q ^ 2 trade
+  A = q < 2 ? a : recv;
+  B = q < 2 ? recv : b;
+  dA = q < 2 ? 2 * q : 2 * q - 3;  // columns 0..3 of the quad's 8
+  dB = q < 2 ? 2 * q + 4 : 2 * q + 1;  // columns 4..7
+}
+
+// Deterministic mode: add_key_rows into a fixed-point accumulator with `unit`; bad as add_fixed.
+template <class Acc, class Coord>
+__device__ __forceinline__ void add_key_rows_fixed(const Acc& acc, const Coord& c, int64_t key_base, int64_t L,
+                                                   int64_t s0, int H, int h, int64_t* out, float unit, bool& bad) {
+#pragma unroll
+  for (int x = 0; x < cute::size(acc); x += 2) {
+    float A, B;
+    int dA, dB;
+    quad_pair(acc(x), acc(x + 1), A, B, dA, dB);
+    const int64_t pos = key_base + cute::get<0>(c(x));
+    if (pos >= L) continue;
+    const int64_t quad = ((s0 + pos) * H + h) * kHeadDimInst + cute::get<1>(c(x)) - 2 * (threadIdx.x & 3);
+    add_fixed(out + quad + dA, A, unit, bad);
+    add_fixed(out + quad + dB, B, unit, bad);
   }
 }
 

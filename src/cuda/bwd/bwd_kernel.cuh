@@ -8,7 +8,8 @@
 // dV_j accumulate in registers for the whole list (two consumer warpgroups own 64 keys each,
 // S^T = K Q^T layout as in FlashAttention-3's backward); dQ of each chunk goes to an fp32
 // accumulator with float2 atomics after a GEMM over both warpgroups' dS^T staged in shared
-// memory. Warpgroup 0 produces: the chunk's token ids (prefetched one chunk ahead), then the Q
+// memory (deterministic mode: dQ, and dK_j, dV_j at the end, go to 64-bit fixed-point
+// accumulators, whose integer adds give the same sum in any order; bwd_params.cuh). Warpgroup 0 produces: the chunk's token ids (prefetched one chunk ahead), then the Q
 // and dO rows, lse (log2) and dpsum gathered with cp.async into a three-stage mbarrier pipeline
 // whose arrivals complete with the copies (the producer never waits for its own loads); K_j and
 // V_j come once by TMA.
@@ -33,10 +34,6 @@
 
 #ifndef FLASHMSA_BWD_STAGES
 #define FLASHMSA_BWD_STAGES 3  // pipeline stages of the chunk rows (a build knob for measurements)
-#endif
-
-#ifndef FLASHMSA_BWD_DQ_TILED
-#define FLASHMSA_BWD_DQ_TILED 0  // A/B knob (default off): dQ by the TMA engine into the tiled layout
 #endif
 
 namespace flashmsa::cuda::attn_bwd {
@@ -75,7 +72,7 @@ struct MainConfig {
     alignas(16) int32_t pos[kStages][kRows];  // in-sequence position of each row's token; -1: padding row
     int32_t tok[kStages][kRows];   // global token of each row; -1: padding row
     int32_t slot[kStages][kRows];  // global token of each token slot; -1: past the list
-    int32_t rank[kStages][kRows];  // deterministic mode: the block's turn in each slot token's dq sum
+    float unit[kStages][kRows];    // deterministic mode: each row's fixed-point unit (bwd_params.cuh)
     typename Pipeline::SharedStorage pipe;
     cutlass::arch::ClusterTransactionBarrier kv_bar;
   };
@@ -152,9 +149,6 @@ __global__ void __launch_bounds__(kCtaThreads, 1) bwd_main_kernel(const __grid_c
   const Common& p = P.c;
   extern __shared__ char smem_raw[];
   auto& S = smem_struct<typename C::Smem>(smem_raw);
-  const Turns turn = turns<kDet>(p);
-  int32_t* const turn_rows = turn.rows;
-  int32_t* const turn_keys = turn.keys;
 
   const int units = p.Hq / p.R;
   const CtaCoord cta = cta_coord(units);
@@ -180,12 +174,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) bwd_main_kernel(const __grid_c
     list = p.inv.tokens + p.inv.offsets[k];
   }
   const int tid = threadIdx.x, role_wg = tid / kWarpGroupThreads;
-  // deterministic mode: this unit's turn among the units adding into the same dK_j / dV_j rows
-  const int kv_order = unit % ((p.Hq / p.Hkv) / p.R);
-  if (n <= 0) {
-    finish_empty_cta(nullptr, 0, turn_keys ? turn_keys + int64_t(gb) * p.Hkv + kvh : nullptr, kv_order);
-    return;
-  }
+  if (n <= 0) return;
   const int nchunks = (n + NTc - 1) / NTc;
 
   Pipeline pipeline = make_chunk_pipeline<Pipeline>(S.pipe, role_wg, C::kProducers, C::kConsumers, S.kv_bar);
@@ -212,20 +201,13 @@ __global__ void __launch_bounds__(kCtaThreads, 1) bwd_main_kernel(const __grid_c
       if (tid >= NTc || li >= n) return -1;
       return p.dense ? int32_t(dense_first + li) : list[li];
     };
-    // the block's turn in the slot token's dq sum (dense: every block up to the token's own)
-    const int32_t* ranks = (turn_rows && !p.dense) ? p.inv.rank + (list - p.inv.tokens) : nullptr;
-    auto slot_rank = [&](int c) -> int32_t {
-      const int li = c * NTc + tid;
-      if (!turn_rows || tid >= NTc || li >= n) return 0;
-      return ranks ? ranks[li] : j;
-    };
-    int32_t next = slot_token(0), next_rank = slot_rank(0);
+    int32_t next = slot_token(0);
     auto state = cutlass::make_producer_start_state<Pipeline>();
     for (int c = 0; c < nchunks; ++c) {
       pipeline.producer_acquire(state);
       const int st = state.index();
-      if (tid < NTc) S.slot[st][tid] = next, S.rank[st][tid] = next_rank;
-      if (c + 1 < nchunks) next = slot_token(c + 1), next_rank = slot_rank(c + 1);  // in flight meanwhile
+      if (tid < NTc) S.slot[st][tid] = next;
+      if (c + 1 < nchunks) next = slot_token(c + 1);  // in flight meanwhile
       barrier_sync(NamedBarrier::kProducer, kWarpGroupThreads);
       // rows of this chunk: row r = slot r / Rp, head h0 + r % Rp (padding heads >= R: zero rows)
       for (int x = tid; x < C::kRows * 16; x += kWarpGroupThreads) {
@@ -249,6 +231,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) bwd_main_kernel(const __grid_c
         S.pos[st][r] = valid ? int32_t(t - s0) : -1;
         ptx::cp_async_4(&S.lse2[st][r], p.lse2.at(h, pad0 + tt), valid ? 4 : 0);
         if (!P.teacher_only) ptx::cp_async_4(&S.dsum[st][r], p.dsum.at(h, pad0 + tt), valid ? 4 : 0);
+        if constexpr (kDet) ptx::cp_async_4(&S.unit[st][r], p.dq_unit.at(h, pad0 + tt), valid ? 4 : 0);
       }
       // the stage is full when every producer thread's copies have landed
 #ifdef FLASHMSA_BWD_SYNC_PRODUCER
@@ -318,8 +301,6 @@ __global__ void __launch_bounds__(kCtaThreads, 1) bwd_main_kernel(const __grid_c
       get<1>(cdQ(5)) != get<1>(cdQ(0)) + 9)
     __trap();
   const int kpos0 = int(key_base) + key0;  // in-sequence position of this thread's first key
-  constexpr bool kTiledDq = FLASHMSA_BWD_DQ_TILED && !kDet;  // dQ layout: dq_tiled_row (else [t, H, 128])
-  const int lane = wtid % 32, wq = wtid / 32;                // lane, and warp of the warpgroup (rows 16 wq ..)
   // teacher rows of this list: entries offsets[grp * nblk + gb] + li (sparse/given only)
   const int64_t entry0 = p.dense ? 0 : p.inv.offsets[int64_t(grp) * p.inv.nblk + gb];
   const float inv_g = 1.f / float(p.R);
@@ -377,69 +358,37 @@ __global__ void __launch_bounds__(kCtaThreads, 1) bwd_main_kernel(const __grid_c
     const int buf = c & 1;
     copy(stsm_ds, thr_stsm.retile_S(rdS), thr_stsm.partition_D(local_tile(sdS(_, _, buf), Shape<_64, Int<C::kRows>>{},
                                                                           make_coord(w, _0{}))));
-    // the tokens of this thread's dQ rows, read before the stage goes back to the producer
+    // the tokens of this thread's dQ rows (and their fixed-point units), read before the stage
+    // goes back to the producer
     const int32_t tok_a = S.tok[st][rq0], tok_b = S.tok[st][rq0 + 8];
-    // (deterministic mode keeps the stage until its dQ adds are done: it reads the slots' turns;
-    // the tiled dQ keeps it too: its Q and dO buffers stage the dQ rows)
-    if (!turn_rows && !kTiledDq) pipeline.consumer_release(state);
+    float unit_a = 0.f, unit_b = 0.f;
+    if constexpr (kDet) unit_a = S.unit[st][rq0], unit_b = S.unit[st][rq0 + 8];
+    pipeline.consumer_release(state);
     ptx::fence_proxy_async_smem();
     barrier_sync(NamedBarrier::kConsumers, kConsumerThreads);  // dS^T staged by both
     wg_gemm<true>(mma_dq, tQrdS(_, _, _, buf), tQrK, accdQ);
-    int32_t* q_turn = nullptr;
-    if (turn_rows) {  // the first NTc threads of warpgroup 0 wait for their token's lower blocks
-      if (w == 0 && wtid < NTc && S.slot[st][wtid] >= 0) {
-        q_turn = turn_rows + int64_t(S.slot[st][wtid]) * units + unit;
-        ptx::wait_turn(q_turn, S.rank[st][wtid]);
-      }
-      barrier_sync(NamedBarrier::kConsumers, kConsumerThreads);
-    }
     // dQ rows of this chunk (unscaled: the convert kernel applies the softmax scale)
-    if constexpr (kTiledDq) {
-      // This warp's 16 rows x 64 (the warpgroup's d half) into 4 KB of this stage's Q buffer
-      // (warpgroup 0) or dO buffer (warpgroup 1): both warpgroups finished every GEMM that reads
-      // them before the barrier above, and the stage goes back to the producer only after the
-      // TMA engine has read the rows. Row r at r * 64 floats, its 8-float groups permuted by
-      // dq_tiled_swizzle (the stores of 8 rows x 8 floats then hit every bank exactly twice).
-      // Then one bulk reduce-add per run of consecutive valid rows of one token (its heads are
-      // adjacent in the tiled layout): m3, one 4 KB add per warp and chunk. It takes a warp's dQ
-      // rows as 16 wq + lane / 4 (+ 8), the SM90 accumulator layout that the check after cdQ's
-      // definition tests in part (a full runtime check here raised the spills from 92 to 156 B).
-      float* const stage = reinterpret_cast<float*>(w == 0 ? S.q.data() : S.dout.data()) +
-                           (st * C::kRows * C::kHeadDim) / 2 + wq * 16 * 64;
-      const int d_lo = get<1>(cdQ(0));
+    const int dq0 = 64 * w + get<1>(cdQ(0));
+    bool bad = false;
 #pragma unroll
-      for (int e1 = 0; e1 < 2; ++e1) {
-        const int32_t t = e1 ? tok_b : tok_a;
-        const int r = lane / 4 + 8 * e1;
-        const int sw = dq_tiled_swizzle(t, h0 + ((rq0 + 8 * e1) & (P.Rp - 1)));
+    for (int e1 = 0; e1 < 2; ++e1) {
+      const int32_t t = e1 ? tok_b : tok_a;
+      const int64_t row = (int64_t(t) * p.Hq + h0 + ((rq0 + 8 * e1) & (P.Rp - 1))) * C::kHeadDim + dq0;
+      if constexpr (kDet) {  // integer adds: the same sum in any order (sector-wise: quad_pair)
+        const float u = e1 ? unit_b : unit_a;
+        const int64_t quad = row - 2 * (wtid & 3);
 #pragma unroll
-        for (int i = 0; i < 8; ++i)  // float2 units: 8-byte stores
-          reinterpret_cast<float2*>(stage)[(r * 64 + ((8 * i) ^ sw) + d_lo) / 2] =
-              make_float2(accdQ(4 * i + 2 * e1), accdQ(4 * i + 2 * e1 + 1));
-      }
-      ptx::fence_proxy_async_smem();  // the stores, visible to the async proxy
-      __syncwarp();
-      if (lane < 16) {
-        const int row = 16 * wq + lane;  // of the chunk's 64
-        const int hr = row & (P.Rp - 1);  // head slot of the row's token
-        const int32_t t = S.tok[st][row];
-        if (t >= 0 && (lane == 0 || hr == 0)) {  // the first valid row of a run
-          const int run = min(p.R - hr, 16 - lane);  // the token's remaining heads in this warp
-          ptx::bulk_reduce_add_f32(p.dq_acc + dq_tiled_row(t, w, h0 + hr, p.Hq),
-                                   static_cast<uint32_t>(__cvta_generic_to_shared(stage + lane * 64)), run * 64 * 4);
+        for (int i = 0; i < 8; ++i) {
+          float A, B;
+          int dA, dB;
+          quad_pair(accdQ(4 * i + 2 * e1), accdQ(4 * i + 2 * e1 + 1), A, B, dA, dB);
+          if (t < 0) continue;
+          add_fixed(p.dq_fix + quad + 8 * i + dA, A, u, bad);
+          add_fixed(p.dq_fix + quad + 8 * i + dB, B, u, bad);
         }
-        ptx::bulk_commit();
-        ptx::bulk_wait_read<0>();  // the rows are read: the stage may go back
-      }
-      __syncwarp();
-      pipeline.consumer_release(state);
-    } else {
-      const int dq0 = 64 * w + get<1>(cdQ(0));
-#pragma unroll
-      for (int e1 = 0; e1 < 2; ++e1) {
-        const int32_t t = e1 ? tok_b : tok_a;
+      } else {
         if (t < 0) continue;
-        float* dst = p.dq_acc + (int64_t(t) * p.Hq + h0 + ((rq0 + 8 * e1) & (P.Rp - 1))) * C::kHeadDim + dq0;
+        float* dst = p.dq_acc + row;
 #if FLASHMSA_BWD_PROBE_NO_DQ_ADD  // measurement probe (wrong dq): the ceiling of a cheaper dQ reduction
         if (accdQ(2 * e1) != 12345.f) continue;
 #endif
@@ -448,32 +397,28 @@ __global__ void __launch_bounds__(kCtaThreads, 1) bwd_main_kernel(const __grid_c
           atomicAdd(reinterpret_cast<float2*>(dst + 8 * i), make_float2(accdQ(4 * i + 2 * e1), accdQ(4 * i + 2 * e1 + 1)));
       }
     }
-    if (turn_rows) {  // every thread's adds visible, then the next block's turn
-      __threadfence();
-      barrier_sync(NamedBarrier::kConsumers, kConsumerThreads);
-      if (q_turn) ptx::st_release_gpu(q_turn, S.rank[st][wtid] + 1);
-      pipeline.consumer_release(state);
-    }
+    if (kDet && bad) atomicOr(reinterpret_cast<int32_t*>(p.fix) + kBad + 0, 1);
     ++state;
   }
 
-  if constexpr (kTiledDq) {
-    // every dQ add done before the CTA ends (here rather than after the dK/dV adds: there it kept
-    // registers live and the spills grew from 92 to 156 bytes)
-    if (lane < 16) ptx::bulk_wait<0>();
-  }
   if (P.teacher_only) return;
-  // dK_j, dV_j of this unit: fp32 atomics (several units may share a kv head), in unit order in
+  // dK_j, dV_j of this unit: fp32 atomics (several units may share a kv head), in fixed point in
   // deterministic mode
-  int32_t* kv_turn = turn_keys ? turn_keys + int64_t(gb) * p.Hkv + kvh : nullptr;
-  take_turn(kv_turn, kv_order);
   const auto cKV = thr_dkv.partition_C(make_identity_tensor(Shape<_64, Int<C::kHeadDim>>{}));
-  add_key_rows(accdK, cKV, key_base, L, s0, p.Hkv, kvh, p.dk_acc);
-  add_key_rows(accdV, cKV, key_base, L, s0, p.Hkv, kvh, p.dv_acc);
-  pass_turn(kv_turn, kv_order);
+  if constexpr (kDet) {
+    bool bad = false;
+    add_key_rows_fixed(accdK, cKV, key_base, L, s0, p.Hkv, kvh, p.dk_fix, p.fix[kUnitDk], bad);
+    if (bad) atomicOr(reinterpret_cast<int32_t*>(p.fix) + kBad + 1, 1);
+    bad = false;
+    add_key_rows_fixed(accdV, cKV, key_base, L, s0, p.Hkv, kvh, p.dv_fix, p.fix[kUnitDv], bad);
+    if (bad) atomicOr(reinterpret_cast<int32_t*>(p.fix) + kBad + 2, 1);
+  } else {
+    add_key_rows(accdK, cKV, key_base, L, s0, p.Hkv, kvh, p.dk_acc);
+    add_key_rows(accdV, cKV, key_base, L, s0, p.Hkv, kvh, p.dv_acc);
+  }
 }
 
-// kDet: the deterministic instantiation (P.c.turn_rows and turn_keys set), else the default one
+// kDet: the deterministic instantiation (the fixed-point fields of Common set), else the default one
 template <class Element, bool kDet>
 void launch_main(const MainParams<Element>& P, int units, cudaStream_t stream) {
   using C = MainConfig<Element>;
@@ -488,7 +433,7 @@ void launch_main(const MainParams<Element>& P, int units, cudaStream_t stream) {
 // bwd.h's run_main: the TMA descriptors of K_j and V_j (teacher_only reads no V: the K
 // descriptor stands in), then the launch (one instantiation per translation unit).
 template <Dtype D, bool kDet>
-bool run_main(const MainArgs& a, int units, cudaStream_t stream) {
+void run_main(const MainArgs& a, int units, cudaStream_t stream) {
   using Element = typename ElementOf<D>::type;
   using Stage = typename MainParams<Element>::StageLayout;
   MainParams<Element> p;
@@ -500,7 +445,6 @@ bool run_main(const MainArgs& a, int units, cudaStream_t stream) {
                                                              a.c.seqs.batch, a.total).copy;
   p.tma_shape = tk.shape;
   launch_main<Element, kDet>(p, units, stream);
-  return FLASHMSA_BWD_DQ_TILED && !kDet;  // dq_acc in the tiled layout (bwd_params.cuh)
 }
 
 }  // namespace flashmsa::cuda::attn_bwd

@@ -1,5 +1,8 @@
 #include "cuda/bwd/bwd_misc.cuh"
 
+#include <algorithm>
+#include <type_traits>
+
 #include <cub/device/device_radix_sort.cuh>
 #include <cub/device/device_scan.cuh>
 #include <cutlass/numeric_types.h>
@@ -23,7 +26,7 @@ __global__ void preprocess_kernel(const PreprocessArgs a) {
   a.seqs.get(b, s0, L);
   if (i >= L) return;
   const int64_t t = s0 + i;
-  float acc = 0.f;
+  float acc = 0.f, g2 = 0.f;
   if (a.dout.ptr) {  // without dout (the forward's kl), only lse2
     const Element* o = a.out.template row<const Element>(b, t, h);
     const Element* g = a.dout.template row<const Element>(b, t, h);
@@ -33,15 +36,86 @@ __global__ void preprocess_kernel(const PreprocessArgs a) {
     } else {
       for (int e = 0; e < 4; ++e) acc += to_f(o[lane * 4 + e]) * to_f(g[lane * 4 + e]);
     }
+    if (a.dq_unit)
+      for (int e = 0; e < 4; ++e) g2 += to_f(g[lane * 4 + e]) * to_f(g[lane * 4 + e]);
   }
 #pragma unroll
-  for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffff, acc, off);
+  for (int off = 16; off > 0; off >>= 1) {
+    acc += __shfl_xor_sync(0xffffffff, acc, off);
+    g2 += __shfl_xor_sync(0xffffffff, g2, off);
+  }
   if (lane == 0) {
     const int64_t pi = padded_offset(s0, b, kPadTile) + i;
     const float dl = a.dlse.ptr ? *a.dlse.at(h, t) : 0.f;
     if (a.dsum) a.dsum[h * a.padded_stride + pi] = acc - dl;
     a.lse2[h * a.padded_stride + pi] = *a.lse.at(h, t) * kLog2e;
+    // deterministic mode: a dq row adds sum_u dS_tu K_u with dS_tu = P_tu (dP_tu - D_t),
+    // |dP_tu| <= |dO_t| |V_u| and sum_u P_tu <= 1, so |dq_t| <= max|K| (|dO_t| max|V_u| + |D_t|)
+    if (a.dq_unit)
+      a.dq_unit[h * a.padded_stride + pi] = fixed_unit(a.fix[kMaxK] * (sqrtf(g2) * a.fix[kMaxV] + fabsf(acc - dl)));
   }
+}
+
+// Deterministic mode: max over the rows of a per-token tensor [total, heads, 128] of the row's
+// largest |element| (norm = false) or its L2 norm (norm = true), into *out (a non-negative float
+// compared as an int: NaN, 0x7fc00000 once the sign is cleared, wins over every finite value and inf).
+template <class Element>
+__global__ void row_bound_kernel(const TokenTensor<const void> x, int heads, const Seqs seqs, int64_t total, bool norm,
+                                 float* out) {
+  __shared__ float part[8];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  float m = 0.f;
+  for (int64_t r = int64_t(blockIdx.x) * 8 + warp; r < total * heads; r += int64_t(gridDim.x) * 8) {
+    const int64_t t = r / heads;
+    const int h = int(r % heads);
+    const int b = seqs.cu_seqlens ? 0 : int(t / seqs.seqlen);  // varlen tensors have no batch stride
+    const Element* row = x.template row<const Element>(b, t, h);
+    float v = 0.f;
+    for (int e = 0; e < 4; ++e) {
+      const float y = to_f(row[lane * 4 + e]);
+      v = norm ? v + y * y : fmaxf(v, fabsf(y)) + (y - y);  // (y - y): NaN stays NaN through fmaxf
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+      const float o = __shfl_xor_sync(0xffffffff, v, off);
+      v = norm ? v + o : fmaxf(v, o) + (o - o);
+    }
+    if (norm) v = sqrtf(v);
+    m = __int_as_float(max(__float_as_int(m), __float_as_int(fabsf(v))));
+  }
+  if (lane == 0) part[warp] = m;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int best = 0;
+    for (int w = 0; w < 8; ++w) best = max(best, __float_as_int(part[w]));
+    atomicMax(reinterpret_cast<int*>(out), best);
+  }
+}
+
+// max |dlse| over [Hq, total] (deterministic mode), as row_bound_kernel
+__global__ void dlse_bound_kernel(const HeadTensor<const float> dlse, int heads, int64_t total, float* out) {
+  int m = 0;
+  for (int64_t r = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; r < total * heads; r += int64_t(gridDim.x) * blockDim.x)
+    m = max(m, __float_as_int(fabsf(*dlse.at(int(r / total), r % total))));
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) m = max(m, __shfl_xor_sync(0xffffffff, m, off));
+  if (threadIdx.x % 32 == 0) atomicMax(reinterpret_cast<int*>(out), m);
+}
+
+// The units of the tensors with one unit (bwd_params.cuh), from the bounds of sum |c| over every
+// contribution to one element (sums over rows use sum_u P_tu <= 1 per query row, and at most
+// gkv * L query rows (t, h) reach a key: gkv = Hq / Hkv heads, L = the longest sequence):
+//   dqp: sum_u dz_tu Kp_u, dz = g (s - t), sum_u s, sum_u t <= 1      -> 2 |g| max|Kp|
+//   dk:  sum_t dS_tu Q_t, |dS_tu| <= P_tu (|dO_t| |V_u| + |D_t|), |D_t| <= |dO_t| max|V_u| + |dlse|
+//                                                                      -> max|Q| gkv L (2 max|dO| max|V| + max|dlse|)
+//   dv:  sum_t P_tu dO_t                                               -> max|dO el| gkv L
+//   dkp: sum_t dz_tu Qp_t over the gp = Hp / Hpk proxy heads            -> 2 |g| max|Qp| gp L
+__global__ void fix_units_kernel(float* fix, const float* dkl, float gkv_l, float gp_l) {
+  const float g = dkl ? fabsf(*dkl) : 0.f;
+  fix[kUnitDqp] = fixed_unit(2.f * g * fix[kMaxKp]);
+  fix[kUnitDk] = fixed_unit(fix[kMaxQ] * gkv_l * (2.f * fix[kMaxDo] * fix[kMaxV] + fix[kMaxDlse]));
+  fix[kUnitDv] = fixed_unit(fix[kMaxDoEl] * gkv_l);
+  fix[kUnitDkp] = fixed_unit(2.f * g * fix[kMaxQp] * gp_l);
 }
 
 __global__ void block_counts_kernel(const Seqs seqs, int32_t* counts) {
@@ -87,34 +161,6 @@ __global__ void inversion_keys_kernel(const InversionArgs a, const int32_t* blk_
   vals[e] = int32_t(t);
 }
 
-// Deterministic mode: the rank of each sorted entry's block among the valid blocks of its
-// (proxy head, token) row, i.e. the entry's turn in that token's dq / dqp sum.
-__global__ void inversion_ranks_kernel(const InversionArgs a, const uint32_t* keys, const int32_t* vals,
-                                       const int32_t* blk_off, int64_t n, int32_t* ranks) {
-  const int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (e >= n) return;
-  const uint32_t key = keys[e];
-  if (int64_t(key) >= int64_t(a.Hp) * a.nblk) {  // sentinel (empty slot)
-    ranks[e] = 0;
-    return;
-  }
-  const int p = int(key / uint32_t(a.nblk)), gb = int(key % uint32_t(a.nblk));
-  const int64_t t = vals[e];
-  const int b = seq_of_token(a.seqs, t);
-  int64_t s0, L;
-  a.seqs.get(b, s0, L);
-  const int64_t j = gb - blk_off[b], own = (t - s0) / kBlockKeys;
-  const int32_t* row = a.indices.at(p, t);
-  int r = 0;  // distinct valid blocks below j (a repeated block is one entry, see the keys kernel)
-  for (int s = 0; s < a.topk; ++s) {
-    const int64_t v = row[s];
-    bool first = v >= 0 && v <= own && v < j;
-    for (int s2 = 0; first && s2 < s; ++s2) first = row[s2] != v;
-    r += first ? 1 : 0;
-  }
-  ranks[e] = r;
-}
-
 // offsets[k] = first position of key >= k in the sorted keys, k in [0, Hp * nblk]
 __global__ void inversion_offsets_kernel(const uint32_t* keys, int64_t n, int64_t nkeys, int32_t* offsets) {
   const int64_t k = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -129,7 +175,7 @@ __global__ void inversion_offsets_kernel(const uint32_t* keys, int64_t n, int64_
 }
 
 template <class Element>
-__global__ void convert_kernel(const float* acc, TokenTensor<void> out, Seqs seqs, int heads, float scale, bool tiled) {
+__global__ void convert_kernel(const float* acc, TokenTensor<void> out, Seqs seqs, int heads, float scale) {
   const int64_t i = int64_t(blockIdx.x) * (blockDim.x / 16) + threadIdx.x / 16;
   const int h = blockIdx.y, b = blockIdx.z;
   int64_t s0, L;
@@ -137,12 +183,32 @@ __global__ void convert_kernel(const float* acc, TokenTensor<void> out, Seqs seq
   if (i >= L) return;
   const int64_t t = s0 + i;
   const int d = (threadIdx.x % 16) * 8;
-  const float* src = tiled ? acc + dq_tiled_row(t, d / 64, h, heads) + ((d % 64) ^ dq_tiled_swizzle(t, h))
-                          : acc + (t * heads + h) * kHeadDimInst + d;
+  const float* src = acc + (t * heads + h) * kHeadDimInst + d;
   Element* dst = out.template row<Element>(b, t, h) + d;
   const float4 x0 = *reinterpret_cast<const float4*>(src), x1 = *reinterpret_cast<const float4*>(src + 4);
   alignas(16) Element v[8] = {Element(x0.x * scale), Element(x0.y * scale), Element(x0.z * scale), Element(x0.w * scale),
                               Element(x1.x * scale), Element(x1.y * scale), Element(x1.z * scale), Element(x1.w * scale)};
+  *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(v);
+}
+
+// the fixed-point accumulators (deterministic mode): value = acc / unit, exact in double up to 2^53
+template <class Element>
+__global__ void convert_fixed_kernel(const int64_t* acc, TokenTensor<void> out, Seqs seqs, int heads, float scale,
+                                     const float* unit, int64_t padded_stride, const int32_t* bad) {
+  const int64_t i = int64_t(blockIdx.x) * (blockDim.x / 16) + threadIdx.x / 16;
+  const int h = blockIdx.y, b = blockIdx.z;
+  int64_t s0, L;
+  seqs.get(b, s0, L);
+  if (i >= L) return;
+  const int64_t t = s0 + i;
+  const int d = (threadIdx.x % 16) * 8;
+  const float u = padded_stride ? unit[h * padded_stride + padded_offset(s0, b, kPadTile) + i] : *unit;
+  const double f = *bad ? double(NAN) : double(scale) / double(u);
+  const int64_t* src = acc + (t * heads + h) * kHeadDimInst + d;
+  Element* dst = out.template row<Element>(b, t, h) + d;
+  alignas(16) Element v[8];
+#pragma unroll
+  for (int e = 0; e < 8; ++e) v[e] = Element(float(double(src[e]) * f));
   *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(v);
 }
 
@@ -254,23 +320,54 @@ Inversion build_inversion(const InversionArgs& a, void* ws, cudaStream_t st) {
   inv.offsets = offsets;
   inv.blk_off = blk_off;
   inv.nblk = a.nblk;
-  if (a.ranks) {  // into keys_in, free once sorted
-    auto* ranks = reinterpret_cast<int32_t*>(keys_in);
-    if (n > 0) {
-      inversion_ranks_kernel<<<unsigned((n + 255) / 256), 256, 0, st>>>(a, keys_out, vals_out, blk_off, n, ranks);
-      FLASHMSA_CUDA_CHECK(cudaGetLastError());
-    }
-    inv.rank = ranks;
-  }
   return inv;
 }
 
 template <Dtype D>
 void launch_convert(const float* acc, TokenTensor<void> out, const Seqs& seqs, int64_t max_seqlen, int heads,
-                    float scale, cudaStream_t st, bool tiled) {
+                    float scale, cudaStream_t st) {
   if (seqs.batch == 0 || max_seqlen == 0) return;
   dim3 grid(unsigned((max_seqlen + 15) / 16), heads, seqs.batch);
-  convert_kernel<typename ElementOf<D>::type><<<grid, 256, 0, st>>>(acc, out, seqs, heads, scale, tiled);
+  convert_kernel<typename ElementOf<D>::type><<<grid, 256, 0, st>>>(acc, out, seqs, heads, scale);
+  FLASHMSA_CUDA_CHECK(cudaGetLastError());
+}
+
+template <Dtype D>
+void launch_convert_fixed(const int64_t* acc, TokenTensor<void> out, const Seqs& seqs, int64_t max_seqlen, int heads,
+                          float scale, const float* unit, int64_t padded_stride, const int32_t* bad, cudaStream_t st) {
+  if (seqs.batch == 0 || max_seqlen == 0) return;
+  dim3 grid(unsigned((max_seqlen + 15) / 16), heads, seqs.batch);
+  convert_fixed_kernel<typename ElementOf<D>::type>
+      <<<grid, 256, 0, st>>>(acc, out, seqs, heads, scale, unit, padded_stride, bad);
+  FLASHMSA_CUDA_CHECK(cudaGetLastError());
+}
+
+void launch_fix_bounds(const FixInputs& in, float* fix, cudaStream_t st) {
+  const unsigned blocks = unsigned(std::min<int64_t>(1024, (in.total * std::max(in.Hq, 1) + 7) / 8 + 1));
+  auto run = [&](auto* tag, TokenTensor<const void> x, int heads, bool norm, int word) {
+    using Element = std::remove_pointer_t<decltype(tag)>;
+    if (!x.ptr || in.total == 0) return;
+    row_bound_kernel<Element><<<blocks, 256, 0, st>>>(x, heads, in.seqs, in.total, norm, fix + word);
+    FLASHMSA_CUDA_CHECK(cudaGetLastError());
+  };
+  auto all = [&](auto* tag) {
+    run(tag, in.k, in.Hkv, false, kMaxK);
+    run(tag, in.v, in.Hkv, true, kMaxV);
+    run(tag, in.kp, in.Hpk, false, kMaxKp);
+    run(tag, in.q, in.Hq, false, kMaxQ);
+    run(tag, in.qp, in.Hp, false, kMaxQp);
+    run(tag, in.dout, in.Hq, true, kMaxDo);
+    run(tag, in.dout, in.Hq, false, kMaxDoEl);
+  };
+  if (in.dtype == Dtype::kBf16) all(static_cast<cutlass::bfloat16_t*>(nullptr));
+  else all(static_cast<cutlass::half_t*>(nullptr));
+  if (in.dlse.ptr && in.total > 0) {
+    dlse_bound_kernel<<<blocks, 256, 0, st>>>(in.dlse, in.Hq, in.total, fix + kMaxDlse);
+    FLASHMSA_CUDA_CHECK(cudaGetLastError());
+  }
+  const float L = float(in.max_seqlen);
+  fix_units_kernel<<<1, 1, 0, st>>>(fix, in.dkl, float(in.Hq / std::max(in.Hkv, 1)) * L,
+                                    in.Hpk ? float(in.Hp / in.Hpk) * L : 0.f);
   FLASHMSA_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -281,9 +378,11 @@ void launch_kl_reduce(const float* partials, int64_t n, double scale, float* out
 
 template void launch_preprocess<Dtype::kBf16>(const PreprocessArgs&, cudaStream_t);
 template void launch_preprocess<Dtype::kFp16>(const PreprocessArgs&, cudaStream_t);
-template void launch_convert<Dtype::kBf16>(const float*, TokenTensor<void>, const Seqs&, int64_t, int, float, cudaStream_t,
-                                          bool);
-template void launch_convert<Dtype::kFp16>(const float*, TokenTensor<void>, const Seqs&, int64_t, int, float, cudaStream_t,
-                                          bool);
+template void launch_convert<Dtype::kBf16>(const float*, TokenTensor<void>, const Seqs&, int64_t, int, float, cudaStream_t);
+template void launch_convert<Dtype::kFp16>(const float*, TokenTensor<void>, const Seqs&, int64_t, int, float, cudaStream_t);
+template void launch_convert_fixed<Dtype::kBf16>(const int64_t*, TokenTensor<void>, const Seqs&, int64_t, int, float,
+                                                const float*, int64_t, const int32_t*, cudaStream_t);
+template void launch_convert_fixed<Dtype::kFp16>(const int64_t*, TokenTensor<void>, const Seqs&, int64_t, int, float,
+                                                const float*, int64_t, const int32_t*, cudaStream_t);
 
 }  // namespace flashmsa::cuda::attn_bwd

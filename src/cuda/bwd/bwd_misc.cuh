@@ -24,6 +24,10 @@ struct PreprocessArgs {
   float* lse2 = nullptr;  // padded [Hq, padded_total]
   float* dsum = nullptr;
   int64_t padded_stride = 0;  // = padded_total(total, B, kPadTile)
+  // deterministic mode: each dq row's fixed-point unit (padded like dsum), from the bounds
+  // (launch_fix_bounds: fix[kMaxK], fix[kMaxV]) and the row's |dO| and dpsum
+  float* dq_unit = nullptr;
+  const float* fix = nullptr;
 };
 template <Dtype>
 void launch_preprocess(const PreprocessArgs& a, cudaStream_t st);
@@ -35,7 +39,6 @@ struct InversionArgs {
   int Hp = 0, topk = 0;
   int64_t total = 0;
   int nblk = 0;  // upper bound of global blocks: total / 128 + B + 1
-  bool ranks = false;  // deterministic mode: also each entry's rank (Inversion::rank)
 };
 size_t inversion_workspace(const InversionArgs& a);
 // Builds into ws (inversion_workspace bytes); returns the views.
@@ -47,7 +50,26 @@ const int32_t* build_blk_off(const Seqs& seqs, void* ws, cudaStream_t st);
 // out[t, h, :] = scale * acc[t, h, :] in the output dtype.
 template <Dtype>
 void launch_convert(const float* acc, TokenTensor<void> out, const Seqs& seqs, int64_t max_seqlen, int heads,
-                    float scale, cudaStream_t st, bool tiled = false);
+                    float scale, cudaStream_t st);
+
+// Deterministic mode's fixed point (bwd_params.cuh): the bounds of FixWord into fix (zeroed by
+// the caller), then the units of dk, dv, dqp, dkp. Non-finite inputs give non-finite bounds and
+// NaN units (so NaN gradients).
+struct FixInputs {
+  TokenTensor<const void> q, k, v, dout, qp, kp;  // qp, kp: absent without a proxy
+  HeadTensor<const float> dlse;                   // optional
+  const float* dkl = nullptr;                     // optional (no proxy gradient)
+  int Hq = 0, Hkv = 0, Hp = 0, Hpk = 0;
+  Seqs seqs;
+  int64_t total = 0, max_seqlen = 0;
+  Dtype dtype = Dtype::kBf16;
+};
+void launch_fix_bounds(const FixInputs& in, float* fix, cudaStream_t st);
+// out[t, h, :] = scale * acc[t, h, :] / unit in the output dtype, unit = row_unit.at(h, padded
+// row) (per row: padded_stride > 0) or *unit (one for all); NaN everywhere when *bad is set.
+template <Dtype>
+void launch_convert_fixed(const int64_t* acc, TokenTensor<void> out, const Seqs& seqs, int64_t max_seqlen, int heads,
+                          float scale, const float* unit, int64_t padded_stride, const int32_t* bad, cudaStream_t st);
 
 // kl = scale * (sum of n per-CTA partials, added in a fixed order): deterministic.
 void launch_kl_reduce(const float* partials, int64_t n, double scale, float* out, cudaStream_t st);

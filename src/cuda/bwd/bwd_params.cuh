@@ -2,6 +2,7 @@
 // proxy backward, convert). CuTe-free: the dispatcher fills them.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 #include "cuda/common/seqlen.cuh"
@@ -12,14 +13,39 @@ namespace flashmsa::cuda::attn_bwd {
 // main backward, both through padded_offset(..., kPadTile).
 constexpr int kPadTile = 128;
 
-// The tiled dq accumulator (the main kernel's A/B knob FLASHMSA_BWD_DQ_TILED; run_main says
-// which layout its dq_acc has): [total, 2 (d half), H, 64] fp32, so that the heads of a token's
-// d half are contiguous (one bulk reduce-add per token and warp), with each row's eight 8-float
-// groups permuted by XOR with dq_tiled_swizzle (conflict-free staging in shared memory).
-// Element (t, h, d) sits at dq_tiled_row(t, d / 64, h, H) + ((d % 64) ^ dq_tiled_swizzle(t, h)).
-__host__ __device__ inline int dq_tiled_swizzle(int64_t t, int h) { return 8 * int((t + h) & 3); }
-__host__ __device__ inline int64_t dq_tiled_row(int64_t t, int half, int h, int H) {
-  return ((t * 2 + half) * H + h) * 64;
+// The deterministic mode's fixed point. A row's contributions c (each the partial sum over one
+// key block or one chunk of rows) satisfy sum |c| <= B for a bound B (bwd_misc.cu: per dq row from
+// max |K|, max |V_u|, |dO_t| and the dpsum; per tensor for dk, dv, dqp, dkp). The unit
+// u = 2^(47 - floor(log2 B)) keeps B * u < 2^48; each c * u is rounded to an int64 and added, so the
+// sum stays below 2^63 even with 2^14 blocks each at the bound, and its resolution is B * 2^-48 (fp32
+// adds lose ~2^-24 of the running sum each). A contribution with |c * u| > 2^50 (4x past the
+// bound: a non-finite input, or an lse that is not the rows' log-sum-exp) sets a flag that makes
+// the converted gradient NaN instead of plausible numbers.
+constexpr float kFixLimit = 0x1p50f;
+// The deterministic mode's small block of kFixWords 32-bit words (zeroed before the launch):
+// the bounds and the per-tensor units as floats (launch_fix_bounds), then one flag per gradient.
+enum FixWord : int {
+  kMaxK = 0,      // max |K| element
+  kMaxV = 1,      // max |V_u| (row norm)
+  kMaxKp = 2,     // max |Kp| element
+  kMaxQ = 3,      // max |Q| element
+  kMaxQp = 4,     // max |Qp| element
+  kMaxDo = 5,     // max |dO_t| (row norm)
+  kMaxDoEl = 6,   // max |dO| element
+  kMaxDlse = 7,   // max |dlse|
+  kUnitDqp = 8,   // the units of the tensors with one unit (dq has one per row)
+  kUnitDk = 9,
+  kUnitDv = 10,
+  kUnitDkp = 11,
+  kBad = 12,      // int flags: kBad + 0 dq, 1 dk, 2 dv, 3 dqp, 4 dkp
+  kFixWords = 17
+};
+__host__ __device__ inline float fixed_unit(float bound) {
+  if (!(bound < INFINITY)) return NAN;  // a non-finite input: the gradient comes out NaN
+  if (bound <= 0.f) return 1.f;         // every contribution is 0
+  int e = 47 - ilogbf(bound);
+  e = e < -126 ? -126 : (e > 126 ? 126 : e);
+  return ldexpf(1.f, e);
 }
 
 // The inversion: for each (proxy head p, global key block gb) the tokens (global index,
@@ -30,8 +56,6 @@ struct Inversion {
   const int32_t* tokens = nullptr;
   const int32_t* offsets = nullptr;   // [Hp * nblk + 1]
   const int32_t* blk_off = nullptr;   // [B + 1]
-  const int32_t* rank = nullptr;      // deterministic mode: per entry, the block's rank among the
-                                      // token's selected blocks (its turn in the token's dq sum)
   int nblk = 0;                       // total global blocks
 };
 
@@ -53,11 +77,21 @@ struct Common {
   float* kl_acc = nullptr;   // [num CTAs of the proxy kernel] partial kl sums, or null
   const float* dkl = nullptr;  // device scalar g (null: 0)
   int64_t total = 0;
-  // deterministic mode (ptx/order.cuh): turn counters, zeroed before the launch, of the per-token
-  // rows (dq: [total, units]; dqp: [total, Hp]) and of the per-block rows (dk/dv: [nblk, Hkv];
-  // dkp: [nblk, Hpk]); null: atomics in any order
+  // the recomputing proxy kernel's deterministic mode (DENSE; ptx/order.cuh): turn counters,
+  // zeroed before the launch, of the per-token rows (dqp: [total, Hp]) and of the per-block rows
+  // (dkp: [nblk, Hpk]); null: atomics in any order
   int32_t* turn_rows = nullptr;
   int32_t* turn_keys = nullptr;
+  // deterministic mode's exact sums (bwd_common.cuh, "fixed point"): the main kernel's dq and the
+  // kl kernel's dqp add 64-bit integers, (contribution * unit) rounded, so the sum does not depend
+  // on the order of the adds. unit is a power of two chosen from a bound of the row's sum.
+  int64_t* dq_fix = nullptr;          // [total, Hq, 128]
+  int64_t* dk_fix = nullptr;          // [total, Hkv, 128]
+  int64_t* dv_fix = nullptr;
+  int64_t* dqp_fix = nullptr;         // [total, Hp, 128]
+  int64_t* dkp_fix = nullptr;         // [total, Hpk, 128]
+  HeadTensor<const float> dq_unit;    // padded like dsum: the unit of each (head, token) dq row
+  float* fix = nullptr;               // the small block (FixWord): bounds, units, flags
 };
 
 }  // namespace flashmsa::cuda::attn_bwd

@@ -56,7 +56,6 @@ struct KlConfig {
     alignas(16) float teach[kStages][kTok][kTeachStride];
     float plse[kStages][kTok];
     int32_t tok[kStages][kTok];  // global token of each row; -1: past the list
-    int32_t rank[kStages][kTok];  // deterministic mode: the block's turn in each token's dqp sum
     typename Pipeline::SharedStorage pipe;
     cutlass::arch::ClusterTransactionBarrier kp_bar;
     float kl_warp[8];
@@ -81,9 +80,6 @@ __global__ void __launch_bounds__(kCtaThreads, 1) bwd_kl_kernel(const __grid_con
   const Common& p = P.c;
   extern __shared__ char smem_raw[];
   auto& S = smem_struct<typename C::Smem>(smem_raw);
-  const Turns turn = turns<kDet>(p);
-  int32_t* const turn_rows = turn.rows;
-  int32_t* const turn_keys = turn.keys;
 
   ProxyCta cta;
   if (!proxy_cta(p, cta)) return;
@@ -93,11 +89,8 @@ __global__ void __launch_bounds__(kCtaThreads, 1) bwd_kl_kernel(const __grid_con
   const int64_t entry0 = p.inv.offsets[int64_t(grp) * p.inv.nblk + gb];
   const int n = p.inv.offsets[int64_t(grp) * p.inv.nblk + gb + 1] - int(entry0);
   const int32_t* list = p.inv.tokens + entry0;
-  // deterministic mode: this proxy head's turn among those adding into the same dKp_j rows
-  const int ppk = p.Hp / p.Hpk;
-  int32_t* kp_turn = (P.grads && turn_keys) ? turn_keys + int64_t(gb) * p.Hpk + pk : nullptr;
   if (n <= 0) {
-    finish_empty_cta(p.kl_acc, kl_slot, kp_turn, grp % ppk);
+    finish_empty_cta(p.kl_acc, kl_slot, nullptr, 0);
     return;
   }
   const int nchunks = (n + C::kTok - 1) / C::kTok;
@@ -119,18 +112,13 @@ __global__ void __launch_bounds__(kCtaThreads, 1) bwd_kl_kernel(const __grid_con
       const int li = c * C::kTok + tid;
       return (tid < C::kTok && li < n) ? list[li] : -1;
     };
-    const bool det = P.grads && turn_rows;
-    auto row_rank = [&](int c) -> int32_t {
-      const int li = c * C::kTok + tid;
-      return (det && tid < C::kTok && li < n) ? p.inv.rank[entry0 + li] : 0;
-    };
-    int32_t next = row_token(0), next_rank = row_rank(0);
+    int32_t next = row_token(0);
     auto state = cutlass::make_producer_start_state<Pipeline>();
     for (int c = 0; c < nchunks; ++c) {
       pipeline.producer_acquire(state);
       const int st = state.index();
-      if (tid < C::kTok) S.tok[st][tid] = next, S.rank[st][tid] = next_rank;
-      if (c + 1 < nchunks) next = row_token(c + 1), next_rank = row_rank(c + 1);
+      if (tid < C::kTok) S.tok[st][tid] = next;
+      if (c + 1 < nchunks) next = row_token(c + 1);
       barrier_sync(NamedBarrier::kProducer, kWarpGroupThreads);
       for (int x = tid; x < C::kTok * 16; x += kWarpGroupThreads) {  // Qp rows, zero past the list
         const int r = x / 16, col = (x % 16) * 8;
@@ -184,6 +172,8 @@ __global__ void __launch_bounds__(kCtaThreads, 1) bwd_kl_kernel(const __grid_con
 
   const float psl2 = p.proxy_scale * kLog2e;
   const float coef = (P.grads && p.dkl) ? *p.dkl : 0.f;
+  const float unit = kDet ? p.fix[kUnitDqp] : 0.f;  // deterministic mode: dQp's fixed-point unit
+  bool bad = false;
   const int64_t key_base = int64_t(j) * C::kBlockN + 64 * w;
   float kl_sum = 0.f;
   S.kp_bar.wait(0);
@@ -209,13 +199,6 @@ __global__ void __launch_bounds__(kCtaThreads, 1) bwd_kl_kernel(const __grid_con
 #pragma unroll
     for (int x = 0; x < size(accZ); ++x) rDz(x) = Element(accZ(x));
     const int32_t tok_a = S.tok[st][get<0>(cQp(0))], tok_b = S.tok[st][get<0>(cQp(0)) + 8];
-    // deterministic mode: threads 0..63 of warpgroup 0 each hold one token's turn
-    int32_t* q_turn = nullptr;
-    int32_t q_rank = 0;
-    if (P.grads && turn_rows && w == 0 && wtid < C::kTok && S.tok[st][wtid] >= 0) {
-      q_turn = turn_rows + int64_t(S.tok[st][wtid]) * p.Hp + grp;
-      q_rank = S.rank[st][wtid];
-    }
     if (P.grads) {
       wg_gemm<false>(mma_dkp, make_tensor(rDz.data(), acc_to_a_regs(rDz.layout())), tKprQpT(_, _, _, st), accdKp);
 #pragma unroll
@@ -226,27 +209,32 @@ __global__ void __launch_bounds__(kCtaThreads, 1) bwd_kl_kernel(const __grid_con
       ptx::fence_proxy_async_smem();
       barrier_sync(NamedBarrier::kConsumers, kConsumerThreads);  // dz^T staged by both
       wg_gemm<true>(mma_dqp, tQprDz, tQprKp, accdQp);
-      if (turn_rows) {  // wait for the token's lower blocks to have added
-        if (q_turn) ptx::wait_turn(q_turn, q_rank);
-        barrier_sync(NamedBarrier::kConsumers, kConsumerThreads);
-      }
 #pragma unroll
       for (int x = 0; x < size(accdQp); x += 2) {
         const int r = get<0>(cQp(x)), d = 64 * w + get<1>(cQp(x));
         const int32_t t = (r == get<0>(cQp(0))) ? tok_a : tok_b;
-        if (t < 0) continue;
-        atomicAdd(reinterpret_cast<float2*>(p.dqp_acc + (int64_t(t) * p.Hp + grp) * C::kHeadDim + d),
-                  make_float2(accdQp(x), accdQp(x + 1)));
+        const int64_t at = (int64_t(t) * p.Hp + grp) * C::kHeadDim + d;
+        if constexpr (kDet) {  // integer adds: the same sum in any order (sector-wise: quad_pair)
+          float A, B;
+          int dA, dB;
+          quad_pair(accdQp(x), accdQp(x + 1), A, B, dA, dB);
+          if (t < 0) continue;
+          const int64_t quad = at - 2 * (wtid & 3);
+          add_fixed(p.dqp_fix + quad + dA, A, unit, bad);
+          add_fixed(p.dqp_fix + quad + dB, B, unit, bad);
+        } else {
+          if (t < 0) continue;
+          atomicAdd(reinterpret_cast<float2*>(p.dqp_acc + at), make_float2(accdQp(x), accdQp(x + 1)));
+        }
       }
-      if (turn_rows) __threadfence();  // the adds visible before the turn passes on
       // dz^T is rewritten next chunk: both warpgroups must be past their dQp GEMM
       barrier_sync(NamedBarrier::kConsumers, kConsumerThreads);
-      if (q_turn) ptx::st_release_gpu(q_turn, q_rank + 1);
     }
     ++state;
   }
 
-  proxy_cta_tail<C::kHeadDim>(p, P.grads, accdKp, thr_dkp, kp_turn, grp, pk, key_base, L, s0, kl_sum, S.kl_warp,
+  if (kDet && bad) atomicOr(reinterpret_cast<int32_t*>(p.fix) + kBad + 3, 1);
+  proxy_cta_tail<C::kHeadDim, kDet>(p, P.grads, accdKp, thr_dkp, nullptr, grp, pk, key_base, L, s0, kl_sum, S.kl_warp,
                               kl_slot);
 }
 

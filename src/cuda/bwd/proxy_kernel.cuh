@@ -162,8 +162,8 @@ __global__ void __launch_bounds__(kCtaThreads, 1) bwd_proxy_kernel(const __grid_
         const bool valid = r < NTc && li < n;
         const int64_t t = valid ? (p.dense ? dense_first + li : int64_t(list[li])) : -1;
         S.tok[st][r] = int32_t(t);
-        // deterministic mode: dense, block j is every token's j-th; else the inversion's rank
-        S.rank[st][r] = (!valid || !turn_rows) ? 0 : p.dense ? j : p.inv.rank[(list - p.inv.tokens) + li];
+        // deterministic mode (DENSE only, proxy_side.cpp): block j is every token's j-th
+        S.rank[st][r] = (!valid || !turn_rows) ? 0 : j;
         S.plse2[st][r] = valid ? *p.plse.at(grp, t) * kLog2e : 0.f;
       }
       ptx::cp_async_commit();

@@ -36,25 +36,6 @@ __device__ __forceinline__ void named_barrier_sync(int id, int nthreads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(nthreads) : "memory");
 }
 
-// PTX ISA 9.7.9.25.4.x: cp.reduce.async.bulk .add.f32 — the TMA engine adds `bytes` (a multiple
-// of 16; both addresses 16-byte aligned) of fp32 from shared memory into global memory, in a
-// bulk async-group of the issuing thread (commit, then wait: .read when the source may be reused,
-// without .read when the adds must have completed).
-__device__ __forceinline__ void bulk_reduce_add_f32(float* gmem, uint32_t smem, int bytes) {
-  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(gmem), "r"(smem),
-               "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void bulk_wait_read() {
-  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
-}
-template <int N>
-__device__ __forceinline__ void bulk_wait() {
-  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
 __device__ __forceinline__ float exp2f_approx(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
