@@ -193,6 +193,16 @@ inline void download(Tensor& t) {
   for (size_t i = 0; i < t.numel(); ++i) t.host[i] = flashmsa::load_as_double(t.dtype, raw.data(), int64_t(i));
 }
 
+// A device fp32 scalar holding v (e.g. the kl gradient dkl).
+inline Tensor device_scalar(double v) {
+  Tensor t;
+  t.shape = {};
+  t.dtype = FLASHMSA_DTYPE_FP32;
+  t.host = {v};
+  upload(t);
+  return t;
+}
+
 // An output: device buffer poisoned with all-ones bytes (NaN for floats, -1 for int32 would be
 // a legal value, so int outputs get 0x7f7f7f7f).
 inline Tensor output(std::vector<int64_t> shape, flashmsa_dtype_t dtype) {

@@ -453,10 +453,7 @@ void run_bwd_case(const Problem& pb0, const BwdCase& c) {
   if (with_dlse) a.dlse = dev_view(dlse);
   Tensor dklt;
   if (with_dkl) {
-    dklt.shape = {};
-    dklt.dtype = FLASHMSA_DTYPE_FP32;
-    dklt.host = {dkl};
-    upload(dklt);
+    dklt = device_scalar(dkl);
     a.dkl = dev_view(dklt);
   }
   if (pass_proxy_lse) a.proxy_lse = dev_view(f.proxy_lse);
@@ -618,9 +615,9 @@ TEST(Deterministic, SmallSparse) {
 // The deterministic mode adds dq and dqp in 64-bit fixed point with a unit from a bound of each
 // row's sum (bwd_params.cuh). A contribution past its bound must not come back as plausible
 // numbers: an lse that is not the rows' log-sum-exp (lse - 40: P up to e^40, far past the bound)
-// and a NaN in one element of q must both give NaN in every element of dq (and of dqp, whose
-// teacher then breaks its bound too), where a wrapped or saturated integer sum would give finite
-// garbage. (The default backward gives NaN rows for the NaN in q, and huge values for the lse.)
+// and a NaN in one element of q must both give NaN in every element of dq, dk, dv (P breaks
+// their bounds) and dqp, dkp (the teacher does), where a wrapped or saturated integer sum would
+// give finite garbage. (The default backward gives NaN rows for the NaN in q, and huge values for the lse.)
 void run_det_broken_bound(bool nan_q) {
   PoolScope scope;
   std::mt19937_64 rng(fresh_seed());
@@ -635,11 +632,7 @@ void run_det_broken_bound(bool nan_q) {
     upload(f.lse);
   }
   Tensor dout = random_input(token_shape(pb, pb.Hq, pb.D), pb.dtype, rng);
-  Tensor dklt;
-  dklt.shape = {};
-  dklt.dtype = FLASHMSA_DTYPE_FP32;
-  dklt.host = {1.0};
-  upload(dklt);
+  Tensor dklt = device_scalar(1.0);
   for (int det = 1; det >= 0; --det) {
     Tensor dq = output(token_shape(pb, pb.Hq, pb.D), pb.dtype), dk = output(token_shape(pb, pb.Hkv, pb.D), pb.dtype),
            dv = output(token_shape(pb, pb.Hkv, pb.D), pb.dtype), dqp = output(token_shape(pb, pb.Hp, pb.Dp), pb.dtype),
@@ -662,18 +655,18 @@ void run_det_broken_bound(bool nan_q) {
     cudaMemset(ws, 0xff, ws_bytes);
     flashmsa::bwd(a, ws, ws_bytes);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    download(dq);
-    download(dqp);
-    size_t finite_dq = 0, finite_dqp = 0;
-    for (double x : dq.host) finite_dq += std::isfinite(x);
-    for (double x : dqp.host) finite_dqp += std::isfinite(x);
-    std::printf("    %s, %s: finite dq %zu of %zu, dqp %zu of %zu\n", nan_q ? "NaN in q" : "lse - 40",
-                det ? "deterministic" : "default", finite_dq, dq.host.size(), finite_dqp, dqp.host.size());
-    if (det) {
-      EXPECT_EQ(finite_dq, 0u) << "deterministic dq: a broken bound must give NaN, not plausible numbers";
-      EXPECT_EQ(finite_dqp, 0u) << "deterministic dqp: a broken bound must give NaN, not plausible numbers";
-    } else if (nan_q) {  // (lse - 40 gives the default backward huge but finite values)
-      EXPECT_LT(finite_dq, dq.host.size()) << "the default backward was expected to show the NaN too";
+    const char* names[] = {"dq", "dk", "dv", "dqp", "dkp"};
+    Tensor* grads[] = {&dq, &dk, &dv, &dqp, &dkp};
+    for (int g = 0; g < 5; ++g) {
+      download(*grads[g]);
+      size_t finite = 0;
+      for (double x : grads[g]->host) finite += std::isfinite(x);
+      std::printf("    %s, %s: finite %s %zu of %zu\n", nan_q ? "NaN in q" : "lse - 40",
+                  det ? "deterministic" : "default", names[g], finite, grads[g]->host.size());
+      if (det)  // every fixed-point sum of this case breaks its bound
+        EXPECT_EQ(finite, 0u) << "deterministic " << names[g] << ": a broken bound must give NaN, not plausible numbers";
+      else if (nan_q && g == 0)  // (lse - 40 gives the default backward huge but finite values)
+        EXPECT_LT(finite, dq.host.size()) << "the default backward was expected to show the NaN too";
     }
   }
 }
@@ -1165,11 +1158,7 @@ TEST(Graph, TrainingStepCaptureReplay) {
          plse = output({pb.Hp, T}, FLASHMSA_DTYPE_FP32), kl = output({}, FLASHMSA_DTYPE_FP32),
          idx = output({pb.Hp, T, pb.topk}, FLASHMSA_DTYPE_INT32);
   Tensor dout = random_input(token_shape(pb, pb.Hq, pb.D), pb.dtype, rng);
-  Tensor dkl;
-  dkl.shape = {};
-  dkl.dtype = FLASHMSA_DTYPE_FP32;
-  dkl.host = {1.0};
-  upload(dkl);
+  Tensor dkl = device_scalar(1.0);
   Tensor dq = output(token_shape(pb, pb.Hq, pb.D), pb.dtype), dk = output(token_shape(pb, pb.Hkv, pb.D), pb.dtype),
          dv = output(token_shape(pb, pb.Hkv, pb.D), pb.dtype), dqp = output(token_shape(pb, pb.Hp, pb.Dp), pb.dtype),
          dkp = output(token_shape(pb, pb.Hpk, pb.Dp), pb.dtype);

@@ -111,11 +111,14 @@ __global__ void dlse_bound_kernel(const HeadTensor<const float> dlse, int heads,
 //   dv:  sum_t P_tu dO_t                                               -> max|dO el| gkv L
 //   dkp: sum_t dz_tu Qp_t over the gp = Hp / Hpk proxy heads            -> 2 |g| max|Qp| gp L
 __global__ void fix_units_kernel(float* fix, const float* dkl, float gkv_l, float gp_l) {
-  const float g = dkl ? fabsf(*dkl) : 0.f;
-  fix[kUnitDqp] = fixed_unit(2.f * g * fix[kMaxKp]);
+  // without a kl gradient the proxy sums stay zero (no adds): unit 1, so they convert to exact
+  // zeros even when qp or kp holds a non-finite value (as in the default mode)
+  const bool grads = dkl != nullptr;
+  const float g = grads ? fabsf(*dkl) : 0.f;
+  fix[kUnitDqp] = grads ? fixed_unit(2.f * g * fix[kMaxKp]) : 1.f;
   fix[kUnitDk] = fixed_unit(fix[kMaxQ] * gkv_l * (2.f * fix[kMaxDo] * fix[kMaxV] + fix[kMaxDlse]));
   fix[kUnitDv] = fixed_unit(fix[kMaxDoEl] * gkv_l);
-  fix[kUnitDkp] = fixed_unit(2.f * g * fix[kMaxQp] * gp_l);
+  fix[kUnitDkp] = grads ? fixed_unit(2.f * g * fix[kMaxQp] * gp_l) : 1.f;
 }
 
 __global__ void block_counts_kernel(const Seqs seqs, int32_t* counts) {
