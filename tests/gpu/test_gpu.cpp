@@ -663,10 +663,11 @@ void run_det_broken_bound(bool nan_q) {
       for (double x : grads[g]->host) finite += std::isfinite(x);
       std::printf("    %s, %s: finite %s %zu of %zu\n", nan_q ? "NaN in q" : "lse - 40",
                   det ? "deterministic" : "default", names[g], finite, grads[g]->host.size());
-      if (det)  // every fixed-point sum of this case breaks its bound
+      if (det) {  // every fixed-point sum of this case breaks its bound
         EXPECT_EQ(finite, 0u) << "deterministic " << names[g] << ": a broken bound must give NaN, not plausible numbers";
-      else if (nan_q && g == 0)  // (lse - 40 gives the default backward huge but finite values)
+      } else if (nan_q && g == 0) {  // (lse - 40 gives the default backward huge but finite values)
         EXPECT_LT(finite, dq.host.size()) << "the default backward was expected to show the NaN too";
+      }
     }
   }
 }
