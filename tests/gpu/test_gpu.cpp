@@ -5,6 +5,7 @@
 #include <climits>
 #include <numeric>
 
+#include "cuda/bwd/bwd_params.cuh"  // fixed_unit (host and device)
 #include "gpu_harness.hpp"
 
 namespace gputest {
@@ -673,6 +674,36 @@ void run_det_broken_bound(bool nan_q) {
 }
 TEST(Deterministic, SmallBrokenLseGivesNan) { run_det_broken_bound(false); }
 TEST(Deterministic, SmallNanInQGivesNan) { run_det_broken_bound(true); }
+
+// The deterministic mode's fixed-point unit (bwd_params.cuh, host code): a power of two with
+// bound x unit in [2^47, 2^48) wherever the exponent clamp allows (below 2^48 always), 1 for a
+// zero bound, NaN for a non-finite one; the flag's limit leaves 4x past the bound for rounding.
+TEST(FixedPoint, UnitKeepsSumsBelowLimit) {
+  using flashmsa::cuda::attn_bwd::fixed_unit;
+  using flashmsa::cuda::attn_bwd::kFixLimit;
+  std::mt19937_64 rng(fresh_seed());
+  int checked = 0;
+  for (int e = -149; e <= 127; ++e)
+    for (int k = 0; k < 8; ++k) {
+      const float B = std::ldexp(1.f + float(rng() % 1000000) / 1e6f, e);
+      if (!(B > 0.f) || !std::isfinite(B)) continue;
+      const float u = fixed_unit(B);
+      const double x = double(B) * double(u);
+      int ue = 0;
+      EXPECT_EQ(std::frexp(double(u), &ue), 0.5) << "unit of " << B << " is not a power of two: " << u;
+      EXPECT_LT(x, std::ldexp(1.0, 48)) << "bound " << B;
+      const int want = 47 - std::ilogb(B);
+      if (want >= -126 && want <= 126) {
+        EXPECT_GE(x, std::ldexp(1.0, 47)) << "bound " << B;
+      }
+      ++checked;
+    }
+  EXPECT_GT(checked, 2000);
+  EXPECT_EQ(fixed_unit(0.f), 1.f);
+  EXPECT_TRUE(std::isnan(fixed_unit(INFINITY)));
+  EXPECT_TRUE(std::isnan(fixed_unit(NAN)));
+  EXPECT_EQ(double(kFixLimit), std::ldexp(1.0, 50));
+}
 
 TEST(Proxy, SmallDense) {
   run_bwd_case(Problem().heads(8, 2).proxy_heads(2, 1).with_topk(1).seqlens({200, 1}), BwdCase().dense().with_dkl(1.0));
