@@ -33,7 +33,8 @@ void run_bwd(const flashmsa_bwd_args_t& a, const Geometry& g, char* ws, const Bw
   // deterministic mode: the bounds and units of the fixed-point sums (before the preprocess, which
   // reads them for the dq rows' units)
   float* const fix = l.deterministic ? reinterpret_cast<float*>(ws + l.fix) : nullptr;
-  const int32_t* const bad = reinterpret_cast<const int32_t*>(fix) + attn_bwd::kBad;  // dq, dk, dv, dqp, dkp
+  const int32_t* const bad =  // dq, dk, dv, dqp, dkp
+      l.deterministic ? reinterpret_cast<const int32_t*>(fix) + attn_bwd::kBad : nullptr;
   if (l.deterministic) {
     attn_bwd::FixInputs fi;
     fi.q = token_tensor<const void>(a.q, g);

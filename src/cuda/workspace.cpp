@@ -56,9 +56,10 @@ BwdLayout bwd_layout(const flashmsa_bwd_args_t& a, const Geometry& g) {
   l.dq = take(size_t(g.total) * g.Hq * kHeadDim * fix);
   l.dk = take(size_t(g.total) * g.Hkv * kHeadDim * fix);
   l.dv = take(size_t(g.total) * g.Hkv * kHeadDim * fix);
-  if (g.has_proxy) {
-    l.dqp = take(size_t(g.total) * g.Hp * kHeadDim * fix);
-    l.dkp = take(size_t(g.total) * g.Hpk * kHeadDim * fix);
+  if (g.has_proxy) {  // (fixed point only for the kl kernel: SPARSE/GIVEN)
+    const size_t fixp = a.mode == FLASHMSA_MODE_DENSE ? 4 : fix;
+    l.dqp = take(size_t(g.total) * g.Hp * kHeadDim * fixp);
+    l.dkp = take(size_t(g.total) * g.Hpk * kHeadDim * fixp);
   }
   if (a.deterministic) {  // zeroed with the accumulators (the range [dq, inv))
     l.fix = take(attn_bwd::kFixWords * 4);

@@ -177,17 +177,32 @@ __global__ void inversion_offsets_kernel(const uint32_t* keys, int64_t n, int64_
   offsets[k] = int32_t(lo);
 }
 
+// A convert thread's 8 elements: 16 threads per (token, head) row of a [total, heads, 128]
+// accumulator, grid (tokens / 16, heads, sequences) (launch_convert*). False past the sequence.
+struct ConvertSite {
+  int64_t i, s0, t;  // token in its sequence, the sequence's start, global token
+  int h, b, d;       // head, sequence, first column
+};
+__device__ __forceinline__ bool convert_site(const Seqs& seqs, ConvertSite& c) {
+  c.i = int64_t(blockIdx.x) * (blockDim.x / 16) + threadIdx.x / 16;
+  c.h = blockIdx.y, c.b = blockIdx.z;
+  int64_t L;
+  seqs.get(c.b, c.s0, L);
+  if (c.i >= L) return false;
+  c.t = c.s0 + c.i;
+  c.d = (threadIdx.x % 16) * 8;
+  return true;
+}
+inline dim3 convert_grid(int64_t max_seqlen, int heads, int batch) {
+  return dim3(unsigned((max_seqlen + 15) / 16), heads, batch);
+}
+
 template <class Element>
 __global__ void convert_kernel(const float* acc, TokenTensor<void> out, Seqs seqs, int heads, float scale) {
-  const int64_t i = int64_t(blockIdx.x) * (blockDim.x / 16) + threadIdx.x / 16;
-  const int h = blockIdx.y, b = blockIdx.z;
-  int64_t s0, L;
-  seqs.get(b, s0, L);
-  if (i >= L) return;
-  const int64_t t = s0 + i;
-  const int d = (threadIdx.x % 16) * 8;
-  const float* src = acc + (t * heads + h) * kHeadDimInst + d;
-  Element* dst = out.template row<Element>(b, t, h) + d;
+  ConvertSite c;
+  if (!convert_site(seqs, c)) return;
+  const float* src = acc + (c.t * heads + c.h) * kHeadDimInst + c.d;
+  Element* dst = out.template row<Element>(c.b, c.t, c.h) + c.d;
   const float4 x0 = *reinterpret_cast<const float4*>(src), x1 = *reinterpret_cast<const float4*>(src + 4);
   alignas(16) Element v[8] = {Element(x0.x * scale), Element(x0.y * scale), Element(x0.z * scale), Element(x0.w * scale),
                               Element(x1.x * scale), Element(x1.y * scale), Element(x1.z * scale), Element(x1.w * scale)};
@@ -198,17 +213,12 @@ __global__ void convert_kernel(const float* acc, TokenTensor<void> out, Seqs seq
 template <class Element>
 __global__ void convert_fixed_kernel(const int64_t* acc, TokenTensor<void> out, Seqs seqs, int heads, float scale,
                                      const float* unit, int64_t padded_stride, const int32_t* bad) {
-  const int64_t i = int64_t(blockIdx.x) * (blockDim.x / 16) + threadIdx.x / 16;
-  const int h = blockIdx.y, b = blockIdx.z;
-  int64_t s0, L;
-  seqs.get(b, s0, L);
-  if (i >= L) return;
-  const int64_t t = s0 + i;
-  const int d = (threadIdx.x % 16) * 8;
-  const float u = padded_stride ? unit[h * padded_stride + padded_offset(s0, b, kPadTile) + i] : *unit;
+  ConvertSite c;
+  if (!convert_site(seqs, c)) return;
+  const float u = padded_stride ? unit[c.h * padded_stride + padded_offset(c.s0, c.b, kPadTile) + c.i] : *unit;
   const double f = *bad ? double(NAN) : double(scale) / double(u);
-  const int64_t* src = acc + (t * heads + h) * kHeadDimInst + d;
-  Element* dst = out.template row<Element>(b, t, h) + d;
+  const int64_t* src = acc + (c.t * heads + c.h) * kHeadDimInst + c.d;
+  Element* dst = out.template row<Element>(c.b, c.t, c.h) + c.d;
   alignas(16) Element v[8];
 #pragma unroll
   for (int e = 0; e < 8; ++e) v[e] = Element(float(double(src[e]) * f));
@@ -330,8 +340,8 @@ template <Dtype D>
 void launch_convert(const float* acc, TokenTensor<void> out, const Seqs& seqs, int64_t max_seqlen, int heads,
                     float scale, cudaStream_t st) {
   if (seqs.batch == 0 || max_seqlen == 0) return;
-  dim3 grid(unsigned((max_seqlen + 15) / 16), heads, seqs.batch);
-  convert_kernel<typename ElementOf<D>::type><<<grid, 256, 0, st>>>(acc, out, seqs, heads, scale);
+  convert_kernel<typename ElementOf<D>::type>
+      <<<convert_grid(max_seqlen, heads, seqs.batch), 256, 0, st>>>(acc, out, seqs, heads, scale);
   FLASHMSA_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -339,9 +349,9 @@ template <Dtype D>
 void launch_convert_fixed(const int64_t* acc, TokenTensor<void> out, const Seqs& seqs, int64_t max_seqlen, int heads,
                           float scale, const float* unit, int64_t padded_stride, const int32_t* bad, cudaStream_t st) {
   if (seqs.batch == 0 || max_seqlen == 0) return;
-  dim3 grid(unsigned((max_seqlen + 15) / 16), heads, seqs.batch);
   convert_fixed_kernel<typename ElementOf<D>::type>
-      <<<grid, 256, 0, st>>>(acc, out, seqs, heads, scale, unit, padded_stride, bad);
+      <<<convert_grid(max_seqlen, heads, seqs.batch), 256, 0, st>>>(acc, out, seqs, heads, scale, unit,
+                                                                     padded_stride, bad);
   FLASHMSA_CUDA_CHECK(cudaGetLastError());
 }
 
