@@ -136,13 +136,13 @@ def _evaluate(model, tok, val, tgt, topk):
     loss = F.cross_entropy(logits.flatten(0, 1).float(), tgt.flatten())
     ask = tgt != -100
     acc = (logits.argmax(-1)[ask] == tgt[ask]).float().mean()
-    recalls = []
+    recalls, split = [], []
     for blk, x in zip(model.blocks, inputs):
-        q, k, v, qp, kp = blk.attn.project(x)
+        proj = blk.attn.project(x)
+        q, k, v, qp, kp = proj
         idx = flashmsa.msa_select(qp, kp, topk)
         recalls.append(attention_mass_recall(q, k, idx, rows=ask.flatten()).item())
-    ask0 = ask[0]
-    split = [kl_split(blk.attn, x[:1], ask0) for blk, x in zip(model.blocks, inputs)]
+        split.append(kl_split(blk.attn, [t[0] for t in proj], ask[0]))
     kl_rows = (sum(a for a, _ in split) / len(split), sum(b for _, b in split) / len(split))
     kl = float(kl) / model.blocks[0].attn.kl_coef
     if kl == 0.0 and tok.device.type == "cuda":  # a placeholder: the backend declined the value
@@ -154,15 +154,15 @@ def _evaluate(model, tok, val, tgt, topk):
     return loss.item(), acc.item(), kl, sum(recalls) / len(recalls), recalls, kl_rows
 
 
-def kl_split(attn, x, rows):
-    """The kl of one sequence (x [1, S, E]) split by rows: (mean kl at the rows where rows [S] is
+def kl_split(attn, proj, rows):
+    """The kl of one sequence (proj: its (q, k, v, qp, kp) from attn.project, [S, H, D]) split by
+    rows: (mean kl at the rows where rows [S] is
     True, i.e. the query tokens the loss sees; mean kl at the other rows, the filler the loss does
     not constrain). Same definition as the library's value (teacher: the mean of the group's main
     attention; student: the proxy's softmax; both over the set the mode trains on: the causal set
     in the warmup, the selected blocks after it), computed here in fp32 one proxy head at a time."""
-    proj = attn.project(x)
-    with torch.autocast(x.device.type, enabled=False):
-        return _kl_split(attn, [t[0] for t in proj], rows)
+    with torch.autocast(proj[0].device.type, enabled=False):
+        return _kl_split(attn, proj, rows)
 
 
 def _kl_split(attn, proj, rows):
