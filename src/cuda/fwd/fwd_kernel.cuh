@@ -26,10 +26,6 @@
 #include "cuda/fwd/fwd.h"
 #include "cuda/ptx/cp_async.cuh"
 
-#ifndef FLASHMSA_FWD_WG_LISTS
-#define FLASHMSA_FWD_WG_LISTS 0  // A/B knob (default off; docs/kernels/fwd.md, session 9): per-warpgroup lists
-#endif
-
 namespace flashmsa::cuda::attn_fwd {
 
 template <class Element>
@@ -65,12 +61,6 @@ struct Config {
     uint32_t tokmask[kMaxUnion][kBlockM / 32];
     typename Pipeline::SharedStorage pipe_k, pipe_v;
     int ulen;
-#if FLASHMSA_FWD_WG_LISTS
-    int16_t wlist[kConsumerWarpGroups][kMaxUnion];  // each consumer warpgroup's own union entries, ascending
-    uint8_t wact[kConsumerWarpGroups][kMaxUnion];   // 1: a token of the warpgroup's rows selected the entry
-    int wlen[kConsumerWarpGroups];
-    volatile int ktag[kStages], vtag[kStages];      // the union entry a K / V stage holds (or is loading)
-#endif
   };
   static constexpr size_t kSmemBytes = sizeof(Smem) + 1024;
   static_assert(kSmemBytes <= kMaxSmemBytes, "shared-memory plan over the SM's 227 KB");
@@ -153,41 +143,6 @@ __global__ void __launch_bounds__(kCtaThreads, 1) fwd_kernel(const __grid_consta
   }
   __syncthreads();
   const int ulen = S.ulen;
-#if FLASHMSA_FWD_WG_LISTS
-  // Each consumer warpgroup's own list: the union entries that a token of its 64 rows selected
-  // (dense: every entry, for a warpgroup with tokens). Warp w of the producer warpgroup builds
-  // warpgroup w's list. A warpgroup then skips the entries none of its tokens selected (random
-  // selections: 2.89 instead of 4.50 x topk entries per warpgroup at m3, clustered 1.31 vs 1.47).
-  if (tid < 32 * kConsumerWarpGroups) {
-    const int w = tid / 32;
-    const int tlo = min(ntok, (64 * w) / p.R), thi = min(ntok, (64 * w + 63) / p.R + 1);  // its tokens
-    auto range_bits = [&](int k) -> uint32_t {  // bits of tokmask word k for tokens [tlo, thi)
-      const int a = max(tlo - 32 * k, 0), e = min(thi - 32 * k, 32);
-      if (a >= e) return 0u;
-      return (e == 32 ? 0xffffffffu : ((1u << e) - 1u)) & ~((1u << a) - 1u);
-    };
-    int count = 0;
-    for (int q0 = 0; q0 < ulen; q0 += 32) {
-      const int qi = q0 + lane;
-      bool act = false;
-      if (qi < ulen) {
-        if (dense) {
-          act = tlo < thi;
-        } else {
-#pragma unroll
-          for (int k = 0; k < C::kBlockM / 32; ++k) act |= (S.tokmask[qi][k] & range_bits(k)) != 0u;
-        }
-        S.wact[w][qi] = act ? 1 : 0;
-      }
-      const unsigned bal = __ballot_sync(0xffffffffu, act);
-      if (act) S.wlist[w][count + __popc(bal & ((1u << lane) - 1u))] = int16_t(qi);
-      count += __popc(bal);
-    }
-    if (lane == 0) S.wlen[w] = count;
-  }
-  if (tid < C::kStages) S.ktag[tid] = -1, S.vtag[tid] = -1;
-  __syncthreads();
-#endif
 
   // ---- pipelines (FlashAttention-3's): K and V separately, so that K_{n+1} streams in while V_n
   // is still read; warpgroup 0 produces, warpgroups 1 and 2 consume ----
@@ -199,13 +154,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) fwd_kernel(const __grid_consta
   pp.num_consumers = C::kConsumers;
   pp.transaction_bytes = C::kBlockN * C::kHeadDim * sizeof(Element);
   Pipeline pipe_k(S.pipe_k, pp, Shape<_1, _1, _1>{});
-#if FLASHMSA_FWD_WG_LISTS
-  typename Pipeline::Params ppv = pp;
-  ppv.is_leader = tid == 32;  // V has its own producer thread (warp 1)
-  Pipeline pipe_v(S.pipe_v, ppv, Shape<_1, _1, _1>{});
-#else
   Pipeline pipe_v(S.pipe_v, pp, Shape<_1, _1, _1>{});
-#endif
   __syncthreads();  // barrier initialisation visible to every thread
   auto block_of = [&](int qi) { return dense ? qi : S.ulist[qi]; };  // the qi-th block of the union
 
@@ -215,37 +164,6 @@ __global__ void __launch_bounds__(kCtaThreads, 1) fwd_kernel(const __grid_consta
 
   if (role_wg == 0) {  // ---- producer ----
     cutlass::arch::warpgroup_reg_dealloc<kFwdRegs.producer>();
-#if FLASHMSA_FWD_WG_LISTS
-    // K (thread 0) and V (thread 32) by separate threads, so that a V stage a warpgroup still
-    // holds never stops K loads. Per entry: the stage's tag (which entry it holds), then for a
-    // warpgroup that skips the entry, its 128 arrivals on the stage's empty barrier (this phase is
-    // the entry's: the acquire has just seen the previous one complete), then the load.
-    if (tid == 0 || tid == 32) {
-      const bool is_k = tid == 0;
-      Pipeline& pipe = is_k ? pipe_k : pipe_v;
-      auto& tma = is_k ? p.tma_k : p.tma_v;
-      Tensor tg = tma_blocks(tma, p.tma_shape_k, kvh, b, s0, p.batched);  // (TMA, block)
-      Tensor ts = tma_stages(tma, is_k ? sK : sV);                        // (TMA, stage)
-      volatile int* tag = is_k ? S.ktag : S.vtag;
-      auto& empty = is_k ? S.pipe_k.empty_barrier_ : S.pipe_v.empty_barrier_;
-      auto st = cutlass::make_producer_start_state<Pipeline>();
-      for (int qi = 0; qi < ulen; ++qi) {
-        const int j = block_of(qi);
-        pipe.producer_acquire(st);
-        const int stage = st.index();
-        tag[stage] = qi;
-#pragma unroll
-        for (int w = 0; w < kConsumerWarpGroups; ++w)
-          if (!S.wact[w][qi]) {
-            const uint32_t bar = static_cast<uint32_t>(__cvta_generic_to_shared(&empty[stage]));
-            asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(kWarpGroupThreads) : "memory");
-          }
-        copy(tma.with(*pipe.producer_get_barrier(st)), tg(_, j), ts(_, stage));
-        ++st;
-      }
-    }
-    return;
-#endif
     if (tid == 0) {
       Tensor tKg = tma_blocks(p.tma_k, p.tma_shape_k, kvh, b, s0, p.batched);  // (TMA, block)
       Tensor tKs = tma_stages(p.tma_k, sK);                                      // (TMA, stage)
@@ -379,66 +297,6 @@ __global__ void __launch_bounds__(kCtaThreads, 1) fwd_kernel(const __grid_consta
   // Intra-warpgroup overlap (FlashAttention-3): S_n = Q K_n^T is issued before O += P_{n-1}
   // V_{n-1}, and the softmax of S_n runs while the P V GEMM does. (FlashAttention-3's ping-pong
   // of the two warpgroups measured slower here: docs/kernels/fwd.md.)
-#if FLASHMSA_FWD_WG_LISTS
-  // This warpgroup's entries in runs of consecutive union entries. Within a run, the loop below
-  // is the default one (S_n issued before P_{n-1} V_{n-1}); a run ends with its last P V done and
-  // its V stage released, so that the warpgroup never holds a V stage while it waits for the K
-  // of an entry further on (that could stop the V producer behind a stage the other warpgroup
-  // needs first). Before each wait, the stage's tag must name the entry: a stage whose previous
-  // entry this warpgroup skipped may still be a phase behind, and the barrier's parity alone
-  // cannot tell that from done.
-  {
-    const int my_len = S.wlen[wg];
-    const int16_t* my = S.wlist[wg];
-    auto st_of = [&](int qi) {
-      return typename Pipeline::PipelineState(qi % C::kStages, uint32_t((qi / C::kStages) & 1), uint32_t(qi));
-    };
-    auto wait_k = [&](int qi) {
-      while (S.ktag[qi % C::kStages] != qi) {
-      }
-      pipe_k.consumer_wait(st_of(qi));
-    };
-    auto wait_v = [&](int qi) {
-      while (S.vtag[qi % C::kStages] != qi) {
-      }
-      pipe_v.consumer_wait(st_of(qi));
-    };
-    for (int k0 = 0; k0 < my_len;) {
-      int k1 = k0 + 1;
-      while (k1 < my_len && my[k1] == my[k1 - 1] + 1) ++k1;
-      const int first = my[k0], last = my[k1 - 1];
-      wait_k(first);
-      wg_gemm_issue<true>(mma_qk, tSrQ, tSrK(_, _, _, first % C::kStages), accS);
-      warpgroup_wait<0>();
-      wg_gemm_done(mma_qk, tSrQ, accS);
-      pipe_k.consumer_release(st_of(first));
-      softmax(first);
-      to_p();
-      for (int qi = first + 1; qi <= last; ++qi) {
-        wait_k(qi);
-        wg_gemm_issue<true>(mma_qk, tSrQ, tSrK(_, _, _, qi % C::kStages), accS);
-        rescale_o();
-        wait_v(qi - 1);
-        wg_gemm_issue<false>(mma_pv, tOrP, tOrVt(_, _, _, (qi - 1) % C::kStages), accO);
-        warpgroup_wait<1>();
-        wg_gemm_done(mma_qk, tSrQ, accS);
-        pipe_k.consumer_release(st_of(qi));
-        softmax(qi);
-        warpgroup_wait<0>();
-        wg_gemm_done(mma_pv, tOrP, accO);
-        pipe_v.consumer_release(st_of(qi - 1));
-        to_p();
-      }
-      rescale_o();
-      wait_v(last);
-      wg_gemm_issue<false>(mma_pv, tOrP, tOrVt(_, _, _, last % C::kStages), accO);
-      warpgroup_wait<0>();
-      wg_gemm_done(mma_pv, tOrP, accO);
-      pipe_v.consumer_release(st_of(last));
-      k0 = k1;
-    }
-  }
-#else
   typename Pipeline::PipelineState sk, sv;  // consumer start: index 0, phase 0
   if (ulen > 0) {
     pipe_k.consumer_wait(sk);
@@ -475,7 +333,6 @@ __global__ void __launch_bounds__(kCtaThreads, 1) fwd_kernel(const __grid_consta
     wg_gemm_done(mma_pv, tOrP, accO);
     pipe_v.consumer_release(sv);
   }
-#endif
 
   // ---- epilogue: normalise, stage O through smem (this warpgroup's Q rows), store ----
   float row_lse[2];
