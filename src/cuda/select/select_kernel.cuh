@@ -4,14 +4,17 @@
 //
 // One CTA = one query block (128 tokens of one sequence) of one proxy head. Warp-specialised:
 // warpgroup 0 streams the key blocks 0..l with TMA into a three-stage mbarrier pipeline (one
-// thread issues, the rest give their registers back); warpgroups 1 and 2 own 64 rows each. Per row and key block the CTA keeps (block max, block lse); the top-k list
-// (non-local blocks by descending score, ties to the lower index) lives in shared memory with
-// one owner thread per row, so its size is the runtime topk (<= 64). The local block is scored
+// thread issues, the rest give their registers back); warpgroups 1 and 2 own 64 rows each. Per
+// row and key block the CTA keeps (block max, block lse); the top-k list (non-local blocks by
+// descending score, ties to the lower index) lives in shared memory with one owner thread per row
+// (quad lane 0 or 1), so its size is the runtime topk (<= 64). The local block is scored
 // last (masked u <= i) and only contributes its lse.
 //
 // Numbers (m3, 32k, Hp=4): 0.55 TFLOP of proxy logits; per key block a 128x128x128 GEMM
-// (~1000 cycles of tensor work per SM) against 16K exp2 (~1000 cycles of MUFU): the exp of the
-// block lse is as costly as the GEMM, so this kernel is MUFU-bound near 50% of bf16 peak.
+// (~1000 cycles of tensor work per SM) and 16K exp2 (~1000 cycles of MUFU). Measured bound
+// (docs/kernels/select.md, session 10): the latency of each row's scoring chain and the list
+// insert, so both rows are reduced together in independent chains and each row has its own owner
+// lane.
 #pragma once
 
 #include <cutlass/arch/reg_reconfig.h>
@@ -65,11 +68,11 @@ struct Config {
 __device__ __forceinline__ bool outranks(float score, float listed_score) { return score > listed_score; }
 
 // Sorted insert of (score, j, lse2) into a row's list of at most cap entries (blocks offered in
-// ascending j).
+// ascending j). `last`: the full list's last score, kept in the owner's register.
 template <class Smem>
-__device__ __forceinline__ void list_insert(Smem& S, int row, int& count, int cap, float score,
+__device__ __forceinline__ void list_insert(Smem& S, int row, int& count, float& last, int cap, float score,
                                             int j, float lse2) {
-  if (count == cap && !outranks(score, S.score[cap - 1][row])) return;
+  if (count == cap && !outranks(score, last)) return;
   int pos = count < cap ? count : cap - 1;
   while (pos > 0 && outranks(score, S.score[pos - 1][row])) {
     S.score[pos][row] = S.score[pos - 1][row];
@@ -81,6 +84,7 @@ __device__ __forceinline__ void list_insert(Smem& S, int row, int& count, int ca
   S.lse2[pos][row] = lse2;
   S.idx[pos][row] = int16_t(j);
   if (count < cap) ++count;
+  if (count == cap) last = S.score[cap - 1][row];
 }
 
 // The row writer of the tie rule: slots 0..n-1 the ranked list, slot n the local block, then -1.
@@ -165,7 +169,12 @@ __global__ void __launch_bounds__(kCtaThreads, 1) select_kernel(const __grid_con
 
   const int cap = p.topk - 1;
   const float sl2 = p.proxy_scale * kLog2e;
-  int count[2] = {0, 0};
+  // the list owner: quad lane r < 2 owns the thread's row r (own_row -1: no row)
+  const int own_r = lane & 3;
+  const int own_row = own_r == 0 ? wg * 64 + get<0>(cRC(0, 0)) : own_r == 1 ? wg * 64 + get<0>(cRC(1, 0)) : -1;
+  const int64_t own_i = int64_t(m_block) * C::kBlockM + (own_row < 0 ? 0 : own_row);
+  int count = 0;
+  float list_last = -INFINITY;  // the full list's last score (the owner's register copy)
   float local_lse2[2] = {0.f, 0.f};
   // lse-only modes: running log2-sum-exp2 of the counted blocks (kept by all four quad lanes)
   float run_m[2] = {-INFINITY, -INFINITY}, run_s[2] = {0.f, 0.f};
@@ -183,50 +192,85 @@ __global__ void __launch_bounds__(kCtaThreads, 1) select_kernel(const __grid_con
   if (p.lse_mode == kGivenLse) barrier_sync(consumer_wg_barrier(wg), kWarpGroupThreads);
 
   // One key block's logits in `a` -> the rows' block max and block lse, into the list (or the
-  // running lse). The causal mask only in the local block (j == m_block).
-  auto score_block = [&](auto& a, int j) {
+  // running lse). The causal mask only in the local block (j == m_block). Both rows of a thread
+  // are reduced together and each reduction is a tree of kChains independent chains (a single
+  // chain of 32 dependent FMNMX/FADD per row was the loop's latency bound, docs/kernels/select.md,
+  // session 10); the max is exact in any order, the sum's order is fixed.
+  constexpr int kCols = decltype(size<1>(accRC))::value, kChains = 8;
+  static_assert(kCols % kChains == 0, "columns split into whole chains");
+  auto score_block = [&](auto& a, int j, auto masked) {
     Tensor aRC = make_tensor(a.data(), acc_rowcol(a.layout()));
+    int lim[2];  // the row's last key column in this block (the local block only)
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int row = wg * 64 + get<0>(cRC(r, 0));
-      const int64_t i = int64_t(m_block) * C::kBlockM + row;  // position in the sequence
-      // (max, log2-sum-exp2) of the row's logits; `masked`: keys past column lim excluded (the
-      // local block only, so the other blocks pay no per-element mask)
-      auto stats = [&](auto masked) {
-        const int lim = int(i - int64_t(j) * C::kBlockN);  // the row's last key column
-        auto logit = [&](int c) {
-          if constexpr (decltype(masked)::value) return get<1>(cRC(r, c)) > lim ? -INFINITY : aRC(r, c);
-          else return aRC(r, c);
-        };
-        float mx = -INFINITY;
+    for (int r = 0; r < 2; ++r)
+      lim[r] = int(int64_t(m_block) * C::kBlockM + wg * 64 + get<0>(cRC(r, 0)) - int64_t(j) * C::kBlockN);
+    auto logit = [&](int r, int c) {
+      if constexpr (decltype(masked)::value) return get<1>(cRC(r, c)) > lim[r] ? -INFINITY : aRC(r, c);
+      else return aRC(r, c);
+    };
+    float mx[2], blse2[2];
+    {
+      float m[2][kChains];
 #pragma unroll
-        for (int c = 0; c < size<1>(aRC); ++c) mx = fmaxf(mx, logit(c));
-        mx = quad_max(mx);
-        const float ms = mx * sl2;
-        float sum = 0.f;
+      for (int r = 0; r < 2; ++r)
 #pragma unroll
-        for (int c = 0; c < size<1>(aRC); ++c) sum += ptx::exp2f_approx(logit(c) * sl2 - ms);
-        sum = quad_sum(sum);
-        return cute::make_tuple(mx, ms + __log2f(sum));
-      };
-      const auto st = j == m_block ? stats(std::true_type{}) : stats(std::false_type{});
-      const float mx = cute::get<0>(st), blse2 = cute::get<1>(st);
-      if (p.lse_mode != kSelect) {
+        for (int k = 0; k < kChains; ++k) m[r][k] = logit(r, k);
+#pragma unroll
+      for (int c = kChains; c < kCols; ++c)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) m[r][c % kChains] = fmaxf(m[r][c % kChains], logit(r, c));
+#pragma unroll
+      for (int w = kChains / 2; w > 0; w /= 2)
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+#pragma unroll
+          for (int k = 0; k < w; ++k) m[r][k] = fmaxf(m[r][k], m[r][k + w]);
+#pragma unroll
+      for (int r = 0; r < 2; ++r) mx[r] = quad_max(m[r][0]);
+    }
+    {
+      float ms[2], sm[2][kChains];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) ms[r] = mx[r] * sl2;
+#pragma unroll
+      for (int r = 0; r < 2; ++r)
+#pragma unroll
+        for (int k = 0; k < kChains; ++k) sm[r][k] = ptx::exp2f_approx(logit(r, k) * sl2 - ms[r]);
+#pragma unroll
+      for (int c = kChains; c < kCols; ++c)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) sm[r][c % kChains] += ptx::exp2f_approx(logit(r, c) * sl2 - ms[r]);
+#pragma unroll
+      for (int w = kChains / 2; w > 0; w /= 2)
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+#pragma unroll
+          for (int k = 0; k < w; ++k) sm[r][k] += sm[r][k + w];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) blse2[r] = ms[r] + __log2f(quad_sum(sm[r][0]));
+    }
+    if (p.lse_mode != kSelect) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
         bool counted = true;
         if (p.lse_mode == kGivenLse) {
+          const int row = wg * 64 + get<0>(cRC(r, 0));
           counted = false;
           for (int s = 0; s < p.topk; ++s) counted = counted || S.idx[s][row] == j;
         }
         if (counted) {
-          const float m2 = fmaxf(run_m[r], blse2);
-          run_s[r] = run_s[r] * exp2f(run_m[r] - m2) + exp2f(blse2 - m2);
+          const float m2 = fmaxf(run_m[r], blse2[r]);
+          run_s[r] = run_s[r] * exp2f(run_m[r] - m2) + exp2f(blse2[r] - m2);
           run_m[r] = m2;
         }
-      } else if (j == m_block) {
-        local_lse2[r] = blse2;
-      } else if (cap > 0 && (lane & 3) == 0 && i < L) {
-        list_insert(S, row, count[r], cap, mx, j, blse2);
       }
+    } else if constexpr (decltype(masked)::value) {
+      local_lse2[0] = blse2[0];
+      local_lse2[1] = blse2[1];
+    } else if (cap > 0 && own_row >= 0 && own_i < L) {
+      // one owner lane per row (quad lane 0: the thread's first row, lane 1: its second), so
+      // the two rows' inserts run side by side
+      list_insert(S, own_row, count, list_last, cap, own_r == 0 ? mx[0] : mx[1], j, own_r == 0 ? blse2[0] : blse2[1]);
     }
   };
   typename Pipeline::PipelineState state;
@@ -235,26 +279,25 @@ __global__ void __launch_bounds__(kCtaThreads, 1) select_kernel(const __grid_con
     wg_gemm<true>(mma, tSrQ, tSrK(_, _, _, state.index()), acc);
     pipeline.consumer_release(state);
     ++state;
-    score_block(acc, j);
+    if (j == m_block) score_block(acc, j, std::true_type{});
+    else score_block(acc, j, std::false_type{});
   }
 
-  // Write the rows (write_row), and the selected set's proxy lse.
-  if ((lane & 3) == 0) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int row = wg * 64 + get<0>(cRC(r, 0));
-      const int64_t i = int64_t(m_block) * C::kBlockM + row;
-      if (i >= L) continue;
-      if (p.lse_mode != kSelect) {
-        *p.proxy_lse.at(ph, s0 + i) = run_s[r] > 0.f ? (run_m[r] + log2f(run_s[r])) * kLn2 : -INFINITY;
-        continue;
-      }
-      const int n = count[r];
-      float mx2 = local_lse2[r];
+  // Write the rows (write_row), and the selected set's proxy lse: the row's owner lane.
+  if (own_row >= 0 && own_i < L) {
+    const int r = own_r, row = own_row;
+    const int64_t i = own_i;
+    if (p.lse_mode != kSelect) {
+      const float rs = r == 0 ? run_s[0] : run_s[1], rm = r == 0 ? run_m[0] : run_m[1];
+      *p.proxy_lse.at(ph, s0 + i) = rs > 0.f ? (rm + log2f(rs)) * kLn2 : -INFINITY;
+    } else {
+      const int n = count;
+      const float llse2 = r == 0 ? local_lse2[0] : local_lse2[1];
+      float mx2 = llse2;
       for (int s = 0; s < n; ++s) mx2 = fmaxf(mx2, S.lse2[s][row]);
       write_row(S, row, n, m_block, p.topk, p.indices.at(ph, s0 + i));
       if (p.proxy_lse.ptr) {
-        float sum = exp2f(local_lse2[r] - mx2);
+        float sum = exp2f(llse2 - mx2);
         for (int s = 0; s < n; ++s) sum += exp2f(S.lse2[s][row] - mx2);
         *p.proxy_lse.at(ph, s0 + i) = (mx2 + log2f(sum)) * kLn2;
       }
