@@ -87,6 +87,42 @@ __device__ __forceinline__ void list_insert(Smem& S, int row, int& count, float&
   if (count == cap) last = S.score[cap - 1][row];
 }
 
+// The same list in the owner's registers for cap <= kRegSlots (topk <= 16, the default): the
+// insert is a branch-free select network over the slots (every slot's new value from the old
+// values of its own slot and the one above), no shared memory and no loop. Slots >= cap only
+// ever receive entries shifted out of the list and are never read.
+constexpr int kRegSlots = 15;
+struct RegList {
+  float score[kRegSlots], lse2[kRegSlots];
+  int idx[kRegSlots];
+  __device__ __forceinline__ void insert(int& count, float& last, int cap, float sc, int j, float l2) {
+    if (count == cap && !outranks(sc, last)) return;
+    bool gt[kRegSlots];  // the new entry goes at or above slot k (monotone in k)
+#pragma unroll
+    for (int k = 0; k < kRegSlots; ++k) gt[k] = k >= count || outranks(sc, score[k]);
+#pragma unroll
+    for (int k = kRegSlots - 1; k >= 0; --k) {
+      const bool from_above = k > 0 && gt[k > 0 ? k - 1 : 0];
+      const bool here = gt[k] && !from_above;
+      if (from_above) {
+        score[k] = score[k - 1 >= 0 ? k - 1 : 0];
+        lse2[k] = lse2[k - 1 >= 0 ? k - 1 : 0];
+        idx[k] = idx[k - 1 >= 0 ? k - 1 : 0];
+      } else if (here) {
+        score[k] = sc;
+        lse2[k] = l2;
+        idx[k] = j;
+      }
+    }
+    if (count < cap) ++count;
+    if (count == cap) {
+#pragma unroll
+      for (int k = 0; k < kRegSlots; ++k)
+        if (k == cap - 1) last = score[k];
+    }
+  }
+};
+
 // The row writer of the tie rule: slots 0..n-1 the ranked list, slot n the local block, then -1.
 template <class Smem>
 __device__ __forceinline__ void write_row(const Smem& S, int row, int n, int local_block, int topk, int32_t* out) {
@@ -175,6 +211,8 @@ __global__ void __launch_bounds__(kCtaThreads, 1) select_kernel(const __grid_con
   const int64_t own_i = int64_t(m_block) * C::kBlockM + (own_row < 0 ? 0 : own_row);
   int count = 0;
   float list_last = -INFINITY;  // the full list's last score (the owner's register copy)
+  const bool reg_list = cap <= kRegSlots;  // the list in registers (RegList), else in shared memory
+  RegList rl;
   float local_lse2[2] = {0.f, 0.f};
   // lse-only modes: running log2-sum-exp2 of the counted blocks (kept by all four quad lanes)
   float run_m[2] = {-INFINITY, -INFINITY}, run_s[2] = {0.f, 0.f};
@@ -270,7 +308,9 @@ __global__ void __launch_bounds__(kCtaThreads, 1) select_kernel(const __grid_con
     } else if (cap > 0 && own_row >= 0 && own_i < L) {
       // one owner lane per row (quad lane 0: the thread's first row, lane 1: its second), so
       // the two rows' inserts run side by side
-      list_insert(S, own_row, count, list_last, cap, own_r == 0 ? mx[0] : mx[1], j, own_r == 0 ? blse2[0] : blse2[1]);
+      const float sc = own_r == 0 ? mx[0] : mx[1], l2 = own_r == 0 ? blse2[0] : blse2[1];
+      if (reg_list) rl.insert(count, list_last, cap, sc, j, l2);
+      else list_insert(S, own_row, count, list_last, cap, sc, j, l2);
     }
   };
   typename Pipeline::PipelineState state;
@@ -292,6 +332,14 @@ __global__ void __launch_bounds__(kCtaThreads, 1) select_kernel(const __grid_con
       *p.proxy_lse.at(ph, s0 + i) = rs > 0.f ? (rm + log2f(rs)) * kLn2 : -INFINITY;
     } else {
       const int n = count;
+      if (reg_list) {  // the register list to the row's shared-memory list, then one writer
+#pragma unroll
+        for (int k = 0; k < kRegSlots; ++k)
+          if (k < n) {
+            S.lse2[k][row] = rl.lse2[k];
+            S.idx[k][row] = int16_t(rl.idx[k]);
+          }
+      }
       const float llse2 = r == 0 ? local_lse2[0] : local_lse2[1];
       float mx2 = llse2;
       for (int s = 0; s < n; ++s) mx2 = fmaxf(mx2, S.lse2[s][row]);
