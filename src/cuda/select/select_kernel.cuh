@@ -266,6 +266,16 @@ __global__ void __launch_bounds__(kCtaThreads, 1) select_kernel(const __grid_con
 #pragma unroll
       for (int r = 0; r < 2; ++r) mx[r] = quad_max(m[r][0]);
     }
+    // A block that no row of the warp takes needs no lse: the select mode reads a block's lse only
+    // at its insert; the local block and the lse-only modes always need it (docs/kernels/select.md,
+    // session 10: clustered -13% at 32k, -25% at 128k; random +1-2%).
+    if constexpr (!decltype(masked)::value) {
+      if (p.lse_mode == kSelect) {
+        const float sc = own_r == 0 ? mx[0] : mx[1];
+        const bool take = cap > 0 && own_row >= 0 && own_i < L && (count < cap || outranks(sc, list_last));
+        if (!__any_sync(0xffffffffu, take)) return;
+      }
+    }
     {
       float ms[2], sm[2][kChains];
 #pragma unroll
