@@ -3,6 +3,7 @@
 // One binary, one process; CTest label `gpu`. Tests named Small* are the sanitizer's subset.
 #include <algorithm>
 #include <climits>
+#include <cmath>
 #include <numeric>
 
 #include "cuda/bwd/bwd_params.cuh"  // fixed_unit (host and device)
@@ -266,6 +267,59 @@ TEST(Sparse, SmallTopk1) {
 TEST(Sparse, SmallTopk2) {
   run_sparse_case(Problem().heads(8, 2).proxy_heads(2, 1).with_topk(2).seqlens({0, 1, 127, 129, 400}),
                   FLASHMSA_NUMERICS_TRAIN);
+}
+
+// A key block whose proxy keys are all NaN (docs/semantics.md, section 4): every logit against it
+// is NaN, so its block score is -inf. It ranks below every number, as in the reference (whose max
+// skips NaN), and a row selects it only while it has fewer than topk-1 earlier blocks. Such a row
+// gets a NaN proxy lse; every other row gets a finite, accurate one. The rows and their
+// lse are checked against the fp64 reference (topk 4: the register list; 700 tokens: rows with
+// and without the block).
+TEST(Sparse, SmallNanKpBlockRanksLast) {
+  PoolScope scope;
+  std::mt19937_64 rng(fresh_seed());
+  const Problem pb = Problem().heads(8, 2).proxy_heads(2, 1).with_topk(4).seqlens({700});
+  Inputs in = make_inputs(pb, rng);
+  const int64_t nan_block = 1, T = pb.total();
+  for (int64_t u = nan_block * 128; u < (nan_block + 1) * 128; ++u)
+    for (int64_t x = 0; x < int64_t(pb.Hpk) * pb.Dp; ++x) in.kp.host[size_t(u * pb.Hpk * pb.Dp + x)] = std::nan("");
+  upload(in.kp);
+  FwdRun r = run_fwd(pb, in, FwdCall().sparse(pb.topk).with_proxy_lse());
+  std::vector<double> qp = in.qp.host, kp = in.kp.host;
+  std::vector<int32_t> cu32 = in.cu32;
+  std::vector<int32_t> want(size_t(pb.Hp) * T * pb.topk, -9);
+  flashmsa::SelectArgs s;
+  s.qp = host_view(qp, {T, pb.Hp, pb.Dp});
+  s.kp = host_view(kp, {T, pb.Hpk, pb.Dp});
+  s.cu_seqlens = flashmsa::view(cu32.data(), FLASHMSA_DTYPE_INT32, {int64_t(cu32.size())});
+  s.max_seqlen = pb.max_len();
+  s.topk = pb.topk;
+  s.indices = flashmsa::view(want.data(), FLASHMSA_DTYPE_INT32, {pb.Hp, T, pb.topk});
+  flashmsa::select(s);
+  const auto got = as_int(r.indices);
+  expect_selection_matches(pb, in, got, want, pb.topk);
+  RefFwd pref = reference_fwd(pb, in.q, in.k, in.v, &in.qp, &in.kp, &got, pb.topk, FLASHMSA_MODE_GIVEN);
+  std::vector<double> fin_got, fin_ref;
+  int64_t nan_rows = 0, mismatched = 0;
+  for (size_t x = 0; x < pref.proxy_lse.size(); ++x) {
+    const bool holds = std::find(&got[x * pb.topk], &got[x * pb.topk] + pb.topk, int32_t(nan_block)) !=
+                       &got[x * pb.topk] + pb.topk;
+    const bool g_nan = std::isnan(r.proxy_lse.host[x]), want_nan = std::isnan(pref.proxy_lse[x]);
+    if (g_nan != want_nan || g_nan != holds) ++mismatched;
+    if (holds) ++nan_rows;
+    if (!g_nan && !want_nan) {
+      fin_got.push_back(r.proxy_lse.host[x]);
+      fin_ref.push_back(pref.proxy_lse[x]);
+    }
+  }
+  EXPECT_EQ(mismatched, 0) << "rows whose proxy lse is NaN != rows that select the NaN block";
+  EXPECT_GT(nan_rows, 0);
+  ASSERT_GT(fin_got.size(), size_t(0));
+  const double e = rel_l2(fin_got, fin_ref);
+  std::printf("    %lld rows select the NaN block; proxy_lse of the other %zu: rel-L2 %.3e\n", (long long)nan_rows,
+              fin_got.size(), e);
+  EXPECT_LT(e, 1e-4);
+  check_forward(pb, in, r, FLASHMSA_MODE_SPARSE, pb.topk);
 }
 
 TEST(Dense, FmsaVarlen) {

@@ -6,9 +6,9 @@
 // warpgroup 0 streams the key blocks 0..l with TMA into a three-stage mbarrier pipeline (one
 // thread issues, the rest give their registers back); warpgroups 1 and 2 own 64 rows each. Per
 // row and key block the CTA keeps (block max, block lse); the top-k list (non-local blocks by
-// descending score, ties to the lower index) lives in shared memory with one owner thread per row
-// (quad lane 0 or 1), so its size is the runtime topk (<= 64). The local block is scored
-// last (masked u <= i) and only contributes its lse.
+// descending score, ties to the lower index) has one owner thread per row (quad lane 0 or 1): in
+// its registers for topk <= 16 (RegList), else in shared memory, sized for the runtime topk
+// (<= 64). The local block is scored last (masked u <= i) and only contributes its lse.
 //
 // Numbers (m3, 32k, Hp=4): 0.55 TFLOP of proxy logits; per key block a 128x128x128 GEMM
 // (~1000 cycles of tensor work per SM) and 16K exp2 (~1000 cycles of MUFU). Measured bound
@@ -66,6 +66,12 @@ struct Config {
 // offered in ascending id order, so "a strictly higher score outranks" keeps the lower id first on
 // a tie; everything that orders the list uses this one comparator.
 __device__ __forceinline__ bool outranks(float score, float listed_score) { return score > listed_score; }
+// The score a block is ranked by: a NaN block max (every logit of the block NaN; fmaxf skips a
+// NaN next to a number) ranks below every number, as in the CPU reference, whose max ignores
+// NaN. The lists then stay sorted (a NaN compared false everywhere and could break the insert
+// network's monotone test). The block's lse stays NaN, so a row that selects it gets a NaN proxy
+// lse.
+__device__ __forceinline__ float rank_score(float block_max) { return block_max == block_max ? block_max : -INFINITY; }
 
 // Sorted insert of (score, j, lse2) into a row's list of at most cap entries (blocks offered in
 // ascending j). `last`: the full list's last score, kept in the owner's register.
@@ -212,7 +218,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) select_kernel(const __grid_con
   int count = 0;
   float list_last = -INFINITY;  // the full list's last score (the owner's register copy)
   const bool reg_list = cap <= kRegSlots;  // the list in registers (RegList), else in shared memory
-  RegList rl;
+  RegList rl{};
   float local_lse2[2] = {0.f, 0.f};
   // lse-only modes: running log2-sum-exp2 of the counted blocks (kept by all four quad lanes)
   float run_m[2] = {-INFINITY, -INFINITY}, run_s[2] = {0.f, 0.f};
@@ -271,7 +277,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) select_kernel(const __grid_con
     // session 10: clustered -13% at 32k, -25% at 128k; random +1-2%).
     if constexpr (!decltype(masked)::value) {
       if (p.lse_mode == kSelect) {
-        const float sc = own_r == 0 ? mx[0] : mx[1];
+        const float sc = rank_score(own_r == 0 ? mx[0] : mx[1]);
         const bool take = cap > 0 && own_row >= 0 && own_i < L && (count < cap || outranks(sc, list_last));
         if (!__any_sync(0xffffffffu, take)) return;
       }
@@ -318,7 +324,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) select_kernel(const __grid_con
     } else if (cap > 0 && own_row >= 0 && own_i < L) {
       // one owner lane per row (quad lane 0: the thread's first row, lane 1: its second), so
       // the two rows' inserts run side by side
-      const float sc = own_r == 0 ? mx[0] : mx[1], l2 = own_r == 0 ? blse2[0] : blse2[1];
+      const float sc = rank_score(own_r == 0 ? mx[0] : mx[1]), l2 = own_r == 0 ? blse2[0] : blse2[1];
       if (reg_list) rl.insert(count, list_last, cap, sc, j, l2);
       else list_insert(S, own_row, count, list_last, cap, sc, j, l2);
     }
