@@ -1,6 +1,8 @@
 // flashmsa_bwd on the CUDA backend: preprocess (dpsum, lse in log2), the index inversion, the
 // main backward (dq, dk, dv; the KL teacher when the proxy gradient is asked), the proxy side
 // (proxy_side.cpp), and the conversion of the fp32 accumulators to the outputs.
+#include <cstdlib>
+
 #include "cuda/dispatch.h"
 #include "cuda/tiles.h"
 
@@ -22,6 +24,13 @@ void convert_fixed(Dtype d, const char* acc, TokenTensor<void> out, const Seqs& 
   });
 }
 
+// A/B knob of session 10 (docs/kernels/bwd.md, "32-bit dq"): FLASHMSA_DET_DQ32=1 makes the
+// deterministic mode add the sparse dq rows as 32-bit integers (fixed_unit32). Read per call.
+bool det_dq32_requested() {
+  const char* e = std::getenv("FLASHMSA_DET_DQ32");
+  return e && e[0] == '1' && e[1] == 0;
+}
+
 void run_bwd(const flashmsa_bwd_args_t& a, const Geometry& g, char* ws, const BwdLayout& l, cudaStream_t st) {
   const Dtype d = dtype_of(g);
   const Seqs seqs = seqs_of(a.cu_seqlens, g);
@@ -33,6 +42,8 @@ void run_bwd(const flashmsa_bwd_args_t& a, const Geometry& g, char* ws, const Bw
   // deterministic mode: the bounds and units of the fixed-point sums (before the preprocess, which
   // reads them for the dq rows' units)
   float* const fix = l.deterministic ? reinterpret_cast<float*>(ws + l.fix) : nullptr;
+  // 32-bit dq rows: SPARSE/GIVEN only (a row there gets at most topk <= 64 contributions)
+  const bool dq32 = l.deterministic && a.mode != FLASHMSA_MODE_DENSE && det_dq32_requested();
   const int32_t* const bad =  // dq, dk, dv, dqp, dkp
       l.deterministic ? reinterpret_cast<const int32_t*>(fix) + attn_bwd::kBad : nullptr;
   if (l.deterministic) {
@@ -73,6 +84,7 @@ void run_bwd(const flashmsa_bwd_args_t& a, const Geometry& g, char* ws, const Bw
   if (l.deterministic) {
     pa.dq_unit = reinterpret_cast<float*>(ws + l.dq_unit);
     pa.fix = fix;
+    pa.dq_unit32 = dq32;
   }
   by_dtype(d, [&](auto D) { attn_bwd::launch_preprocess<decltype(D)::value>(pa, st); });
 
@@ -92,6 +104,7 @@ void run_bwd(const flashmsa_bwd_args_t& a, const Geometry& g, char* ws, const Bw
   c.dv_acc = dv_acc;
   if (l.deterministic) {  // fixed point: dq with a unit per row, dk and dv with one unit each
     c.dq_fix = reinterpret_cast<int64_t*>(ws + l.dq);
+    if (dq32) c.dq_fix32 = reinterpret_cast<int32_t*>(ws + l.dq);  // the same (zeroed) bytes, half used
     c.dk_fix = reinterpret_cast<int64_t*>(ws + l.dk);
     c.dv_fix = reinterpret_cast<int64_t*>(ws + l.dv);
     c.dq_unit.ptr = reinterpret_cast<const float*>(ws + l.dq_unit);
@@ -107,8 +120,16 @@ void run_bwd(const flashmsa_bwd_args_t& a, const Geometry& g, char* ws, const Bw
   launch_main(d, mp, g.Hq / c.R, st);
 
   if (l.deterministic) {
-    convert_fixed(d, ws + l.dq, token_tensor<void>(a.dq, g), seqs, g.max_seqlen, g.Hq, float(g.scale),
-                  reinterpret_cast<const float*>(ws + l.dq_unit), l.padded, bad + 0, st);
+    if (dq32) {
+      by_dtype(d, [&](auto D) {
+        attn_bwd::launch_convert_fixed32<decltype(D)::value>(
+            reinterpret_cast<const int32_t*>(ws + l.dq), token_tensor<void>(a.dq, g), seqs, g.max_seqlen, g.Hq,
+            float(g.scale), reinterpret_cast<const float*>(ws + l.dq_unit), l.padded, bad + 0, st);
+      });
+    } else {
+      convert_fixed(d, ws + l.dq, token_tensor<void>(a.dq, g), seqs, g.max_seqlen, g.Hq, float(g.scale),
+                    reinterpret_cast<const float*>(ws + l.dq_unit), l.padded, bad + 0, st);
+    }
     convert_fixed(d, ws + l.dk, token_tensor<void>(a.dk, g), seqs, g.max_seqlen, g.Hkv, float(g.scale),
                   fix + attn_bwd::kUnitDk, 0, bad + 1, st);
     convert_fixed(d, ws + l.dv, token_tensor<void>(a.dv, g), seqs, g.max_seqlen, g.Hkv, 1.f,

@@ -759,6 +759,37 @@ TEST(FixedPoint, UnitKeepsSumsBelowLimit) {
   EXPECT_EQ(double(kFixLimit), std::ldexp(1.0, 50));
 }
 
+// The 32-bit form of the sparse dq rows (fixed_unit32, kFixLimit32; FLASHMSA_DET_DQ32): B u in
+// [2^22, 2^23), so 64 contributions at the flag limit (2^24) stay below 2^30 and an int32 sum
+// cannot wrap unnoticed.
+TEST(FixedPoint, Unit32KeepsSparseSumsBelowInt32) {
+  using flashmsa::cuda::attn_bwd::fixed_unit32;
+  using flashmsa::cuda::attn_bwd::kFixLimit32;
+  std::mt19937_64 rng(fresh_seed());
+  int checked = 0;
+  for (int e = -149; e <= 127; ++e)
+    for (int k = 0; k < 8; ++k) {
+      const float B = std::ldexp(1.f + float(rng() % 1000000) / 1e6f, e);
+      if (!(B > 0.f) || !std::isfinite(B)) continue;
+      const float u = fixed_unit32(B);
+      const double x = double(B) * double(u);
+      int ue = 0;
+      EXPECT_EQ(std::frexp(double(u), &ue), 0.5) << "unit of " << B << " is not a power of two: " << u;
+      EXPECT_LT(x, std::ldexp(1.0, 23)) << "bound " << B;
+      const int want = 22 - std::ilogb(B);
+      if (want >= -126 && want <= 126) {
+        EXPECT_GE(x, std::ldexp(1.0, 22)) << "bound " << B;
+      }
+      ++checked;
+    }
+  EXPECT_GT(checked, 2000);
+  EXPECT_EQ(fixed_unit32(0.f), 1.f);
+  EXPECT_TRUE(std::isnan(fixed_unit32(INFINITY)));
+  EXPECT_TRUE(std::isnan(fixed_unit32(NAN)));
+  EXPECT_EQ(double(kFixLimit32), std::ldexp(1.0, 24));
+  EXPECT_LT(64.0 * double(kFixLimit32), std::ldexp(1.0, 31)) << "64 flagged-limit contributions fit an int32";
+}
+
 TEST(Proxy, SmallDense) {
   run_bwd_case(Problem().heads(8, 2).proxy_heads(2, 1).with_topk(1).seqlens({200, 1}), BwdCase().dense().with_dkl(1.0));
 }

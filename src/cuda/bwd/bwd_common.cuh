@@ -70,6 +70,13 @@ __device__ __forceinline__ void add_fixed(int64_t* dst, float c, float unit, boo
   atomicAdd(reinterpret_cast<unsigned long long*>(dst), static_cast<unsigned long long>(__float2ll_rn(x)));
 }
 
+// The 32-bit form (kFixLimit32, fixed_unit32): one 4-byte integer reduction per element.
+__device__ __forceinline__ void add_fixed32(int32_t* dst, float c, float unit, bool& bad) {
+  const float x = c * unit;
+  bad |= !(fabsf(x) <= kFixLimit32);
+  atomicAdd(dst, __float2int_rn(x));
+}
+
 // Deterministic mode (ptx/order.cuh): the consumers wait for their turn on a shared counter (one
 // thread polls) and pass it on once every consumer thread's adds are visible. No-ops without a
 // counter.

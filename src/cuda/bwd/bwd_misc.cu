@@ -51,8 +51,10 @@ __global__ void preprocess_kernel(const PreprocessArgs a) {
     a.lse2[h * a.padded_stride + pi] = *a.lse.at(h, t) * kLog2e;
     // deterministic mode: a dq row adds sum_u dS_tu K_u with dS_tu = P_tu (dP_tu - D_t),
     // |dP_tu| <= |dO_t| |V_u| and sum_u P_tu <= 1, so |dq_t| <= max|K| (|dO_t| max|V_u| + |D_t|)
-    if (a.dq_unit)
-      a.dq_unit[h * a.padded_stride + pi] = fixed_unit(a.fix[kMaxK] * (sqrtf(g2) * a.fix[kMaxV] + fabsf(acc - dl)));
+    if (a.dq_unit) {
+      const float bound = a.fix[kMaxK] * (sqrtf(g2) * a.fix[kMaxV] + fabsf(acc - dl));
+      a.dq_unit[h * a.padded_stride + pi] = a.dq_unit32 ? fixed_unit32(bound) : fixed_unit(bound);
+    }
   }
 }
 
@@ -210,14 +212,14 @@ __global__ void convert_kernel(const float* acc, TokenTensor<void> out, Seqs seq
 }
 
 // the fixed-point accumulators (deterministic mode): value = acc / unit, exact in double up to 2^53
-template <class Element>
-__global__ void convert_fixed_kernel(const int64_t* acc, TokenTensor<void> out, Seqs seqs, int heads, float scale,
+template <class Element, class Acc>
+__global__ void convert_fixed_kernel(const Acc* acc, TokenTensor<void> out, Seqs seqs, int heads, float scale,
                                      const float* unit, int64_t padded_stride, const int32_t* bad) {
   ConvertSite c;
   if (!convert_site(seqs, c)) return;
   const float u = padded_stride ? unit[c.h * padded_stride + padded_offset(c.s0, c.b, kPadTile) + c.i] : *unit;
   const double f = *bad ? double(NAN) : double(scale) / double(u);
-  const int64_t* src = acc + (c.t * heads + c.h) * kHeadDimInst + c.d;
+  const Acc* src = acc + (c.t * heads + c.h) * kHeadDimInst + c.d;
   Element* dst = out.template row<Element>(c.b, c.t, c.h) + c.d;
   alignas(16) Element v[8];
 #pragma unroll
@@ -349,7 +351,17 @@ template <Dtype D>
 void launch_convert_fixed(const int64_t* acc, TokenTensor<void> out, const Seqs& seqs, int64_t max_seqlen, int heads,
                           float scale, const float* unit, int64_t padded_stride, const int32_t* bad, cudaStream_t st) {
   if (seqs.batch == 0 || max_seqlen == 0) return;
-  convert_fixed_kernel<typename ElementOf<D>::type>
+  convert_fixed_kernel<typename ElementOf<D>::type, int64_t>
+      <<<convert_grid(max_seqlen, heads, seqs.batch), 256, 0, st>>>(acc, out, seqs, heads, scale, unit,
+                                                                     padded_stride, bad);
+  FLASHMSA_CUDA_CHECK(cudaGetLastError());
+}
+
+template <Dtype D>
+void launch_convert_fixed32(const int32_t* acc, TokenTensor<void> out, const Seqs& seqs, int64_t max_seqlen, int heads,
+                            float scale, const float* unit, int64_t padded_stride, const int32_t* bad, cudaStream_t st) {
+  if (seqs.batch == 0 || max_seqlen == 0) return;
+  convert_fixed_kernel<typename ElementOf<D>::type, int32_t>
       <<<convert_grid(max_seqlen, heads, seqs.batch), 256, 0, st>>>(acc, out, seqs, heads, scale, unit,
                                                                      padded_stride, bad);
   FLASHMSA_CUDA_CHECK(cudaGetLastError());
@@ -397,5 +409,9 @@ template void launch_convert_fixed<Dtype::kBf16>(const int64_t*, TokenTensor<voi
                                                 const float*, int64_t, const int32_t*, cudaStream_t);
 template void launch_convert_fixed<Dtype::kFp16>(const int64_t*, TokenTensor<void>, const Seqs&, int64_t, int, float,
                                                 const float*, int64_t, const int32_t*, cudaStream_t);
+template void launch_convert_fixed32<Dtype::kBf16>(const int32_t*, TokenTensor<void>, const Seqs&, int64_t, int, float,
+                                                  const float*, int64_t, const int32_t*, cudaStream_t);
+template void launch_convert_fixed32<Dtype::kFp16>(const int32_t*, TokenTensor<void>, const Seqs&, int64_t, int, float,
+                                                  const float*, int64_t, const int32_t*, cudaStream_t);
 
 }  // namespace flashmsa::cuda::attn_bwd

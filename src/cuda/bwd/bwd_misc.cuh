@@ -28,6 +28,7 @@ struct PreprocessArgs {
   // (launch_fix_bounds: fix[kMaxK], fix[kMaxV]) and the row's |dO| and dpsum
   float* dq_unit = nullptr;
   const float* fix = nullptr;
+  bool dq_unit32 = false;  // the units of the 32-bit dq rows (fixed_unit32)
 };
 template <Dtype>
 void launch_preprocess(const PreprocessArgs& a, cudaStream_t st);
@@ -70,6 +71,10 @@ void launch_fix_bounds(const FixInputs& in, float* fix, cudaStream_t st);
 template <Dtype>
 void launch_convert_fixed(const int64_t* acc, TokenTensor<void> out, const Seqs& seqs, int64_t max_seqlen, int heads,
                           float scale, const float* unit, int64_t padded_stride, const int32_t* bad, cudaStream_t st);
+// The same from 32-bit accumulators (dq rows with fixed_unit32).
+template <Dtype>
+void launch_convert_fixed32(const int32_t* acc, TokenTensor<void> out, const Seqs& seqs, int64_t max_seqlen, int heads,
+                            float scale, const float* unit, int64_t padded_stride, const int32_t* bad, cudaStream_t st);
 
 // kl = scale * (sum of n per-CTA partials, added in a fixed order): deterministic.
 void launch_kl_reduce(const float* partials, int64_t n, double scale, float* out, cudaStream_t st);

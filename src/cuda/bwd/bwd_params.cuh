@@ -22,6 +22,13 @@ constexpr int kPadTile = 128;
 // bound: a non-finite input, or an lse that is not the rows' log-sum-exp) sets a flag that makes
 // the converted gradient NaN instead of plausible numbers.
 constexpr float kFixLimit = 0x1p50f;
+// The 32-bit form for the sparse dq rows (FLASHMSA_DET_DQ32=1, an A/B knob of session 10, not yet
+// measured): a dq row of SPARSE/GIVEN gets at most topk <= 64 = 2^6 contributions (one per selected
+// block; a repeated block counts once), each with |c| <= B. The unit keeps B * u < 2^23, so the
+// resolution is B * 2^-23; a contribution past 2^24 (2-4x its bound) sets the flag, and 2^6 of them
+// stay below 2^30: an int32 sum cannot wrap unnoticed. Half the bytes of the 64-bit adds (the
+// default's fp32 adds move as many). DENSE rows get up to 1024 contributions and keep 64 bits.
+constexpr float kFixLimit32 = 0x1p24f;
 // The deterministic mode's small block of kFixWords 32-bit words (zeroed before the launch):
 // the bounds and the per-tensor units as floats (launch_fix_bounds), then one flag per gradient.
 enum FixWord : int {
@@ -44,6 +51,13 @@ __host__ __device__ inline float fixed_unit(float bound) {
   if (!(bound < INFINITY)) return NAN;  // a non-finite input: the gradient comes out NaN
   if (bound <= 0.f) return 1.f;         // every contribution is 0
   int e = 47 - ilogbf(bound);
+  e = e < -126 ? -126 : (e > 126 ? 126 : e);
+  return ldexpf(1.f, e);
+}
+__host__ __device__ inline float fixed_unit32(float bound) {
+  if (!(bound < INFINITY)) return NAN;
+  if (bound <= 0.f) return 1.f;
+  int e = 22 - ilogbf(bound);
   e = e < -126 ? -126 : (e > 126 ? 126 : e);
   return ldexpf(1.f, e);
 }
@@ -92,6 +106,7 @@ struct Common {
   int64_t* dkp_fix = nullptr;         // [total, Hpk, 128]
   HeadTensor<const float> dq_unit;    // padded like dsum: the unit of each (head, token) dq row
   float* fix = nullptr;               // the small block (FixWord): bounds, units, flags
+  int32_t* dq_fix32 = nullptr;        // dq_fix's rows in 32 bits (fixed_unit32; null: dq_fix)
 };
 
 }  // namespace flashmsa::cuda::attn_bwd
