@@ -208,15 +208,8 @@ void check_forward(const Problem& pb, Inputs& in, const FwdRun& r, flashmsa_mode
 
 // ---- tests ----------------------------------------------------------------------------------
 
-// The sparse forward (selection, proxy lse, out, lse) with the given numerics.
-void run_sparse_case(const Problem& pb0, flashmsa_numerics_t num) {
-  PoolScope scope;
-  std::mt19937_64 rng(fresh_seed());
-  Problem pb = pb0;
-  Inputs in = make_inputs(pb, rng);
-  FwdRun r = run_fwd(pb, in, FwdCall().sparse(pb.topk).with_numerics(num).with_proxy_lse());
-  ASSERT_TRUE(all_finite(r.proxy_lse.host)) << "proxy_lse unwritten";
-  // selection vs the fp64 reference
+// The selection of the library's CPU backend (fp64) on the test's inputs: [Hp, total, topk].
+std::vector<int32_t> cpu_selection(const Problem& pb, const Inputs& in) {
   std::vector<double> qp = in.qp.host, kp = in.kp.host;
   std::vector<int32_t> cu32 = in.cu32;
   const int64_t T = pb.total();
@@ -229,6 +222,19 @@ void run_sparse_case(const Problem& pb0, flashmsa_numerics_t num) {
   s.topk = pb.topk;
   s.indices = flashmsa::view(want.data(), FLASHMSA_DTYPE_INT32, {pb.Hp, T, pb.topk});
   flashmsa::select(s);
+  return want;
+}
+
+// The sparse forward (selection, proxy lse, out, lse) with the given numerics.
+void run_sparse_case(const Problem& pb0, flashmsa_numerics_t num) {
+  PoolScope scope;
+  std::mt19937_64 rng(fresh_seed());
+  Problem pb = pb0;
+  Inputs in = make_inputs(pb, rng);
+  FwdRun r = run_fwd(pb, in, FwdCall().sparse(pb.topk).with_numerics(num).with_proxy_lse());
+  ASSERT_TRUE(all_finite(r.proxy_lse.host)) << "proxy_lse unwritten";
+  // selection vs the fp64 reference
+  const std::vector<int32_t> want = cpu_selection(pb, in);
   const auto got = as_int(r.indices);
   expect_selection_matches(pb, in, got, want, pb.topk);
   // proxy lse over the kernel's own sets
@@ -280,22 +286,12 @@ TEST(Sparse, SmallNanKpBlockRanksLast) {
   std::mt19937_64 rng(fresh_seed());
   const Problem pb = Problem().heads(8, 2).proxy_heads(2, 1).with_topk(4).seqlens({700});
   Inputs in = make_inputs(pb, rng);
-  const int64_t nan_block = 1, T = pb.total();
+  const int64_t nan_block = 1;
   for (int64_t u = nan_block * 128; u < (nan_block + 1) * 128; ++u)
     for (int64_t x = 0; x < int64_t(pb.Hpk) * pb.Dp; ++x) in.kp.host[size_t(u * pb.Hpk * pb.Dp + x)] = std::nan("");
   upload(in.kp);
   FwdRun r = run_fwd(pb, in, FwdCall().sparse(pb.topk).with_proxy_lse());
-  std::vector<double> qp = in.qp.host, kp = in.kp.host;
-  std::vector<int32_t> cu32 = in.cu32;
-  std::vector<int32_t> want(size_t(pb.Hp) * T * pb.topk, -9);
-  flashmsa::SelectArgs s;
-  s.qp = host_view(qp, {T, pb.Hp, pb.Dp});
-  s.kp = host_view(kp, {T, pb.Hpk, pb.Dp});
-  s.cu_seqlens = flashmsa::view(cu32.data(), FLASHMSA_DTYPE_INT32, {int64_t(cu32.size())});
-  s.max_seqlen = pb.max_len();
-  s.topk = pb.topk;
-  s.indices = flashmsa::view(want.data(), FLASHMSA_DTYPE_INT32, {pb.Hp, T, pb.topk});
-  flashmsa::select(s);
+  const std::vector<int32_t> want = cpu_selection(pb, in);
   const auto got = as_int(r.indices);
   expect_selection_matches(pb, in, got, want, pb.topk);
   RefFwd pref = reference_fwd(pb, in.q, in.k, in.v, &in.qp, &in.kp, &got, pb.topk, FLASHMSA_MODE_GIVEN);
@@ -732,60 +728,44 @@ TEST(Deterministic, SmallNanInQGivesNan) { run_det_broken_bound(true); }
 // The deterministic mode's fixed-point unit (bwd_params.cuh, host code): a power of two with
 // bound x unit in [2^47, 2^48) wherever the exponent clamp allows (below 2^48 always), 1 for a
 // zero bound, NaN for a non-finite one; the flag's limit leaves 4x past the bound for rounding.
-TEST(FixedPoint, UnitKeepsSumsBelowLimit) {
-  using flashmsa::cuda::attn_bwd::fixed_unit;
-  using flashmsa::cuda::attn_bwd::kFixLimit;
+// A unit function keeps B u in [2^(top-1), 2^top) for every positive finite bound B (where the
+// exponent range allows), returns powers of two, 1 for B = 0 and NaN for a non-finite B.
+template <class UnitFn>
+void expect_unit_range(UnitFn unit_of, int top) {
   std::mt19937_64 rng(fresh_seed());
   int checked = 0;
   for (int e = -149; e <= 127; ++e)
     for (int k = 0; k < 8; ++k) {
       const float B = std::ldexp(1.f + float(rng() % 1000000) / 1e6f, e);
       if (!(B > 0.f) || !std::isfinite(B)) continue;
-      const float u = fixed_unit(B);
+      const float u = unit_of(B);
       const double x = double(B) * double(u);
       int ue = 0;
       EXPECT_EQ(std::frexp(double(u), &ue), 0.5) << "unit of " << B << " is not a power of two: " << u;
-      EXPECT_LT(x, std::ldexp(1.0, 48)) << "bound " << B;
-      const int want = 47 - std::ilogb(B);
+      EXPECT_LT(x, std::ldexp(1.0, top)) << "bound " << B;
+      const int want = top - 1 - std::ilogb(B);
       if (want >= -126 && want <= 126) {
-        EXPECT_GE(x, std::ldexp(1.0, 47)) << "bound " << B;
+        EXPECT_GE(x, std::ldexp(1.0, top - 1)) << "bound " << B;
       }
       ++checked;
     }
   EXPECT_GT(checked, 2000);
-  EXPECT_EQ(fixed_unit(0.f), 1.f);
-  EXPECT_TRUE(std::isnan(fixed_unit(INFINITY)));
-  EXPECT_TRUE(std::isnan(fixed_unit(NAN)));
-  EXPECT_EQ(double(kFixLimit), std::ldexp(1.0, 50));
+  EXPECT_EQ(unit_of(0.f), 1.f);
+  EXPECT_TRUE(std::isnan(unit_of(INFINITY)));
+  EXPECT_TRUE(std::isnan(unit_of(NAN)));
+}
+
+TEST(FixedPoint, UnitKeepsSumsBelowLimit) {
+  expect_unit_range(flashmsa::cuda::attn_bwd::fixed_unit, 48);
+  EXPECT_EQ(double(flashmsa::cuda::attn_bwd::kFixLimit), std::ldexp(1.0, 50));
 }
 
 // The 32-bit form of the sparse dq rows (fixed_unit32, kFixLimit32; FLASHMSA_DET_DQ32): B u in
 // [2^22, 2^23), so 64 contributions at the flag limit (2^24) stay below 2^30 and an int32 sum
 // cannot wrap unnoticed.
 TEST(FixedPoint, Unit32KeepsSparseSumsBelowInt32) {
-  using flashmsa::cuda::attn_bwd::fixed_unit32;
   using flashmsa::cuda::attn_bwd::kFixLimit32;
-  std::mt19937_64 rng(fresh_seed());
-  int checked = 0;
-  for (int e = -149; e <= 127; ++e)
-    for (int k = 0; k < 8; ++k) {
-      const float B = std::ldexp(1.f + float(rng() % 1000000) / 1e6f, e);
-      if (!(B > 0.f) || !std::isfinite(B)) continue;
-      const float u = fixed_unit32(B);
-      const double x = double(B) * double(u);
-      int ue = 0;
-      EXPECT_EQ(std::frexp(double(u), &ue), 0.5) << "unit of " << B << " is not a power of two: " << u;
-      EXPECT_LT(x, std::ldexp(1.0, 23)) << "bound " << B;
-      const int want = 22 - std::ilogb(B);
-      if (want >= -126 && want <= 126) {
-        EXPECT_GE(x, std::ldexp(1.0, 22)) << "bound " << B;
-      }
-      ++checked;
-    }
-  EXPECT_GT(checked, 2000);
-  EXPECT_EQ(fixed_unit32(0.f), 1.f);
-  EXPECT_TRUE(std::isnan(fixed_unit32(INFINITY)));
-  EXPECT_TRUE(std::isnan(fixed_unit32(NAN)));
+  expect_unit_range(flashmsa::cuda::attn_bwd::fixed_unit32, 23);
   EXPECT_EQ(double(kFixLimit32), std::ldexp(1.0, 24));
   EXPECT_LT(64.0 * double(kFixLimit32), std::ldexp(1.0, 31)) << "64 flagged-limit contributions fit an int32";
 }

@@ -347,24 +347,27 @@ void launch_convert(const float* acc, TokenTensor<void> out, const Seqs& seqs, i
   FLASHMSA_CUDA_CHECK(cudaGetLastError());
 }
 
-template <Dtype D>
-void launch_convert_fixed(const int64_t* acc, TokenTensor<void> out, const Seqs& seqs, int64_t max_seqlen, int heads,
-                          float scale, const float* unit, int64_t padded_stride, const int32_t* bad, cudaStream_t st) {
+namespace {
+template <Dtype D, class Acc>
+void convert_fixed_any(const Acc* acc, TokenTensor<void> out, const Seqs& seqs, int64_t max_seqlen, int heads,
+                       float scale, const float* unit, int64_t padded_stride, const int32_t* bad, cudaStream_t st) {
   if (seqs.batch == 0 || max_seqlen == 0) return;
-  convert_fixed_kernel<typename ElementOf<D>::type, int64_t>
+  convert_fixed_kernel<typename ElementOf<D>::type, Acc>
       <<<convert_grid(max_seqlen, heads, seqs.batch), 256, 0, st>>>(acc, out, seqs, heads, scale, unit,
                                                                      padded_stride, bad);
   FLASHMSA_CUDA_CHECK(cudaGetLastError());
 }
+}  // namespace
 
+template <Dtype D>
+void launch_convert_fixed(const int64_t* acc, TokenTensor<void> out, const Seqs& seqs, int64_t max_seqlen, int heads,
+                          float scale, const float* unit, int64_t padded_stride, const int32_t* bad, cudaStream_t st) {
+  convert_fixed_any<D>(acc, out, seqs, max_seqlen, heads, scale, unit, padded_stride, bad, st);
+}
 template <Dtype D>
 void launch_convert_fixed32(const int32_t* acc, TokenTensor<void> out, const Seqs& seqs, int64_t max_seqlen, int heads,
                             float scale, const float* unit, int64_t padded_stride, const int32_t* bad, cudaStream_t st) {
-  if (seqs.batch == 0 || max_seqlen == 0) return;
-  convert_fixed_kernel<typename ElementOf<D>::type, int32_t>
-      <<<convert_grid(max_seqlen, heads, seqs.batch), 256, 0, st>>>(acc, out, seqs, heads, scale, unit,
-                                                                     padded_stride, bad);
-  FLASHMSA_CUDA_CHECK(cudaGetLastError());
+  convert_fixed_any<D>(acc, out, seqs, max_seqlen, heads, scale, unit, padded_stride, bad, st);
 }
 
 void launch_fix_bounds(const FixInputs& in, float* fix, cudaStream_t st) {
