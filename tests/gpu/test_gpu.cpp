@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <climits>
 #include <cmath>
+#include <cstdlib>
 #include <numeric>
 
 #include "cuda/bwd/bwd_params.cuh"  // fixed_unit (host and device)
@@ -661,6 +662,32 @@ TEST(Deterministic, DenseG1Tok64Fp16) {
 }
 TEST(Deterministic, SmallSparse) {
   run_bwd_case(Problem().heads(8, 2).proxy_heads(4, 1).with_topk(2).seqlens({130, 5, 300}),
+               BwdCase().sparse().with_dlse().with_dkl(1.0).deterministic());
+}
+// The 32-bit dq rows of SPARSE/GIVEN (FLASHMSA_DET_DQ32=1, an A/B knob read per call;
+// bwd_params.cuh, fixed_unit32): the same fp64 bars and bitwise repeatability, with topk 32, with
+// repeated and empty given blocks, and in fp16.
+struct DetDq32Scope {
+  DetDq32Scope() { setenv("FLASHMSA_DET_DQ32", "1", 1); }
+  ~DetDq32Scope() { unsetenv("FLASHMSA_DET_DQ32"); }
+};
+TEST(Deterministic, SmallSparseDq32) {
+  DetDq32Scope on;
+  run_bwd_case(Problem().heads(8, 2).proxy_heads(4, 1).with_topk(2).seqlens({130, 5, 300}),
+               BwdCase().sparse().with_dlse().with_dkl(1.0).deterministic());
+}
+TEST(Deterministic, M3SparseTopk32Dq32) {
+  DetDq32Scope on;
+  run_bwd_case(m3().with_topk(32).seqlens({2300}), BwdCase().sparse().with_dlse().with_dkl(1.0).deterministic());
+}
+TEST(Deterministic, GivenRepeatedBlocksDq32) {
+  DetDq32Scope on;
+  run_bwd_case(fmsa().with_topk(5).seqlens({900, 3}),
+               BwdCase().given().with_dkl(1.0).deterministic().with_repeated_blocks());
+}
+TEST(Deterministic, BatchedFp16Dq32) {
+  DetDq32Scope on;
+  run_bwd_case(fmsa().with_topk(8).batched(2, 700).fp16(),
                BwdCase().sparse().with_dlse().with_dkl(1.0).deterministic());
 }
 // The deterministic mode adds dq and dqp in 64-bit fixed point with a unit from a bound of each

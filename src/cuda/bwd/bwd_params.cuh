@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "cuda/common/constants.h"
 #include "cuda/common/seqlen.cuh"
 
 namespace flashmsa::cuda::attn_bwd {
@@ -29,6 +30,7 @@ constexpr float kFixLimit = 0x1p50f;
 // stay below 2^30: an int32 sum cannot wrap unnoticed. Half the bytes of the 64-bit adds (the
 // default's fp32 adds move as many). DENSE rows get up to 1024 contributions and keep 64 bits.
 constexpr float kFixLimit32 = 0x1p24f;
+static_assert(kMaxTopk * double(kFixLimit32) < 0x1p31, "topk contributions at the flag limit must fit an int32");
 // The deterministic mode's small block of kFixWords 32-bit words (zeroed before the launch):
 // the bounds and the per-tensor units as floats (launch_fix_bounds), then one flag per gradient.
 enum FixWord : int {
