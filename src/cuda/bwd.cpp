@@ -15,12 +15,18 @@ void convert(Dtype d, const float* acc, TokenTensor<void> out, const Seqs& seqs,
   by_dtype(d, [&](auto D) { attn_bwd::launch_convert<decltype(D)::value>(acc, out, seqs, max_seqlen, heads, scale, st); });
 }
 
-// the deterministic mode's fixed-point accumulators: unit per row (padded_stride > 0) or one
+// the deterministic mode's fixed-point accumulators (int64, or int32 with acc32): unit per row
+// (padded_stride > 0) or one
 void convert_fixed(Dtype d, const char* acc, TokenTensor<void> out, const Seqs& seqs, int64_t max_seqlen, int heads,
-                   float scale, const float* unit, int64_t padded_stride, const int32_t* bad, cudaStream_t st) {
+                   float scale, const float* unit, int64_t padded_stride, const int32_t* bad, cudaStream_t st,
+                   bool acc32 = false) {
   by_dtype(d, [&](auto D) {
-    attn_bwd::launch_convert_fixed<decltype(D)::value>(reinterpret_cast<const int64_t*>(acc), out, seqs, max_seqlen,
-                                                       heads, scale, unit, padded_stride, bad, st);
+    if (acc32)
+      attn_bwd::launch_convert_fixed32<decltype(D)::value>(reinterpret_cast<const int32_t*>(acc), out, seqs,
+                                                           max_seqlen, heads, scale, unit, padded_stride, bad, st);
+    else
+      attn_bwd::launch_convert_fixed<decltype(D)::value>(reinterpret_cast<const int64_t*>(acc), out, seqs, max_seqlen,
+                                                         heads, scale, unit, padded_stride, bad, st);
   });
 }
 
@@ -120,16 +126,8 @@ void run_bwd(const flashmsa_bwd_args_t& a, const Geometry& g, char* ws, const Bw
   launch_main(d, mp, g.Hq / c.R, st);
 
   if (l.deterministic) {
-    if (dq32) {
-      by_dtype(d, [&](auto D) {
-        attn_bwd::launch_convert_fixed32<decltype(D)::value>(
-            reinterpret_cast<const int32_t*>(ws + l.dq), token_tensor<void>(a.dq, g), seqs, g.max_seqlen, g.Hq,
-            float(g.scale), reinterpret_cast<const float*>(ws + l.dq_unit), l.padded, bad + 0, st);
-      });
-    } else {
-      convert_fixed(d, ws + l.dq, token_tensor<void>(a.dq, g), seqs, g.max_seqlen, g.Hq, float(g.scale),
-                    reinterpret_cast<const float*>(ws + l.dq_unit), l.padded, bad + 0, st);
-    }
+    convert_fixed(d, ws + l.dq, token_tensor<void>(a.dq, g), seqs, g.max_seqlen, g.Hq, float(g.scale),
+                  reinterpret_cast<const float*>(ws + l.dq_unit), l.padded, bad + 0, st, dq32);
     convert_fixed(d, ws + l.dk, token_tensor<void>(a.dk, g), seqs, g.max_seqlen, g.Hkv, float(g.scale),
                   fix + attn_bwd::kUnitDk, 0, bad + 1, st);
     convert_fixed(d, ws + l.dv, token_tensor<void>(a.dv, g), seqs, g.max_seqlen, g.Hkv, 1.f,

@@ -252,26 +252,30 @@ __global__ void __launch_bounds__(kCtaThreads, 1) select_kernel(const __grid_con
       if constexpr (decltype(masked)::value) return get<1>(cRC(r, c)) > lim[r] ? -INFINITY : aRC(r, c);
       else return aRC(r, c);
     };
-    float mx[2], blse2[2];
-    {
-      float m[2][kChains];
+    // both rows' values f(r, c) folded with op in kChains interleaved chains, then a tree
+    auto reduce_rows = [&](auto f, auto op, float (&out)[2]) {
+      float acc_[2][kChains];
 #pragma unroll
       for (int r = 0; r < 2; ++r)
 #pragma unroll
-        for (int k = 0; k < kChains; ++k) m[r][k] = logit(r, k);
+        for (int k = 0; k < kChains; ++k) acc_[r][k] = f(r, k);
 #pragma unroll
       for (int c = kChains; c < kCols; ++c)
 #pragma unroll
-        for (int r = 0; r < 2; ++r) m[r][c % kChains] = fmaxf(m[r][c % kChains], logit(r, c));
+        for (int r = 0; r < 2; ++r) acc_[r][c % kChains] = op(acc_[r][c % kChains], f(r, c));
 #pragma unroll
       for (int w = kChains / 2; w > 0; w /= 2)
 #pragma unroll
         for (int r = 0; r < 2; ++r)
 #pragma unroll
-          for (int k = 0; k < w; ++k) m[r][k] = fmaxf(m[r][k], m[r][k + w]);
+          for (int k = 0; k < w; ++k) acc_[r][k] = op(acc_[r][k], acc_[r][k + w]);
+      out[0] = acc_[0][0];
+      out[1] = acc_[1][0];
+    };
+    float mx[2], blse2[2];
+    reduce_rows(logit, [](float x, float y) { return fmaxf(x, y); }, mx);
 #pragma unroll
-      for (int r = 0; r < 2; ++r) mx[r] = quad_max(m[r][0]);
-    }
+    for (int r = 0; r < 2; ++r) mx[r] = quad_max(mx[r]);
     // A block that no row of the warp takes needs no lse: the select mode reads a block's lse only
     // at its insert; the local block and the lse-only modes always need it (docs/kernels/select.md,
     // session 10: clustered -13% at 32k, -25% at 128k; random +1-2%).
@@ -283,25 +287,13 @@ __global__ void __launch_bounds__(kCtaThreads, 1) select_kernel(const __grid_con
       }
     }
     {
-      float ms[2], sm[2][kChains];
+      float ms[2], sum[2];
 #pragma unroll
       for (int r = 0; r < 2; ++r) ms[r] = mx[r] * sl2;
+      reduce_rows([&](int r, int c) { return ptx::exp2f_approx(logit(r, c) * sl2 - ms[r]); },
+                  [](float x, float y) { return x + y; }, sum);
 #pragma unroll
-      for (int r = 0; r < 2; ++r)
-#pragma unroll
-        for (int k = 0; k < kChains; ++k) sm[r][k] = ptx::exp2f_approx(logit(r, k) * sl2 - ms[r]);
-#pragma unroll
-      for (int c = kChains; c < kCols; ++c)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) sm[r][c % kChains] += ptx::exp2f_approx(logit(r, c) * sl2 - ms[r]);
-#pragma unroll
-      for (int w = kChains / 2; w > 0; w /= 2)
-#pragma unroll
-        for (int r = 0; r < 2; ++r)
-#pragma unroll
-          for (int k = 0; k < w; ++k) sm[r][k] += sm[r][k + w];
-#pragma unroll
-      for (int r = 0; r < 2; ++r) blse2[r] = ms[r] + __log2f(quad_sum(sm[r][0]));
+      for (int r = 0; r < 2; ++r) blse2[r] = ms[r] + __log2f(quad_sum(sum[r]));
     }
     if (p.lse_mode != kSelect) {
 #pragma unroll
