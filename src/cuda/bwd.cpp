@@ -30,13 +30,6 @@ void convert_fixed(Dtype d, const char* acc, TokenTensor<void> out, const Seqs& 
   });
 }
 
-// A/B knob of session 10 (docs/kernels/bwd.md, "32-bit dq"): FLASHMSA_DET_DQ32=1 makes the
-// deterministic mode add the sparse dq rows as 32-bit integers (fixed_unit32). Read per call.
-bool det_dq32_requested() {
-  const char* e = std::getenv("FLASHMSA_DET_DQ32");
-  return e && e[0] == '1' && e[1] == 0;
-}
-
 void run_bwd(const flashmsa_bwd_args_t& a, const Geometry& g, char* ws, const BwdLayout& l, cudaStream_t st) {
   const Dtype d = dtype_of(g);
   const Seqs seqs = seqs_of(a.cu_seqlens, g);
@@ -48,8 +41,9 @@ void run_bwd(const flashmsa_bwd_args_t& a, const Geometry& g, char* ws, const Bw
   // deterministic mode: the bounds and units of the fixed-point sums (before the preprocess, which
   // reads them for the dq rows' units)
   float* const fix = l.deterministic ? reinterpret_cast<float*>(ws + l.fix) : nullptr;
-  // 32-bit dq rows: SPARSE/GIVEN only (a row there gets at most topk <= 64 contributions)
-  const bool dq32 = l.deterministic && a.mode != FLASHMSA_MODE_DENSE && det_dq32_requested();
+  // 32-bit dq rows, added in pairs: SPARSE/GIVEN (a row there gets at most topk <= 64
+  // contributions; bwd_params.cuh, kFixLimit32)
+  const bool dq32 = l.deterministic && a.mode != FLASHMSA_MODE_DENSE;
   const int32_t* const bad =  // dq, dk, dv, dqp, dkp
       l.deterministic ? reinterpret_cast<const int32_t*>(fix) + attn_bwd::kBad : nullptr;
   if (l.deterministic) {

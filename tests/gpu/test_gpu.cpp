@@ -399,6 +399,7 @@ struct BwdCase {
   bool is_deterministic = false;  // the ordered backward, run twice
   bool has_repeats = false;       // GIVEN: some rows repeat a block in a later slot
   bool has_kl = false;            // the backward also writes the kl value (checked against fp64)
+  bool has_outlier_keys = false;  // k with outlier channels (x32, x16) and an outlier token (x8)
 
   [[nodiscard]] BwdCase with_mode(flashmsa_mode_t m) const {
     BwdCase c = *this;
@@ -438,7 +439,29 @@ struct BwdCase {
     c.has_kl = true;
     return c;
   }
+  [[nodiscard]] BwdCase with_outlier_keys() const {
+    BwdCase c = *this;
+    c.has_outlier_keys = true;
+    return c;
+  }
 };
+
+// Keys as trained models have them: a few channels far larger than the rest (here 5 and 70, x32
+// and x16) and one token whose key is large in every channel (x8). Powers of two keep the inputs
+// exact in the dtype. The deterministic mode's dq units come from max |K| (bwd_params.cuh), so
+// these make the other rows' bound loose by up to 256x.
+void add_outlier_keys(const Problem& pb, Inputs& in) {
+  const int64_t T = pb.total();
+  for (int64_t t = 0; t < T; ++t)
+    for (int h = 0; h < pb.Hkv; ++h) {
+      double* row = &in.k.host[(size_t(t) * pb.Hkv + h) * pb.D];
+      row[5] *= 32.0;
+      row[70] *= 16.0;
+      if (t == std::min<int64_t>(200, T - 1))
+        for (int d = 0; d < pb.D; ++d) row[d] *= 8.0;
+    }
+  upload(in.k);
+}
 
 // Runs the CUDA forward then the CUDA backward with the outputs and the whole workspace poisoned
 // (NaN bytes), and checks dq, dk, dv against the fp64 reference fed the kernel's own indices, at
@@ -462,6 +485,7 @@ void run_bwd_case(const Problem& pb0, const BwdCase& c) {
   std::mt19937_64 rng(fresh_seed());
   Problem pb = pb0;
   Inputs in = make_inputs(pb, rng);
+  if (c.has_outlier_keys) add_outlier_keys(pb, in);
   const int64_t T = pb.total();
   const int K = mode == FLASHMSA_MODE_DENSE ? 0 : pb.topk;
   std::vector<int32_t> given;
@@ -664,31 +688,19 @@ TEST(Deterministic, SmallSparse) {
   run_bwd_case(Problem().heads(8, 2).proxy_heads(4, 1).with_topk(2).seqlens({130, 5, 300}),
                BwdCase().sparse().with_dlse().with_dkl(1.0).deterministic());
 }
-// The 32-bit dq rows of SPARSE/GIVEN (FLASHMSA_DET_DQ32=1, an A/B knob read per call;
-// bwd_params.cuh, fixed_unit32): the same fp64 bars and bitwise repeatability, with topk 32, with
-// repeated and empty given blocks, and in fp16.
-struct DetDq32Scope {
-  DetDq32Scope() { setenv("FLASHMSA_DET_DQ32", "1", 1); }
-  ~DetDq32Scope() { unsetenv("FLASHMSA_DET_DQ32"); }
-};
-TEST(Deterministic, SmallSparseDq32) {
-  DetDq32Scope on;
-  run_bwd_case(Problem().heads(8, 2).proxy_heads(4, 1).with_topk(2).seqlens({130, 5, 300}),
+// The sparse dq rows' 32-bit fixed point (bwd_params.cuh, fixed_unit32, pack_pair32): topk 32 (up
+// to 32 contributions per row), and keys with outliers, which loosen every row's bound (the
+// default backward on the same inputs is checked at the bar too).
+TEST(Deterministic, Topk32) {  // 33 blocks: the late rows get 32 contributions
+  run_bwd_case(Problem().heads(4, 2).proxy_heads(2, 1).with_topk(32).seqlens({4200}),
                BwdCase().sparse().with_dlse().with_dkl(1.0).deterministic());
 }
-TEST(Deterministic, M3SparseTopk32Dq32) {
-  DetDq32Scope on;
-  run_bwd_case(m3().with_topk(32).seqlens({2300}), BwdCase().sparse().with_dlse().with_dkl(1.0).deterministic());
+TEST(Deterministic, FmsaOutlierKeys) {
+  run_bwd_case(fmsa().with_topk(8).seqlens({1500, 700}),
+               BwdCase().sparse().with_dlse().with_dkl(1.0).deterministic().with_outlier_keys());
 }
-TEST(Deterministic, GivenRepeatedBlocksDq32) {
-  DetDq32Scope on;
-  run_bwd_case(fmsa().with_topk(5).seqlens({900, 3}),
-               BwdCase().given().with_dkl(1.0).deterministic().with_repeated_blocks());
-}
-TEST(Deterministic, BatchedFp16Dq32) {
-  DetDq32Scope on;
-  run_bwd_case(fmsa().with_topk(8).batched(2, 700).fp16(),
-               BwdCase().sparse().with_dlse().with_dkl(1.0).deterministic());
+TEST(Bwd, FmsaOutlierKeys) {
+  run_bwd_case(fmsa().with_topk(8).seqlens({1500, 700}), BwdCase().sparse().with_dlse().with_dkl(1.0).with_outlier_keys());
 }
 // The deterministic mode adds dq and dqp in 64-bit fixed point with a unit from a bound of each
 // row's sum (bwd_params.cuh). A contribution past its bound must not come back as plausible
@@ -787,14 +799,47 @@ TEST(FixedPoint, UnitKeepsSumsBelowLimit) {
   EXPECT_EQ(double(flashmsa::cuda::attn_bwd::kFixLimit), std::ldexp(1.0, 50));
 }
 
-// The 32-bit form of the sparse dq rows (fixed_unit32, kFixLimit32; FLASHMSA_DET_DQ32): B u in
-// [2^22, 2^23), so 64 contributions at the flag limit (2^24) stay below 2^30 and an int32 sum
-// cannot wrap unnoticed.
+// The 32-bit form of the sparse dq rows (fixed_unit32, kFixLimit32): B u in [2^22, 2^23), so 64
+// contributions at the flag limit (2^24) stay below 2^30 and an int32 sum cannot wrap unnoticed.
 TEST(FixedPoint, Unit32KeepsSparseSumsBelowInt32) {
   using flashmsa::cuda::attn_bwd::kFixLimit32;
   expect_unit_range(flashmsa::cuda::attn_bwd::fixed_unit32, 23);
   EXPECT_EQ(double(kFixLimit32), std::ldexp(1.0, 24));
   EXPECT_LT(64.0 * double(kFixLimit32), std::ldexp(1.0, 31)) << "64 flagged-limit contributions fit an int32";
+}
+
+// Two elements' contributions packed in one 64-bit word (pack_pair32) and summed with wrapping
+// 64-bit adds, in a shuffled order: both sums come back exactly, signs and extremes included
+// (64 contributions at +-2^24, the flag limit, in either element).
+TEST(FixedPoint, PairWordsSumExactlyInAnyOrder) {
+  using flashmsa::cuda::attn_bwd::pack_pair32;
+  using flashmsa::cuda::attn_bwd::unpack_pair32;
+  std::mt19937_64 rng(fresh_seed());
+  const int32_t lim = int32_t(flashmsa::cuda::attn_bwd::kFixLimit32);
+  for (int trial = 0; trial < 4000; ++trial) {
+    const int n = 1 + int(rng() % 64);
+    std::vector<std::pair<int32_t, int32_t>> c(static_cast<size_t>(n));
+    for (auto& x : c) {
+      auto draw = [&]() -> int32_t {
+        switch (trial % 4) {
+          case 0: return int32_t(int64_t(rng() % (2 * uint64_t(lim) + 1)) - lim);  // uniform in [-lim, lim]
+          case 1: return rng() % 2 ? lim : -lim;                                   // extremes, mixed signs
+          case 2: return trial % 8 == 2 ? lim : -lim;                              // one sign throughout
+          default: return int32_t(int64_t(rng() % 2001) - 1000);                   // small, cancelling
+        }
+      };
+      x = {draw(), draw()};
+    }
+    int64_t want_lo = 0, want_hi = 0;
+    for (auto& x : c) want_lo += x.first, want_hi += x.second;
+    std::shuffle(c.begin(), c.end(), rng);
+    unsigned long long w = 0;
+    for (auto& x : c) w += pack_pair32(x.first, x.second);
+    int32_t lo = 0, hi = 0;
+    unpack_pair32(w, lo, hi);
+    ASSERT_EQ(int64_t(lo), want_lo) << "trial " << trial << " (" << n << " contributions)";
+    ASSERT_EQ(int64_t(hi), want_hi) << "trial " << trial << " (" << n << " contributions)";
+  }
 }
 
 TEST(Proxy, SmallDense) {

@@ -70,11 +70,12 @@ __device__ __forceinline__ void add_fixed(int64_t* dst, float c, float unit, boo
   atomicAdd(reinterpret_cast<unsigned long long*>(dst), static_cast<unsigned long long>(__float2ll_rn(x)));
 }
 
-// The 32-bit form (kFixLimit32, fixed_unit32): one 4-byte integer reduction per element.
-__device__ __forceinline__ void add_fixed32(int32_t* dst, float c, float unit, bool& bad) {
-  const float x = c * unit;
-  bad |= !(fabsf(x) <= kFixLimit32);
-  atomicAdd(dst, __float2int_rn(x));
+// The 32-bit form (kFixLimit32, fixed_unit32): two adjacent elements (dst 8-byte aligned) in one
+// 64-bit integer reduction (pack_pair32).
+__device__ __forceinline__ void add_fixed32_pair(int32_t* dst, float a, float b, float unit, bool& bad) {
+  const float x = a * unit, y = b * unit;
+  bad |= !(fabsf(x) <= kFixLimit32) || !(fabsf(y) <= kFixLimit32);
+  atomicAdd(reinterpret_cast<unsigned long long*>(dst), pack_pair32(__float2int_rn(x), __float2int_rn(y)));
 }
 
 // Deterministic mode (ptx/order.cuh): the consumers wait for their turn on a shared counter (one

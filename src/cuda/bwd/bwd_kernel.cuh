@@ -384,13 +384,11 @@ __global__ void __launch_bounds__(kCtaThreads, 1) bwd_main_kernel(const __grid_c
       const int64_t row = (int64_t(t) * p.Hq + h0 + ((rq0 + 8 * e1) & (P.Rp - 1))) * C::kHeadDim + dq0;
       if constexpr (kDet) {  // integer adds: the same sum in any order (sector-wise: quad_pair)
         const float u = e1 ? unit_b : unit_a;
-        if (p.dq_fix32) {  // 32 bits (sparse rows, FLASHMSA_DET_DQ32): two 4-byte adds per pair
+        if (p.dq_fix32) {  // 32 bits per element (SPARSE/GIVEN rows): one 64-bit add per pair
           if (t < 0) continue;
 #pragma unroll
-          for (int i = 0; i < 8; ++i) {
-            add_fixed32(p.dq_fix32 + row + 8 * i, accdQ(4 * i + 2 * e1), u, bad);
-            add_fixed32(p.dq_fix32 + row + 8 * i + 1, accdQ(4 * i + 2 * e1 + 1), u, bad);
-          }
+          for (int i = 0; i < 8; ++i)
+            add_fixed32_pair(p.dq_fix32 + row + 8 * i, accdQ(4 * i + 2 * e1), accdQ(4 * i + 2 * e1 + 1), u, bad);
           continue;
         }
         const int64_t quad = row - 2 * (wtid & 3);

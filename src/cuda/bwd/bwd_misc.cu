@@ -212,6 +212,7 @@ __global__ void convert_kernel(const float* acc, TokenTensor<void> out, Seqs seq
 }
 
 // the fixed-point accumulators (deterministic mode): value = acc / unit, exact in double up to 2^53
+// (32-bit accumulators hold pairs of elements in 64-bit words: pack_pair32)
 template <class Element, class Acc>
 __global__ void convert_fixed_kernel(const Acc* acc, TokenTensor<void> out, Seqs seqs, int heads, float scale,
                                      const float* unit, int64_t padded_stride, const int32_t* bad) {
@@ -222,8 +223,19 @@ __global__ void convert_fixed_kernel(const Acc* acc, TokenTensor<void> out, Seqs
   const Acc* src = acc + (c.t * heads + c.h) * kHeadDimInst + c.d;
   Element* dst = out.template row<Element>(c.b, c.t, c.h) + c.d;
   alignas(16) Element v[8];
+  if constexpr (sizeof(Acc) == 4) {  // 32-bit elements added in pairs (pack_pair32)
+    const unsigned long long* w = reinterpret_cast<const unsigned long long*>(src);
 #pragma unroll
-  for (int e = 0; e < 8; ++e) v[e] = Element(float(double(src[e]) * f));
+    for (int e = 0; e < 8; e += 2) {
+      int32_t lo, hi;
+      unpack_pair32(w[e / 2], lo, hi);
+      v[e] = Element(float(double(lo) * f));
+      v[e + 1] = Element(float(double(hi) * f));
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) v[e] = Element(float(double(src[e]) * f));
+  }
   *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(v);
 }
 

@@ -23,14 +23,26 @@ constexpr int kPadTile = 128;
 // bound: a non-finite input, or an lse that is not the rows' log-sum-exp) sets a flag that makes
 // the converted gradient NaN instead of plausible numbers.
 constexpr float kFixLimit = 0x1p50f;
-// The 32-bit form for the sparse dq rows (FLASHMSA_DET_DQ32=1, an A/B knob of session 10, not yet
-// measured): a dq row of SPARSE/GIVEN gets at most topk <= 64 = 2^6 contributions (one per selected
-// block; a repeated block counts once), each with |c| <= B. The unit keeps B * u < 2^23, so the
-// resolution is B * 2^-23; a contribution past 2^24 (2-4x its bound) sets the flag, and 2^6 of them
-// stay below 2^30: an int32 sum cannot wrap unnoticed. Half the bytes of the 64-bit adds (the
-// default's fp32 adds move as many). DENSE rows get up to 1024 contributions and keep 64 bits.
+// The 32-bit form, the sparse dq rows' default (SPARSE/GIVEN): a dq row there gets at most
+// topk <= 64 = 2^6 contributions (one per selected block; a repeated block counts once), each with
+// |c| <= B. The unit keeps B * u < 2^23, so the resolution is B * 2^-23; a contribution past 2^24
+// (2-4x its bound) sets the flag, and 2^6 of them stay below 2^30: an int32 sum cannot wrap
+// unnoticed. Two adjacent elements share one 64-bit integer add (pack_pair32): the default's fp32
+// float2 adds move as many bytes with as many instructions. DENSE rows get up to 1024
+// contributions and keep 64 bits per element.
 constexpr float kFixLimit32 = 0x1p24f;
 static_assert(kMaxTopk * double(kFixLimit32) < 0x1p31, "topk contributions at the flag limit must fit an int32");
+// Two int32 contributions (lo: the even element, hi: the odd one) as one 64-bit word, hi * 2^32 + lo.
+// The words' sum mod 2^64 is H * 2^32 + L (H, L the two elements' sums, in any order); while
+// |L|, |H| < 2^31 (kFixLimit32 above) it is that integer exactly, and unpack_pair32 returns them.
+__host__ __device__ inline unsigned long long pack_pair32(int32_t lo, int32_t hi) {
+  return static_cast<unsigned long long>(static_cast<long long>(lo)) +
+         (static_cast<unsigned long long>(static_cast<uint32_t>(hi)) << 32);
+}
+__host__ __device__ inline void unpack_pair32(unsigned long long w, int32_t& lo, int32_t& hi) {
+  lo = static_cast<int32_t>(static_cast<uint32_t>(w));  // the low word, as a signed value
+  hi = static_cast<int32_t>(static_cast<uint32_t>((w - static_cast<unsigned long long>(static_cast<long long>(lo))) >> 32));
+}
 // The deterministic mode's small block of kFixWords 32-bit words (zeroed before the launch):
 // the bounds and the per-tensor units as floats (launch_fix_bounds), then one flag per gradient.
 enum FixWord : int {
