@@ -42,8 +42,8 @@ void run_bwd(const flashmsa_bwd_args_t& a, const Geometry& g, char* ws, const Bw
   // reads them for the dq rows' units)
   float* const fix = l.deterministic ? reinterpret_cast<float*>(ws + l.fix) : nullptr;
   // 32-bit dq rows, added in pairs: SPARSE/GIVEN (a row there gets at most topk <= 64
-  // contributions; bwd_params.cuh, kFixLimit32)
-  const bool dq32 = l.deterministic && a.mode != FLASHMSA_MODE_DENSE;
+  // contributions; bwd_params.cuh, kFixLimit32; the workspace is laid out for it)
+  const bool dq32 = l.dq32;
   const int32_t* const bad =  // dq, dk, dv, dqp, dkp
       l.deterministic ? reinterpret_cast<const int32_t*>(fix) + attn_bwd::kBad : nullptr;
   if (l.deterministic) {
@@ -103,8 +103,8 @@ void run_bwd(const flashmsa_bwd_args_t& a, const Geometry& g, char* ws, const Bw
   c.dk_acc = dk_acc;
   c.dv_acc = dv_acc;
   if (l.deterministic) {  // fixed point: dq with a unit per row, dk and dv with one unit each
-    c.dq_fix = reinterpret_cast<int64_t*>(ws + l.dq);
-    if (dq32) c.dq_fix32 = reinterpret_cast<int32_t*>(ws + l.dq);  // the same (zeroed) bytes, half used
+    c.dq_fix = reinterpret_cast<int64_t*>(ws + l.dq);  // read by the kernel only when dq_fix32 is null
+    if (dq32) c.dq_fix32 = reinterpret_cast<int32_t*>(ws + l.dq);  // 4 bytes per element (bwd_layout)
     c.dk_fix = reinterpret_cast<int64_t*>(ws + l.dk);
     c.dv_fix = reinterpret_cast<int64_t*>(ws + l.dv);
     c.dq_unit.ptr = reinterpret_cast<const float*>(ws + l.dq_unit);

@@ -125,7 +125,8 @@ attn_bwd::InversionArgs inversion_args(const int32_t* idx, int64_t idx_head, int
                                        const flashmsa_tensor_t& cu, const Geometry& g);
 
 // Workspace of the backward after the guard's, in order: lse2, dsum (padded), the deterministic
-// mode's dq units, the dq/dk/dv/dqp/dkp accumulators (dq, dqp: int64 in deterministic mode), the
+// mode's dq units, the dq/dk/dv/dqp/dkp accumulators (dq, dqp: int64 in deterministic mode; dq int32 in
+// SPARSE/GIVEN), the
 // deterministic mode's bounds and flags and turn counters, the inversion (or the block offsets in
 // dense mode), the proxy lse, the kl partials and the teacher.
 struct BwdLayout {
@@ -134,6 +135,7 @@ struct BwdLayout {
   size_t dq_unit = 0, fix = 0;  // deterministic mode: dq units [Hq, padded]; the FixWord block
   size_t turn_qp = 0, turn_kp = 0;  // deterministic mode, DENSE: the recomputing proxy kernel's turns
   bool deterministic = false;
+  bool dq32 = false;  // deterministic SPARSE/GIVEN: dq in 32-bit pairs (bwd_params.cuh, pack_pair32)
   int64_t padded = 0;
   bool has_teacher = false;
 };

@@ -51,9 +51,11 @@ BwdLayout bwd_layout(const flashmsa_bwd_args_t& a, const Geometry& g) {
   // deterministic mode: the accumulators are 64-bit fixed point (bwd_params.cuh), with a unit per
   // dq row (padded like dsum; written by the preprocess, so outside the zeroed range). The
   // recomputing proxy kernel (DENSE mode) keeps fp32 dqp/dkp sums in turn order instead.
+  // SPARSE/GIVEN dq rows get at most topk contributions: 32 bits each, added in pairs.
   const size_t fix = a.deterministic ? 8 : 4;
+  l.dq32 = a.deterministic && a.mode != FLASHMSA_MODE_DENSE;
   if (a.deterministic) l.dq_unit = take(size_t(g.Hq) * l.padded * 4);
-  l.dq = take(size_t(g.total) * g.Hq * kHeadDim * fix);
+  l.dq = take(size_t(g.total) * g.Hq * kHeadDim * (l.dq32 ? 4 : fix));
   l.dk = take(size_t(g.total) * g.Hkv * kHeadDim * fix);
   l.dv = take(size_t(g.total) * g.Hkv * kHeadDim * fix);
   if (g.has_proxy) {  // (fixed point only for the kl kernel: SPARSE/GIVEN)

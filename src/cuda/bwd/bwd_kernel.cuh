@@ -32,12 +32,6 @@
 #include "cuda/ptx/cp_async.cuh"
 #include "cuda/ptx/order.cuh"
 
-#ifndef FLASHMSA_BWD_DESCENDING
-// A/B knob (session 10, not yet measured): walk each inverted list from its last chunk down, so that
-// CTAs running together touch nearby tokens' dq rows (every list ends near the sequence's end);
-// the hope is L2 hits for the dQ reductions (docs/kernels/bwd.md, "FlashAttention-3's backward")
-#define FLASHMSA_BWD_DESCENDING 0
-#endif
 #ifndef FLASHMSA_BWD_STAGES
 #define FLASHMSA_BWD_STAGES 3  // pipeline stages of the chunk rows (a build knob for measurements)
 #endif
@@ -182,8 +176,6 @@ __global__ void __launch_bounds__(kCtaThreads, 1) bwd_main_kernel(const __grid_c
   const int tid = threadIdx.x, role_wg = tid / kWarpGroupThreads;
   if (n <= 0) return;
   const int nchunks = (n + NTc - 1) / NTc;
-  // the list chunk processed at step c (the teacher rows are addressed by list chunk)
-  auto chunk_at = [nchunks](int c) { return FLASHMSA_BWD_DESCENDING ? nchunks - 1 - c : c; };
 
   Pipeline pipeline = make_chunk_pipeline<Pipeline>(S.pipe, role_wg, C::kProducers, C::kConsumers, S.kv_bar);
 
@@ -205,7 +197,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) bwd_main_kernel(const __grid_c
     const int R = p.R, lrp = P.log_rp, rmask = P.Rp - 1;
     // token of slot `tid` of chunk c (threads < NTc), -1 past the list
     auto slot_token = [&](int c) -> int32_t {
-      const int li = chunk_at(c) * NTc + tid;
+      const int li = c * NTc + tid;
       if (tid >= NTc || li >= n) return -1;
       return p.dense ? int32_t(dense_first + li) : list[li];
     };
@@ -334,7 +326,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) bwd_main_kernel(const __grid_c
       }
     }
 #ifndef FLASHMSA_BWD_NO_TEACHER
-    if (P.teacher) store_teacher(accS, key0, row0, S.slot[st], P.teacher + (entry0 + int64_t(chunk_at(c)) * NTc) * C::kBlockN + 64 * w,
+    if (P.teacher) store_teacher(accS, key0, row0, S.slot[st], P.teacher + (entry0 + int64_t(c) * NTc) * C::kBlockN + 64 * w,
                                  P.log_rp, inv_g);
 #endif
     if (P.teacher_only) {
