@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Nsight Compute on one training step (m3 by default), binaries in .gpu/, logs in $OUT.
-#   CONFIG=m3 SEQLEN=32768 bash scripts/gpu_profile.sh
+#   CONFIG=m3 SEQLEN=32768 PATTERN=clustered bash scripts/gpu_profile.sh
 #       per-kernel durations (which kernel of the step takes the time)
 #   KERNEL=bwd_main_kernel BENCH=.gpu/flashmsa_bench bash scripts/gpu_profile.sh
 #       one launch of KERNEL with --set full, plus its SASS page summarised by
@@ -9,7 +9,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/out}
 BENCH=${BENCH:-./.gpu/flashmsa_bench}
 mkdir -p "$OUT"
-args=(--config "${CONFIG:-m3}" --seqlens "${SEQLEN:-32768}" --patterns clustered --iters 1)
+args=(--config "${CONFIG:-m3}" --seqlens "${SEQLEN:-32768}" --patterns "${PATTERN:-clustered}" --iters 1)
 if [ -z "${KERNEL:-}" ]; then
   timeout 500 ncu --clock-control none --metrics gpu__time_duration.sum --print-summary per-kernel \
     "$BENCH" "${args[@]}" > "$OUT/ncu_summary.txt" 2>&1
