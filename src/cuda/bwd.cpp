@@ -41,9 +41,6 @@ void run_bwd(const flashmsa_bwd_args_t& a, const Geometry& g, char* ws, const Bw
   // deterministic mode: the bounds and units of the fixed-point sums (before the preprocess, which
   // reads them for the dq rows' units)
   float* const fix = l.deterministic ? reinterpret_cast<float*>(ws + l.fix) : nullptr;
-  // 32-bit dq rows, added in pairs: SPARSE/GIVEN (a row there gets at most topk <= 64
-  // contributions; bwd_params.cuh, kFixLimit32; the workspace is laid out for it)
-  const bool dq32 = l.dq32;
   const int32_t* const bad =  // dq, dk, dv, dqp, dkp
       l.deterministic ? reinterpret_cast<const int32_t*>(fix) + attn_bwd::kBad : nullptr;
   if (l.deterministic) {
@@ -84,7 +81,7 @@ void run_bwd(const flashmsa_bwd_args_t& a, const Geometry& g, char* ws, const Bw
   if (l.deterministic) {
     pa.dq_unit = reinterpret_cast<float*>(ws + l.dq_unit);
     pa.fix = fix;
-    pa.dq_unit32 = dq32;
+    pa.dq_unit32 = l.dq32;  // 32-bit dq rows in pairs (SPARSE/GIVEN: <= topk contributions; bwd_layout)
   }
   by_dtype(d, [&](auto D) { attn_bwd::launch_preprocess<decltype(D)::value>(pa, st); });
 
@@ -104,7 +101,7 @@ void run_bwd(const flashmsa_bwd_args_t& a, const Geometry& g, char* ws, const Bw
   c.dv_acc = dv_acc;
   if (l.deterministic) {  // fixed point: dq with a unit per row, dk and dv with one unit each
     c.dq_fix = reinterpret_cast<int64_t*>(ws + l.dq);  // read by the kernel only when dq_fix32 is null
-    if (dq32) c.dq_fix32 = reinterpret_cast<int32_t*>(ws + l.dq);  // 4 bytes per element (bwd_layout)
+    if (l.dq32) c.dq_fix32 = reinterpret_cast<int32_t*>(ws + l.dq);  // 4 bytes per element (bwd_layout)
     c.dk_fix = reinterpret_cast<int64_t*>(ws + l.dk);
     c.dv_fix = reinterpret_cast<int64_t*>(ws + l.dv);
     c.dq_unit.ptr = reinterpret_cast<const float*>(ws + l.dq_unit);
@@ -121,7 +118,7 @@ void run_bwd(const flashmsa_bwd_args_t& a, const Geometry& g, char* ws, const Bw
 
   if (l.deterministic) {
     convert_fixed(d, ws + l.dq, token_tensor<void>(a.dq, g), seqs, g.max_seqlen, g.Hq, float(g.scale),
-                  reinterpret_cast<const float*>(ws + l.dq_unit), l.padded, bad + 0, st, dq32);
+                  reinterpret_cast<const float*>(ws + l.dq_unit), l.padded, bad + 0, st, l.dq32);
     convert_fixed(d, ws + l.dk, token_tensor<void>(a.dk, g), seqs, g.max_seqlen, g.Hkv, float(g.scale),
                   fix + attn_bwd::kUnitDk, 0, bad + 1, st);
     convert_fixed(d, ws + l.dv, token_tensor<void>(a.dv, g), seqs, g.max_seqlen, g.Hkv, 1.f,

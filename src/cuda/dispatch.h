@@ -125,10 +125,9 @@ attn_bwd::InversionArgs inversion_args(const int32_t* idx, int64_t idx_head, int
                                        const flashmsa_tensor_t& cu, const Geometry& g);
 
 // Workspace of the backward after the guard's, in order: lse2, dsum (padded), the deterministic
-// mode's dq units, the dq/dk/dv/dqp/dkp accumulators (dq, dqp: int64 in deterministic mode; dq int32 in
-// SPARSE/GIVEN), the
-// deterministic mode's bounds and flags and turn counters, the inversion (or the block offsets in
-// dense mode), the proxy lse, the kl partials and the teacher.
+// mode's dq units, the dq/dk/dv/dqp/dkp accumulators (deterministic mode: int64, except dq in
+// SPARSE/GIVEN: int32 pairs), the deterministic mode's bounds and flags and turn counters, the
+// inversion (or the block offsets in dense mode), the proxy lse, the kl partials and the teacher.
 struct BwdLayout {
   size_t lse2 = 0, dsum = 0, dq = 0, dk = 0, dv = 0, dqp = 0, dkp = 0, inv = 0, plse = 0, kl = 0, teach = 0,
          total = 0;
