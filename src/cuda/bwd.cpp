@@ -85,9 +85,7 @@ void run_bwd(const flashmsa_bwd_args_t& a, const Geometry& g, char* ws, const Bw
   }
   by_dtype(d, [&](auto D) { attn_bwd::launch_preprocess<decltype(D)::value>(pa, st); });
 
-  attn_bwd::MainArgs mp;
-  attn_bwd::Common& c = mp.c;
-  c = common_base(g, a.q, a.k, a.cu_seqlens, pa.lse2, l.padded, a.mode == FLASHMSA_MODE_DENSE,
+  attn_bwd::Common c = common_base(g, a.q, a.k, a.cu_seqlens, pa.lse2, l.padded, a.mode == FLASHMSA_MODE_DENSE,
                   static_cast<const int32_t*>(a.indices.data), a.indices.strides[0], a.indices.strides[1],
                   ws + l.inv, st);
   c.v = token_tensor<const void>(a.v, g);
@@ -109,12 +107,46 @@ void run_bwd(const flashmsa_bwd_args_t& a, const Geometry& g, char* ws, const Bw
     c.dq_unit.tok = 1;
     c.fix = fix;
   }
-  mp.batched = g.batched;
-  mp.total = g.total;
-  mp.Rp = tiles::head_slots(c.R);
-  mp.log_rp = __builtin_ctz(unsigned(mp.Rp));
-  if (l.has_teacher) mp.teacher = reinterpret_cast<float*>(ws + l.teach);  // R = G here (bwd_features)
-  launch_main(d, mp, g.Hq / c.R, st);
+  // the proxy side (the proxy gradient dkl and/or the kl value): SPARSE/GIVEN runs it in the fused
+  // kernel with the main backward (the teacher in a per-CTA scratch), DENSE in the recomputing
+  // proxy kernel after it
+  const bool proxy_side = g.has_proxy && bwd_proxy_side(a, g);
+  ProxyRun r;
+  attn_bwd::Common cp = c;
+  if (proxy_side) {
+    r.qp = &a.qp;
+    r.kp = &a.kp;
+    r.cu = &a.cu_seqlens;
+    r.indices = &a.indices;
+    r.proxy_lse = &a.proxy_lse;
+    r.plse_ws = reinterpret_cast<float*>(ws + l.plse);
+    r.dqp_acc = reinterpret_cast<float*>(ws + l.dqp);
+    r.dkp_acc = reinterpret_cast<float*>(ws + l.dkp);
+    r.kl_acc = reinterpret_cast<float*>(ws + l.kl);
+    r.dkl = static_cast<const float*>(a.dkl.data);
+    r.grads = present(a.dkl);  // without dkl the accumulators stay zero
+    if (l.deterministic && l.has_teacher) {  // the fused kernel's kl walk: dqp, dkp in fixed point
+      cp.dqp_fix = reinterpret_cast<int64_t*>(ws + l.dqp);
+      cp.dkp_fix = reinterpret_cast<int64_t*>(ws + l.dkp);
+    } else if (l.deterministic) {  // the recomputing proxy kernel (DENSE): fp32 adds in turn order
+      cp.fix = nullptr;
+      cp.turn_rows = reinterpret_cast<int32_t*>(ws + l.turn_qp);
+      cp.turn_keys = reinterpret_cast<int32_t*>(ws + l.turn_kp);
+    }
+  }
+  float* const kl_out = present(a.kl) ? static_cast<float*>(a.kl.data) : nullptr;
+  if (l.has_teacher) {  // (has_teacher: SPARSE/GIVEN with the proxy side; R = G here, bwd_features)
+    run_fused(g, cp, r, false, reinterpret_cast<float*>(ws + l.teach), reinterpret_cast<int32_t*>(ws + l.next_item),
+              kl_out, st);
+  } else {
+    attn_bwd::MainArgs mp;
+    mp.c = c;
+    mp.batched = g.batched;
+    mp.total = g.total;
+    mp.Rp = tiles::head_slots(c.R);
+    mp.log_rp = __builtin_ctz(unsigned(mp.Rp));
+    launch_main(d, mp, g.Hq / c.R, st);
+  }
 
   if (l.deterministic) {
     convert_fixed(d, ws + l.dq, token_tensor<void>(a.dq, g), seqs, g.max_seqlen, g.Hq, float(g.scale),
@@ -129,33 +161,9 @@ void run_bwd(const flashmsa_bwd_args_t& a, const Geometry& g, char* ws, const Bw
     convert(d, dv_acc, token_tensor<void>(a.dv, g), seqs, g.max_seqlen, g.Hkv, 1.f, st);
   }
   if (g.has_proxy) {
-    float pscale = 1.f;
-    if (bwd_proxy_side(a, g)) {  // the proxy gradient (dkl) and/or the kl value (kl)
-      pscale = kl_scales(g).grad;  // dz was kept N / proxy_scale times larger
-      ProxyRun r;
-      r.qp = &a.qp;
-      r.kp = &a.kp;
-      r.cu = &a.cu_seqlens;
-      r.indices = &a.indices;
-      r.proxy_lse = &a.proxy_lse;
-      r.plse_ws = reinterpret_cast<float*>(ws + l.plse);
-      r.dqp_acc = reinterpret_cast<float*>(ws + l.dqp);
-      r.dkp_acc = reinterpret_cast<float*>(ws + l.dkp);
-      r.kl_acc = reinterpret_cast<float*>(ws + l.kl);
-      r.dkl = static_cast<const float*>(a.dkl.data);
-      r.grads = present(a.dkl);  // without dkl the accumulators stay zero
-      attn_bwd::Common cp = c;
-      if (l.deterministic && l.has_teacher) {  // the kl kernel: dqp, dkp in fixed point
-        cp.dqp_fix = reinterpret_cast<int64_t*>(ws + l.dqp);
-        cp.dkp_fix = reinterpret_cast<int64_t*>(ws + l.dkp);
-      } else if (l.deterministic) {  // the recomputing proxy kernel (DENSE): fp32 adds in turn order
-        cp.fix = nullptr;
-        cp.turn_rows = reinterpret_cast<int32_t*>(ws + l.turn_qp);
-        cp.turn_keys = reinterpret_cast<int32_t*>(ws + l.turn_kp);
-      }
-      run_proxy(g, cp, l.has_teacher ? mp.teacher : nullptr, r,
-                present(a.kl) ? static_cast<float*>(a.kl.data) : nullptr, st);
-    }
+    // dz was kept N / proxy_scale times larger
+    const float pscale = proxy_side ? kl_scales(g).grad : 1.f;
+    if (proxy_side && !l.has_teacher) run_proxy(g, cp, r, kl_out, st);
     if (l.deterministic && l.has_teacher) {
       convert_fixed(d, ws + l.dqp, token_tensor<void>(a.dqp, g), seqs, g.max_seqlen, g.Hp, pscale,
                     fix + attn_bwd::kUnitDqp, 0, bad + 3, st);

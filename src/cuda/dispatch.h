@@ -117,9 +117,14 @@ void check_aligned(const char* fn, const char* name, const flashmsa_tensor_t& t)
 // ---- workspace.cpp ----
 // Every varlen call's workspace starts with the guard's (the safe cu_seqlens); then the call's.
 size_t guard_bytes(const Geometry& g);
-// The teacher buffer of the kl kernel: one fp32 row of 128 keys per inversion entry (at most
-// topk entries per proxy head and token). SPARSE/GIVEN only: in DENSE mode the recomputing proxy
-// kernel runs instead (the buffer would hold every causal pair).
+// The fused kernel's teacher scratch (fused_kernel.cuh): one slot of kl_segment(g) fp32 rows of
+// 128 keys per persistent CTA, kl_ctas(g) CTAs (the device's SMs: one CTA each). SPARSE/GIVEN
+// only: in DENSE mode the recomputing proxy kernel runs instead. The segment: kKlSegment list
+// entries (FLASHMSA_KL_SEGMENT overrides it for tests and tuning), at most max_seqlen, rounded up
+// to a multiple of 64. Measured: docs/kernels/bwd.md ("Session 13").
+constexpr int kKlSegment = 1024;
+int kl_ctas(const Geometry& g);
+int kl_segment(const Geometry& g);
 size_t teacher_bytes(const Geometry& g);
 attn_bwd::InversionArgs inversion_args(const int32_t* idx, int64_t idx_head, int64_t idx_tok,
                                        const flashmsa_tensor_t& cu, const Geometry& g);
@@ -127,10 +132,11 @@ attn_bwd::InversionArgs inversion_args(const int32_t* idx, int64_t idx_head, int
 // Workspace of the backward after the guard's, in order: lse2, dsum (padded), the deterministic
 // mode's dq units, the dq/dk/dv/dqp/dkp accumulators (deterministic mode: int64, except dq in
 // SPARSE/GIVEN: int32 pairs), the deterministic mode's bounds and flags and turn counters, the
-// inversion (or the block offsets in dense mode), the proxy lse, the kl partials and the teacher.
+// inversion (or the block offsets in dense mode), the proxy lse, the kl partials, the teacher
+// scratch and the fused kernel's item counter.
 struct BwdLayout {
   size_t lse2 = 0, dsum = 0, dq = 0, dk = 0, dv = 0, dqp = 0, dkp = 0, inv = 0, plse = 0, kl = 0, teach = 0,
-         total = 0;
+         next_item = 0, total = 0;
   size_t dq_unit = 0, fix = 0;  // deterministic mode: dq units [Hq, padded]; the FixWord block
   size_t turn_qp = 0, turn_kp = 0;  // deterministic mode, DENSE: the recomputing proxy kernel's turns
   bool deterministic = false;
@@ -142,9 +148,9 @@ BwdLayout bwd_layout(const flashmsa_bwd_args_t& a, const Geometry& g);
 
 // Workspace of the forward after the guard's: the indices (SPARSE without an indices output),
 // then for compute_kl the padded lse2, the inversion, the proxy lse (when not an output), the kl
-// partials and the teacher.
+// partials, the teacher scratch and the item counter.
 struct FwdLayout {
-  size_t idx = 0, lse2 = 0, inv = 0, plse = 0, kl = 0, teach = 0, total = 0;
+  size_t idx = 0, lse2 = 0, inv = 0, plse = 0, kl = 0, teach = 0, next_item = 0, total = 0;
   int64_t padded = 0;
   bool has_teacher = false;
 };
@@ -193,10 +199,13 @@ struct ProxyRun {
   const float* dkl = nullptr;
   bool grads = true;
 };
-// The proxy side: with a teacher (SPARSE/GIVEN: the main backward's buffer) the kl kernel, without
-// one (DENSE) the recomputing proxy kernel (the teacher from the group's S^T, chunk by chunk);
-// then, when kl_out is given, the kl value there (the partials added in a fixed order).
-void run_proxy(const Geometry& g, const attn_bwd::Common& c, const float* teacher, const ProxyRun& r, float* kl_out,
-               cudaStream_t st);
+// DENSE mode's proxy side: the recomputing proxy kernel (the teacher from the group's S^T, chunk
+// by chunk); then, when kl_out is given, the kl value there (the partials added in a fixed order).
+void run_proxy(const Geometry& g, const attn_bwd::Common& c, const ProxyRun& r, float* kl_out, cudaStream_t st);
+// SPARSE/GIVEN with a kl: the fused kernel (the main backward's walk and the kl walk per CTA, the
+// teacher in `scratch`, teacher_bytes(g)); c is the main backward's Common (the forward's kl:
+// teacher_only); then the kl value as run_proxy.
+void run_fused(const Geometry& g, const attn_bwd::Common& c, const ProxyRun& r, bool teacher_only, float* scratch,
+               int32_t* next_item, float* kl_out, cudaStream_t st);
 
 }  // namespace flashmsa::cuda

@@ -53,18 +53,6 @@ void run_fwd_kl(const flashmsa_fwd_args_t& a, const Geometry& g, const int32_t* 
   by_dtype(dtype_of(g), [&](auto D) { attn_bwd::launch_preprocess<decltype(D)::value>(pa, st); });
   const attn_bwd::Common c = common_base(g, a.q, a.k, a.cu_seqlens, pa.lse2, l.padded,
                                          a.mode == FLASHMSA_MODE_DENSE, idx, idx_head, idx_tok, ws + l.inv, st);
-  if (l.has_teacher) {  // the main backward's S and P only, storing the teacher (R = G: fwd_features)
-    attn_bwd::MainArgs mp;
-    mp.c = c;
-    mp.c.R = tiles::bwd_unit_heads(g);
-    mp.batched = g.batched;
-    mp.total = g.total;
-    mp.Rp = tiles::head_slots(mp.c.R);
-    mp.log_rp = __builtin_ctz(unsigned(mp.Rp));
-    mp.teacher = reinterpret_cast<float*>(ws + l.teach);
-    mp.teacher_only = true;
-    launch_main(dtype_of(g), mp, g.Hq / mp.c.R, st);
-  }
   flashmsa_tensor_t idx_t{};  // the rows the proxy lse recompute reads (GIVEN)
   idx_t.data = const_cast<int32_t*>(idx);
   idx_t.ndim = 3;
@@ -80,8 +68,11 @@ void run_fwd_kl(const flashmsa_fwd_args_t& a, const Geometry& g, const int32_t* 
   r.plse_ws = reinterpret_cast<float*>(ws + l.plse);
   r.kl_acc = reinterpret_cast<float*>(ws + l.kl);
   r.grads = false;
-  run_proxy(g, c, l.has_teacher ? reinterpret_cast<const float*>(ws + l.teach) : nullptr, r,
-            static_cast<float*>(a.kl.data), st);
+  if (l.has_teacher)  // the fused kernel: the main backward's S and P only (the teacher), the kl walk (R = G: fwd_features)
+    run_fused(g, c, r, true, reinterpret_cast<float*>(ws + l.teach), reinterpret_cast<int32_t*>(ws + l.next_item),
+              static_cast<float*>(a.kl.data), st);
+  else
+    run_proxy(g, c, r, static_cast<float*>(a.kl.data), st);
 }
 
 }  // namespace

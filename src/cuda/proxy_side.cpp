@@ -1,6 +1,6 @@
 // What the forward's kl value and the backward's proxy gradient share: the Common parameters of
 // the backward's kernels (with the index inversion), the proxy lse the kl needs, and the two
-// proxy-side kernels (the kl kernel over the stored teacher; the recomputing proxy kernel).
+// proxy-side launches (the fused main + kl kernel, SPARSE/GIVEN; the recomputing proxy kernel, DENSE).
 #include "cuda/dispatch.h"
 #include "cuda/tiles.h"
 
@@ -52,21 +52,6 @@ attn_bwd::Common proxy_common(const Geometry& g, const attn_bwd::Common& c, cons
   pc.kl_acc = r.kl_acc;
   pc.dkl = r.dkl;
   return pc;
-}
-
-// The kl kernel (SPARSE/GIVEN): the proxy side only, the teacher read from the main backward's buffer.
-void run_kl_side(const Geometry& g, const attn_bwd::Common& c, const float* teacher, const ProxyRun& r,
-                 cudaStream_t st) {
-  attn_bwd::KlArgs kp;
-  kp.c = proxy_common(g, c, r, st);
-  kp.teacher = teacher;
-  kp.grads = r.grads;
-  kp.batched = g.batched;
-  kp.total = g.total;
-  by_dtype(dtype_of(g), [&](auto D) {
-    by_det(deterministic(kp.c.fix != nullptr, kp.c.dqp_fix && kp.c.dkp_fix),
-           [&](auto Det) { attn_bwd::run_kl<decltype(D)::value, decltype(Det)::value>(kp, st); });
-  });
 }
 
 // The recomputing proxy kernel (DENSE mode): the teacher from the group's S^T, chunk by chunk.
@@ -129,13 +114,44 @@ void launch_main(Dtype d, const attn_bwd::MainArgs& a, int units, cudaStream_t s
   });
 }
 
-void run_proxy(const Geometry& g, const attn_bwd::Common& c, const float* teacher, const ProxyRun& r, float* kl_out,
-               cudaStream_t st) {
-  if (teacher) run_kl_side(g, c, teacher, r, st);
-  else run_proxy_side(g, c, r, st);
+namespace {
+void kl_reduce(const Geometry& g, const ProxyRun& r, float* kl_out, cudaStream_t st) {
   if (kl_out)
     attn_bwd::launch_kl_reduce(r.kl_acc, int64_t(g.Hp) * tiles::global_blocks_bound(g), kl_scales(g).value, kl_out,
                                st);
+}
+}  // namespace
+
+void run_proxy(const Geometry& g, const attn_bwd::Common& c, const ProxyRun& r, float* kl_out, cudaStream_t st) {
+  run_proxy_side(g, c, r, st);
+  kl_reduce(g, r, kl_out, st);
+}
+
+void run_fused(const Geometry& g, const attn_bwd::Common& c, const ProxyRun& r, bool teacher_only, float* scratch,
+               int32_t* next_item, float* kl_out, cudaStream_t st) {
+  attn_bwd::FusedArgs fa;
+  fa.c = proxy_common(g, c, r, st);
+  fa.c.R = tiles::bwd_unit_heads(g);
+  if (c.dense || int64_t(fa.c.R) * g.Hp != g.Hq)
+    fail(FLASHMSA_ERROR_INTERNAL, "flashmsa: CUDA backend: the fused kernel needs SPARSE/GIVEN and one group per unit");
+  fa.batched = g.batched;
+  fa.total = g.total;
+  fa.Rp = tiles::head_slots(fa.c.R);
+  fa.log_rp = __builtin_ctz(unsigned(fa.Rp));
+  fa.teacher_only = teacher_only;
+  fa.grads = r.grads && !teacher_only;
+  fa.scratch = scratch;
+  fa.seg = kl_segment(g);
+  fa.ctas = kl_ctas(g);
+  fa.next_item = next_item;
+  FLASHMSA_CUDA_CHECK(cudaMemsetAsync(next_item, 0, sizeof(int32_t), st));
+  const bool det = fa.c.fix != nullptr;
+  const bool ready = fa.c.dq_fix && fa.c.dk_fix && fa.c.dv_fix && fa.c.dq_unit.ptr && fa.c.dqp_fix && fa.c.dkp_fix;
+  by_dtype(dtype_of(g), [&](auto D) {
+    by_det(deterministic(det, ready),
+           [&](auto Det) { attn_bwd::run_fused<decltype(D)::value, decltype(Det)::value>(fa, st); });
+  });
+  kl_reduce(g, r, kl_out, st);
 }
 
 }  // namespace flashmsa::cuda

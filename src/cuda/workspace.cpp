@@ -1,5 +1,8 @@
 // The workspace layouts of the three calls (dispatch.h describes each). A query and its call
 // compute the same layout from the same arguments.
+#include <cstdlib>
+#include <string>
+
 #include "cuda/dispatch.h"
 #include "cuda/tiles.h"
 
@@ -10,7 +13,32 @@ using tiles::kHeadDim;
 
 size_t guard_bytes(const Geometry& g) { return g.batched ? 0 : guard::workspace(g.batch); }
 
-size_t teacher_bytes(const Geometry& g) { return size_t(g.Hp) * size_t(g.total) * size_t(g.topk) * 128 * 4; }
+int kl_ctas(const Geometry& g) {
+  int n = 0;
+  FLASHMSA_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, g.device_id));
+  return n;
+}
+
+int kl_segment(const Geometry& g) {
+  int64_t seg = kKlSegment;
+  if (const char* e = std::getenv("FLASHMSA_KL_SEGMENT"); e && *e) {  // tests and tuning (docs/kernels/bwd.md)
+    int64_t v = 0;
+    bool ok = true;
+    for (const char* c = e; *c && ok; ++c) {
+      ok = *c >= '0' && *c <= '9';
+      v = v * 10 + (*c - '0');
+      ok = ok && v <= (int64_t(1) << 20);
+    }
+    if (!ok || v < 1)
+      fail(FLASHMSA_ERROR_INVALID_ARGUMENT,
+           std::string("FLASHMSA_KL_SEGMENT: expected decimal digits for 1 .. 1048576 list entries, got '") + e + "'");
+    seg = v;
+  }
+  if (seg > g.max_seqlen) seg = g.max_seqlen;  // a list holds at most a sequence's tokens
+  return int((seg + 63) / 64 * 64);
+}
+
+size_t teacher_bytes(const Geometry& g) { return size_t(kl_ctas(g)) * size_t(kl_segment(g)) * 128 * 4; }
 
 namespace {
 // The kl side of a layout (forward's kl value, backward's proxy gradient): the proxy lse when it
@@ -19,8 +47,9 @@ template <class Layout, class Take>
 void take_kl_side(Layout& l, Take& take, const Geometry& g, flashmsa_mode_t mode, bool plse) {
   if (plse) l.plse = take(size_t(g.Hp) * g.total * 4);
   l.kl = take(size_t(g.Hp) * global_blocks_bound(g) * 4);
-  if (mode != FLASHMSA_MODE_DENSE) {
+  if (mode != FLASHMSA_MODE_DENSE) {  // the fused kernel's teacher scratch and its items' counter
     l.teach = take(teacher_bytes(g));
+    l.next_item = take(4);
     l.has_teacher = true;
   }
 }

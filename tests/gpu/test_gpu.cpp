@@ -640,6 +640,28 @@ TEST(Proxy, G64Given) {
   run_bwd_case(Problem().heads(64, 1).proxy_heads(1, 1).with_topk(4).seqlens({500, 130}),
                BwdCase().given().with_dkl(1.0));
 }
+// The fused kernel's segments and persistent CTAs (fused_kernel.cuh). FLASHMSA_KL_SEGMENT = 64
+// walks lists of up to ~2,100 entries in 64-entry segments: dK, dV and dKp added per segment, the
+// CTA's teacher scratch rewritten each time, both pipelines' states carried across segments and
+// items. 184 items (46 key blocks x 4 proxy heads) over at most 132 CTAs: CTAs take several items.
+struct ScopedEnv {
+  ScopedEnv(const char* name, const char* value) : name_(name) { setenv(name, value, 1); }
+  ~ScopedEnv() { unsetenv(name_); }
+  const char* name_;
+};
+TEST(Proxy, SegmentedLists) {
+  ScopedEnv seg("FLASHMSA_KL_SEGMENT", "64");
+  run_bwd_case(fmsa().with_topk(16).seqlens({0, 1, 127, 129, 1000, 2100, 2100}),
+               BwdCase().sparse().with_dlse().with_dkl(1.0).with_kl_value());
+}
+TEST(Proxy, SegmentedListsM3Given) {  // 16 head slots per token (4 tokens per main chunk); 100: rounded to 128
+  ScopedEnv seg("FLASHMSA_KL_SEGMENT", "100");
+  run_bwd_case(m3().with_topk(8).seqlens({1300, 40}), BwdCase().given().with_dkl(0.7).with_kl_value());
+}
+TEST(Deterministic, SegmentedLists) {
+  ScopedEnv seg("FLASHMSA_KL_SEGMENT", "64");
+  run_bwd_case(fmsa().with_topk(8).seqlens({2100, 129, 1000}), BwdCase().sparse().with_dkl(1.0).deterministic().with_kl_value());
+}
 // The deterministic backward: bitwise equal across two runs. m3 (16 blocks per token's dq, four
 // proxy heads per proxy key head), fmsa varlen (two units per kv head), four units per kv head
 // (Hq 12, Hkv 1, Hp 4: R = 3 in 4 head slots), given indices with empty rows, dense warmup.
@@ -1450,6 +1472,41 @@ TEST(Errors, ProxyGradientAcrossKvHeads) {
   size_t bytes = 0;
   EXPECT_EQ(flashmsa_bwd(&b, nullptr, bytes), FLASHMSA_ERROR_NOT_SUPPORTED);
   EXPECT_NE(std::string(flashmsa_last_error()).find("kv head"), std::string::npos) << flashmsa_last_error();
+  download(dq);
+  for (double x : dq.host) ASSERT_TRUE(std::isnan(x)) << "output written by a refused call";
+}
+
+TEST(Kl, SegmentedSparse) {  // the forward's kl through the fused kernel's teacher-only walk (Proxy.SegmentedLists)
+  ScopedEnv seg("FLASHMSA_KL_SEGMENT", "64");
+  run_kl_case(m3().with_topk(16).seqlens({2000}), KlCase().sparse());
+}
+
+// A bad FLASHMSA_KL_SEGMENT: the workspace query and the call refuse it, and nothing is written.
+TEST(Errors, BadSegmentKnob) {
+  PoolScope scope;
+  std::mt19937_64 rng(fresh_seed());
+  Problem pb = fmsa().with_topk(2).seqlens({200});
+  Inputs in = make_inputs(pb, rng);
+  const int64_t T = pb.total();
+  Tensor o = output(token_shape(pb, pb.Hq, pb.D), pb.dtype), l = output({pb.Hq, T}, FLASHMSA_DTYPE_FP32),
+         idx = output({pb.Hp, T, 2}, FLASHMSA_DTYPE_INT32), g = output({}, FLASHMSA_DTYPE_FP32);
+  cudaMemset(idx.dev, 0, idx.bytes());
+  Tensor dq = output(token_shape(pb, pb.Hq, pb.D), pb.dtype), dk = output(token_shape(pb, pb.Hkv, pb.D), pb.dtype),
+         dv = output(token_shape(pb, pb.Hkv, pb.D), pb.dtype), dqp = output(token_shape(pb, pb.Hp, pb.Dp), pb.dtype),
+         dkp = output(token_shape(pb, pb.Hpk, pb.Dp), pb.dtype);
+  flashmsa::BwdArgs b;
+  b.q = dev_view(in.q); b.k = dev_view(in.k); b.v = dev_view(in.v); b.qp = dev_view(in.qp); b.kp = dev_view(in.kp);
+  b.cu_seqlens = dev_view(in.cu);
+  b.max_seqlen = pb.max_len();
+  b.indices = dev_view(idx); b.out = dev_view(o); b.lse = dev_view(l); b.dout = dev_view(o); b.dkl = dev_view(g);
+  b.dq = dev_view(dq); b.dk = dev_view(dk); b.dv = dev_view(dv); b.dqp = dev_view(dqp); b.dkp = dev_view(dkp);
+  for (const char* bad : {"0", "-5", "abc", "64x", " 64", "+64", "2000000"}) {
+    ScopedEnv seg("FLASHMSA_KL_SEGMENT", bad);
+    size_t bytes = 0;
+    EXPECT_EQ(flashmsa_bwd_workspace_size(&b, &bytes), FLASHMSA_ERROR_INVALID_ARGUMENT) << bad;
+    EXPECT_NE(std::string(flashmsa_last_error()).find("FLASHMSA_KL_SEGMENT"), std::string::npos) << flashmsa_last_error();
+    EXPECT_EQ(flashmsa_bwd(&b, nullptr, 0), FLASHMSA_ERROR_INVALID_ARGUMENT) << bad;
+  }
   download(dq);
   for (double x : dq.host) ASSERT_TRUE(std::isnan(x)) << "output written by a refused call";
 }

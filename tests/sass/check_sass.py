@@ -60,13 +60,17 @@ def sass(obj: str, cuobjdump: str, nvdisasm: str) -> dict[str, str]:
 
 # The backward kernels: (kernel name, instantiations expected). Each is a template on the
 # element type (bf16, fp16); the proxy kernel also on the chunk width (16, 64); all on kDet.
-KERNELS = {"bwd_main_kernel": 2, "bwd_kl_kernel": 2, "bwd_proxy_kernel": 4}
+KERNELS = {"bwd_main_kernel": 2, "bwd_fused_kernel": 2, "bwd_proxy_kernel": 4}
 KDET = re.compile(r"Lb([01])E")  # the mangled bool template argument kDet
 ATOMIC = re.compile(r"\bATOMG?\.E\.")  # global or generic atomics that return a value
 REDUCTION = re.compile(r"\bREDG\.E\.")  # fire-and-forget global reductions
 FIXED_ADD = re.compile(r"\bREDG\.E\.ADD\.64\b")  # the deterministic mode's 64-bit integer adds
-FIXED_KERNELS = ("bwd_main_kernel", "bwd_kl_kernel")  # deterministic in fixed point (the proxy kernel: turns)
+FIXED_KERNELS = ("bwd_main_kernel", "bwd_fused_kernel")  # deterministic in fixed point (the proxy kernel: turns)
 GPU_FENCE = re.compile(r"\bMEMBAR\.[A-Z.]*GPU\b")
+# The fused kernel's persistent CTAs take items from a counter: one 32-bit ATOMG.E.ADD per item
+# (one copy in each role's loop), whose returned value is the item. Not a gradient add.
+ITEM_COUNTER = re.compile(r"\bATOMG\.E\.ADD\.STRONG\.GPU\s")
+ITEM_COUNTERS = {"bwd_fused_kernel": 2}
 HGMMA = re.compile(r"\bHGMMA\.")
 DEPBAR = re.compile(r"\bWARPGROUP\.DEPBAR\b")
 
@@ -100,6 +104,10 @@ def main(argv: list[str]) -> int:
             det = int(m.group(1))
             seen[(kernel, det)] += 1
             atomics, reds, fences, fixed = (len(r.findall(text)) for r in (ATOMIC, REDUCTION, GPU_FENCE, FIXED_ADD))
+            counters = len(ITEM_COUNTER.findall(text))
+            if counters != ITEM_COUNTERS.get(kernel, 0):
+                failures.append(f"{kname}: {counters} item-counter ATOMG, expected {ITEM_COUNTERS.get(kernel, 0)}")
+            atomics -= counters
             print(f"{kernel} kDet={det} ({os.path.basename(obj)}): REDG {reds} (64-bit integer {fixed}), "
                   f"ATOMG/ATOM {atomics}, GPU fences {fences}, HGMMA {mmas}, wgmma waits {waits}")
             if det == 0 and (atomics or not reds or fixed):

@@ -1,5 +1,5 @@
 // The backward's launch interface as the dispatcher sees it (CuTe-free): plain arguments of the
-// three wgmma kernels and one run_*<Dtype, ...>() per instantiation TU (bwd_{main,kl,proxy}_*.cu),
+// three wgmma kernels (main, fused main + kl, recomputing proxy) and one run_*<Dtype, ...>() per instantiation TU (bwd_{main,kl,proxy}_*.cu),
 // which builds the TMA descriptors of the resident key blocks and launches the kernel. The small
 // kernels (preprocess, inversion, convert, kl reduce) are in bwd_misc.cuh.
 #pragma once
@@ -13,24 +13,30 @@
 
 namespace flashmsa::cuda::attn_bwd {
 
-// The main backward (bwd_kernel.cuh): dq, dk, dv; with `teacher`, also the KL teacher.
+// The main backward alone (bwd_kernel.cuh): dq, dk, dv (no proxy side, or DENSE mode).
 struct MainArgs {
   bool batched = false;
   Common c;
   int Rp = 0;                  // head slots per token: R rounded up to a power of two
   int log_rp = 0;              // log2(Rp)
-  float* teacher = nullptr;    // [inversion entries, 128] mean_h P of the group, or null
-  bool teacher_only = false;   // the forward's kl: S, P and the teacher only (V is not read)
+  bool teacher_only = false;   // (the fused kernel's forward kl; false here)
   int64_t total = 0;           // tokens of the per-token tensors (the TMA descriptors' extent)
 };
 
-// The proxy side from the stored teacher (kl_kernel.cuh): dqp, dkp, the kl partials.
-struct KlArgs {
+// The main backward and the proxy side in one persistent kernel (fused_kernel.cuh; SPARSE/GIVEN
+// with a kl gradient or value, R = G): dq, dk, dv, dqp, dkp and the kl partials, the teacher in a
+// per-CTA scratch.
+struct FusedArgs {
   bool batched = false;
-  Common c;
-  const float* teacher = nullptr;  // [inversion entries, 128], from the main backward
-  bool grads = true;               // false: the kl value only (forward's compute_kl)
+  Common c;                    // the main backward's fields and the proxy side's (qp, kp, plse, ...)
+  int Rp = 0, log_rp = 0;
+  bool teacher_only = false;   // the forward's kl: S, P, the teacher and the kl terms only
+  bool grads = true;           // false: no proxy gradients (the kl value only)
   int64_t total = 0;
+  float* scratch = nullptr;    // [ctas, seg, 128] teacher rows
+  int seg = 0;                 // list entries per segment (a multiple of 64)
+  int ctas = 0;                // persistent CTAs (at most this many; the scratch has a slot for each)
+  int32_t* next_item = nullptr;  // the items' counter, zero at the launch
 };
 
 // The recomputing proxy kernel (proxy_kernel.cuh, DENSE mode): the teacher from the group's S.
@@ -47,7 +53,7 @@ struct ProxyArgs {
 template <Dtype, bool kDet>
 void run_main(const MainArgs& a, int units, cudaStream_t stream);
 template <Dtype, bool kDet>
-void run_kl(const KlArgs& a, cudaStream_t stream);
+void run_fused(const FusedArgs& a, cudaStream_t stream);
 // kTok: tokens per chunk (64 / G rounded: 16 or 64, tiles.h)
 template <Dtype, int kTok, bool kDet>
 void run_proxy(const ProxyArgs& a, cudaStream_t stream);

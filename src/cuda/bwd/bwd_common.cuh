@@ -15,6 +15,26 @@
 
 namespace flashmsa::cuda::attn_bwd {
 
+// The same object, through a reference the compiler cannot see through: what is derived from it
+// (shared-memory addresses, wgmma descriptors) is computed after this point. The fused backward
+// kernel calls this at the start of each walk, so that one walk's loop-invariant address math is
+// not hoisted out of the item loop and kept live (spilled) across the other walk.
+template <class T>
+__device__ __forceinline__ T& opaque_ref(T& x) {
+  // through the 32-bit shared address, so that the accesses stay LDS/STS (a laundered generic
+  // pointer would make every access a generic LD/ST)
+  uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(&x));
+  asm volatile("" : "+r"(a));
+  return *static_cast<T*>(__cvta_shared_to_generic(a));
+}
+// The thread's index, likewise: the per-thread fragment offsets derived from it are computed in
+// the walk that uses them.
+__device__ __forceinline__ int opaque_tid() {
+  int t = int(threadIdx.x);
+  asm volatile("" : "+r"(t));
+  return t;
+}
+
 // A resident key block (128 keys x 128 dims, dims contiguous) in shared memory: K_j, V_j, Kp_j.
 template <class Element>
 using BlockLayout = SwizzledTile<Element, kBlockKeys, kHeadDimInst>;

@@ -14,12 +14,14 @@
 // whose arrivals complete with the copies (the producer never waits for its own loads); K_j and
 // V_j come once by TMA.
 //
-// With a teacher buffer (proxy gradient or kl in SPARSE/GIVEN mode, where the unit is exactly
-// one MSA group: R = G) the consumers also reduce P^T over the group's heads in registers (the
-// head slots of a token are Rp adjacent accumulator columns: two per thread, then lanes xor 1
-// and 2) and store the teacher t(token, key) = mean_h P for every list entry, fp32 [entry, 128];
-// the kl kernel (kl_kernel.cuh) reads it instead of recomputing the group's attention.
-// teacher_only (the forward's kl) skips dP, dS and the gradients.
+// The walk is written as two device functions (main_produce, main_consume) over a range of a
+// list's entries, so that the fused kernel (fused_kernel.cuh: SPARSE/GIVEN with a kl, where the
+// unit is exactly one MSA group, R = G) runs it segment by segment next to the kl walk. There the
+// consumers also reduce P^T over the group's heads in registers (the head slots of a token are Rp
+// adjacent accumulator columns: two per thread, then lanes xor 1 and 2) and store the teacher
+// t(token, key) = mean_h P of every entry of the segment, fp32 [entry, 128], to the CTA's scratch;
+// teacher_only (the forward's kl) skips dP, dS and the gradients. The standalone kernel below
+// (no proxy side, or DENSE mode) walks the whole list without a teacher.
 #pragma once
 
 #include <cutlass/arch/barrier.h>
@@ -73,16 +75,27 @@ struct MainConfig {
     int32_t tok[kStages][kRows];   // global token of each row; -1: padding row
     int32_t slot[kStages][kRows];  // global token of each token slot; -1: past the list
     float unit[kStages][kRows];    // deterministic mode: each row's fixed-point unit (bwd_params.cuh)
+  };
+  // the pipeline's barriers and the resident block's (outside Smem: the fused kernel overlays the
+  // two walks' Smem and keeps both Syncs)
+  struct Sync {
     typename Pipeline::SharedStorage pipe;
     cutlass::arch::ClusterTransactionBarrier kv_bar;
   };
-  static constexpr size_t kSmemBytes = sizeof(Smem) + 1024;
+  struct Plan {
+    Smem d;
+    Sync s;
+  };
+  static constexpr size_t kSmemBytes = sizeof(Plan) + 1024;
   static_assert(kSmemBytes <= kMaxSmemBytes, "shared-memory plan over the SM's 227 KB");
 };
 
-// The kernel's parameters: the dispatcher's plain arguments plus the TMA descriptors of K_j, V_j.
-template <class Element>
+// The kernel's parameters: the dispatcher's plain arguments plus the TMA descriptors of K_j, V_j;
+// kDetMode: the deterministic instantiation.
+template <class Element, bool kDet = false>
 struct MainParams : MainArgs {
+  static constexpr bool kDetMode = kDet;
+  using ElementType = Element;
   using StageLayout = typename MainConfig<Element>::SmemLayoutKV;
   TmaBlockLoad<Element, StageLayout> tma_k, tma_v;
   TmaShape tma_shape;
@@ -141,117 +154,137 @@ __device__ __forceinline__ void store_teacher(const Acc& accS, int key0, int row
   }
 }
 
-template <class Element, bool kDet>
-__global__ void __launch_bounds__(kCtaThreads, 1) bwd_main_kernel(const __grid_constant__ MainParams<Element> P) {
+// A main-walk item: key block j of sequence b (global block gb) x one head unit, and its list of
+// n tokens (the inversion's, or every token from the block's first in DENSE mode).
+struct MainItem {
+  int b, j, h0, grp, kvh, n;
+  int64_t s0, L, dense_first, entry0;  // entry0: the list's first inversion entry (SPARSE/GIVEN)
+  const int32_t* list;
+};
+// false: nothing to do (a block past the last sequence, or an empty list)
+__device__ __forceinline__ bool main_item(const Common& p, int gb, int unit, MainItem& m) {
+  m.b = seq_of_block(p.inv.blk_off, p.seqs.batch, gb);
+  if (m.b < 0) return false;
+  p.seqs.get(m.b, m.s0, m.L);
+  m.j = gb - p.inv.blk_off[m.b];
+  m.h0 = unit * p.R;
+  m.grp = m.h0 / (p.Hq / p.Hp);
+  m.kvh = m.h0 / (p.Hq / p.Hkv);
+  m.list = nullptr;
+  m.dense_first = 0;
+  m.entry0 = 0;
+  if (p.dense) {
+    m.dense_first = m.s0 + int64_t(m.j) * kBlockKeys;
+    m.n = int(m.s0 + m.L - m.dense_first);
+  } else {
+    const int64_t k = int64_t(m.grp) * p.inv.nblk + gb;
+    m.entry0 = p.inv.offsets[k];
+    m.n = p.inv.offsets[k + 1] - int(m.entry0);
+    m.list = p.inv.tokens + m.entry0;
+  }
+  return m.n > 0;
+}
+
+// The producer's side of list entries [first, first + count) of an item: K_j (and V_j) by TMA
+// on kv_bar (armed here), then the chunks' rows into the pipeline. The pipeline state carries
+// over between calls (the fused kernel walks several ranges and items on one pipeline).
+template <class Element, class Params>
+__device__ __forceinline__ void main_produce(const Params& P, typename MainConfig<Element>::Smem& S_in,
+                                             typename MainConfig<Element>::Pipeline& pipeline,
+                                             cutlass::PipelineState<MainConfig<Element>::kStages>& state,
+                                             cutlass::arch::ClusterTransactionBarrier& kv_bar, const MainItem& m,
+                                             int first, int count) {
+  auto& S = opaque_ref(S_in);
   using namespace cute;
   using C = MainConfig<Element>;
-  using Pipeline = typename C::Pipeline;
   const Common& p = P.c;
-  extern __shared__ char smem_raw[];
-  auto& S = smem_struct<typename C::Smem>(smem_raw);
-
-  const int units = p.Hq / p.R;
-  const CtaCoord cta = cta_coord(units);
-  const int gb = cta.gb, unit = cta.unit;
-  const int b = seq_of_block(p.inv.blk_off, p.seqs.batch, gb);
-  if (b < 0) return;
-  int64_t s0, L;
-  p.seqs.get(b, s0, L);
-  const int j = gb - p.inv.blk_off[b];
-  const int h0 = unit * p.R;
-  const int grp = h0 / (p.Hq / p.Hp), kvh = h0 / (p.Hq / p.Hkv);
+  const int tid = opaque_tid();
   const int NTc = C::kRows / P.Rp;  // token slots per chunk
-  // the tokens of this block's list
-  int n = 0;
-  const int32_t* list = nullptr;
-  int64_t dense_first = 0;
-  if (p.dense) {
-    dense_first = s0 + int64_t(j) * C::kBlockN;
-    n = int(s0 + L - dense_first);
-  } else {
-    const int64_t k = int64_t(grp) * p.inv.nblk + gb;
-    n = p.inv.offsets[k + 1] - p.inv.offsets[k];
-    list = p.inv.tokens + p.inv.offsets[k];
-  }
-  const int tid = threadIdx.x, role_wg = tid / kWarpGroupThreads;
-  if (n <= 0) return;
-  const int nchunks = (n + NTc - 1) / NTc;
-
-  Pipeline pipeline = make_chunk_pipeline<Pipeline>(S.pipe, role_wg, C::kProducers, C::kConsumers, S.kv_bar);
-
+  const int nchunks = (count + NTc - 1) / NTc;
+  const int64_t s0 = m.s0;
+  const int b = m.b;
   Tensor sK = make_tensor(make_smem_ptr(S.k.data()), typename C::SmemLayoutKV{});
   Tensor sV = make_tensor(make_smem_ptr(S.v.data()), typename C::SmemLayoutKV{});
   Tensor sQ = make_tensor(make_smem_ptr(S.q.data()), typename C::SmemLayoutRows{});
   Tensor sdO = make_tensor(make_smem_ptr(S.dout.data()), typename C::SmemLayoutRows{});
-
-  if (role_wg == 0) {  // ---- producer ----
-    cutlass::arch::warpgroup_reg_dealloc<kBwdRegs.producer>();
-    if (tid == 0) {  // K_j (and V_j), once, by TMA
-      S.kv_bar.arrive_and_expect_tx((P.teacher_only ? 1 : 2) * C::kBlockN * C::kHeadDim * sizeof(Element));
-      tma_load_block(P.tma_k, P.tma_shape, kvh, b, s0, P.batched, j, sK, S.kv_bar);
-      if (!P.teacher_only) tma_load_block(P.tma_v, P.tma_shape, kvh, b, s0, P.batched, j, sV, S.kv_bar);
-    }
-    const Element* qptr = static_cast<const Element*>(p.q.ptr);
-    const Element* doptr = static_cast<const Element*>(p.dout.ptr);
-    const int64_t pad0 = padded_offset(s0, b, kPadTile) - s0;  // padded index = pad0 + global token
-    const int R = p.R, lrp = P.log_rp, rmask = P.Rp - 1;
-    // token of slot `tid` of chunk c (threads < NTc), -1 past the list
-    auto slot_token = [&](int c) -> int32_t {
-      const int li = c * NTc + tid;
-      if (tid >= NTc || li >= n) return -1;
-      return p.dense ? int32_t(dense_first + li) : list[li];
-    };
-    int32_t next = slot_token(0);
-    auto state = cutlass::make_producer_start_state<Pipeline>();
-    for (int c = 0; c < nchunks; ++c) {
-      pipeline.producer_acquire(state);
-      const int st = state.index();
-      if (tid < NTc) S.slot[st][tid] = next;
-      if (c + 1 < nchunks) next = slot_token(c + 1);  // in flight meanwhile
-      barrier_sync(NamedBarrier::kProducer, kWarpGroupThreads);
-      // rows of this chunk: row r = slot r / Rp, head h0 + r % Rp (padding heads >= R: zero rows)
-      for (int x = tid; x < C::kRows * 16; x += kWarpGroupThreads) {
-        const int r = x / 16, col = (x % 16) * 8;
-        const int32_t t = S.slot[st][r >> lrp];
-        const bool valid = t >= 0 && (r & rmask) < R;
-        const int64_t tt = valid ? t : s0;  // a readable row; nothing is read when !valid
-        const int h = h0 + (valid ? (r & rmask) : 0);
-        ptx::cp_async_16(&sQ(r, col, st), qptr + b * p.q.batch_corr + tt * p.q.tok + h * p.q.head + col, valid ? 16 : 0);
-        if (!P.teacher_only)
-          ptx::cp_async_16(&sdO(r, col, st), doptr + b * p.dout.batch_corr + tt * p.dout.tok + h * p.dout.head + col,
-                           valid ? 16 : 0);
-      }
-      if (tid < C::kRows) {
-        const int r = tid;
-        const int32_t t = S.slot[st][r >> lrp];
-        const bool valid = t >= 0 && (r & rmask) < R;
-        const int64_t tt = valid ? t : s0;
-        const int h = h0 + (valid ? (r & rmask) : 0);
-        S.tok[st][r] = valid ? t : -1;
-        S.pos[st][r] = valid ? int32_t(t - s0) : -1;
-        ptx::cp_async_4(&S.lse2[st][r], p.lse2.at(h, pad0 + tt), valid ? 4 : 0);
-        if (!P.teacher_only) ptx::cp_async_4(&S.dsum[st][r], p.dsum.at(h, pad0 + tt), valid ? 4 : 0);
-        if constexpr (kDet) ptx::cp_async_4(&S.unit[st][r], p.dq_unit.at(h, pad0 + tt), valid ? 4 : 0);
-      }
-      // the stage is full when every producer thread's copies have landed
-#ifdef FLASHMSA_BWD_SYNC_PRODUCER
-      ptx::cp_async_commit();
-      ptx::cp_async_wait<0>();
-      ptx::fence_proxy_async_smem();
-      pipeline.producer_commit(state);
-#else
-      pipeline.producer_commit(state, cutlass::arch::cpasync_barrier_arrive);
-#endif
-      ++state;
-    }
-    ptx::cp_async_wait<0>();
-    return;
+  if (tid == 0) {  // K_j (and V_j), by TMA
+    kv_bar.arrive_and_expect_tx((P.teacher_only ? 1 : 2) * C::kBlockN * C::kHeadDim * sizeof(Element));
+    tma_load_block(P.tma_k, P.tma_shape, m.kvh, b, s0, P.batched, m.j, sK, kv_bar);
+    if (!P.teacher_only) tma_load_block(P.tma_v, P.tma_shape, m.kvh, b, s0, P.batched, m.j, sV, kv_bar);
   }
+  const Element* qptr = static_cast<const Element*>(p.q.ptr);
+  const Element* doptr = static_cast<const Element*>(p.dout.ptr);
+  const int64_t pad0 = padded_offset(s0, b, kPadTile) - s0;  // padded index = pad0 + global token
+  const int R = p.R, lrp = P.log_rp, rmask = P.Rp - 1, h0 = m.h0;
+  // token of slot `tid` of chunk c (threads < NTc), -1 past the range
+  auto slot_token = [&](int c) -> int32_t {
+    const int li = c * NTc + tid;
+    if (tid >= NTc || li >= count) return -1;
+    return p.dense ? int32_t(m.dense_first + first + li) : m.list[first + li];
+  };
+  int32_t next = slot_token(0);
+  for (int c = 0; c < nchunks; ++c) {
+    pipeline.producer_acquire(state);
+    const int st = state.index();
+    if (tid < NTc) S.slot[st][tid] = next;
+    if (c + 1 < nchunks) next = slot_token(c + 1);  // in flight meanwhile
+    barrier_sync(NamedBarrier::kProducer, kWarpGroupThreads);
+    // rows of this chunk: row r = slot r / Rp, head h0 + r % Rp (padding heads >= R: zero rows)
+    for (int x = tid; x < C::kRows * 16; x += kWarpGroupThreads) {
+      const int r = x / 16, col = (x % 16) * 8;
+      const int32_t t = S.slot[st][r >> lrp];
+      const bool valid = t >= 0 && (r & rmask) < R;
+      const int64_t tt = valid ? t : s0;  // a readable row; nothing is read when !valid
+      const int h = h0 + (valid ? (r & rmask) : 0);
+      ptx::cp_async_16(&sQ(r, col, st), qptr + b * p.q.batch_corr + tt * p.q.tok + h * p.q.head + col, valid ? 16 : 0);
+      if (!P.teacher_only)
+        ptx::cp_async_16(&sdO(r, col, st), doptr + b * p.dout.batch_corr + tt * p.dout.tok + h * p.dout.head + col,
+                         valid ? 16 : 0);
+    }
+    if (tid < C::kRows) {
+      const int r = tid;
+      const int32_t t = S.slot[st][r >> lrp];
+      const bool valid = t >= 0 && (r & rmask) < R;
+      const int64_t tt = valid ? t : s0;
+      const int h = h0 + (valid ? (r & rmask) : 0);
+      S.tok[st][r] = valid ? t : -1;
+      S.pos[st][r] = valid ? int32_t(t - s0) : -1;
+      ptx::cp_async_4(&S.lse2[st][r], p.lse2.at(h, pad0 + tt), valid ? 4 : 0);
+      if (!P.teacher_only) ptx::cp_async_4(&S.dsum[st][r], p.dsum.at(h, pad0 + tt), valid ? 4 : 0);
+      if constexpr (Params::kDetMode) ptx::cp_async_4(&S.unit[st][r], p.dq_unit.at(h, pad0 + tt), valid ? 4 : 0);
+    }
+    // the stage is full when every producer thread's copies have landed
+    pipeline.producer_commit(state, cutlass::arch::cpasync_barrier_arrive);
+    ++state;
+  }
+  ptx::cp_async_wait<0>();
+}
 
-  // ---- consumers: warpgroup w owns keys [64 w, 64 w + 64) ----
-  cutlass::arch::warpgroup_reg_alloc<kBwdRegs.consumer>();
-  const int w = role_wg - 1;
+// The consumers' side of list entries [first, first + count): dK_j, dV_j of the range added at
+// its end, dq per chunk; with `teach`, the teacher row of entry first + i at teach + 128 i.
+// kv_phase: the parity of kv_bar's load for this range.
+template <class Element, class Params>
+__device__ __forceinline__ void main_consume(const Params& P, typename MainConfig<Element>::Smem& S_in,
+                                             typename MainConfig<Element>::Pipeline& pipeline,
+                                             cutlass::PipelineState<MainConfig<Element>::kStages>& state,
+                                             cutlass::arch::ClusterTransactionBarrier& kv_bar, uint32_t kv_phase,
+                                             const MainItem& m, int count, float* teach) {
+  auto& S = opaque_ref(S_in);
+  using namespace cute;
+  using C = MainConfig<Element>;
+  constexpr bool kDet = Params::kDetMode;
+  const Common& p = P.c;
+  const int tid = opaque_tid();
+  const int NTc = C::kRows / P.Rp;
+  const int nchunks = (count + NTc - 1) / NTc;
+  const int w = tid / kWarpGroupThreads - 1;
   const int wtid = tid % kWarpGroupThreads;
+  const int64_t s0 = m.s0, L = m.L;
+  const int h0 = m.h0;
+  Tensor sK = make_tensor(make_smem_ptr(S.k.data()), typename C::SmemLayoutKV{});
+  Tensor sV = make_tensor(make_smem_ptr(S.v.data()), typename C::SmemLayoutKV{});
+  Tensor sQ = make_tensor(make_smem_ptr(S.q.data()), typename C::SmemLayoutRows{});
+  Tensor sdO = make_tensor(make_smem_ptr(S.dout.data()), typename C::SmemLayoutRows{});
   Tensor sQt = make_tensor(make_smem_ptr(S.q.data()), typename C::SmemLayoutRowsT{});
   Tensor sdOt = make_tensor(make_smem_ptr(S.dout.data()), typename C::SmemLayoutRowsT{});
   Tensor sKt = make_tensor(make_smem_ptr(S.k.data()), typename C::SmemLayoutKt{});
@@ -292,7 +325,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) bwd_main_kernel(const __grid_c
   Tensor cdQ = thr_dq.partition_C(make_identity_tensor(Shape<_64, _64>{}));           // (row, d)
 
   const float sl2 = p.scale * kLog2e;
-  const int64_t key_base = int64_t(j) * C::kBlockN + 64 * w;  // in-sequence position of key 0 of this half
+  const int64_t key_base = int64_t(m.j) * C::kBlockN + 64 * w;  // in-sequence position of key 0 of this half
   // SM90 accumulator fragment (64 x N): value x = e0 + 2 e1 + 4 i of a thread sits at
   // (key0 + 8 e1, row0 + 8 i + e0); dQ's (row, d) likewise at (rq0 + 8 e1, d0 + 8 i + e0). The
   // element loops below use these offsets instead of per-element coordinates; check them once.
@@ -301,12 +334,9 @@ __global__ void __launch_bounds__(kCtaThreads, 1) bwd_main_kernel(const __grid_c
       get<1>(cdQ(5)) != get<1>(cdQ(0)) + 9)
     __trap();
   const int kpos0 = int(key_base) + key0;  // in-sequence position of this thread's first key
-  // teacher rows of this list: entries offsets[grp * nblk + gb] + li (sparse/given only)
-  const int64_t entry0 = p.dense ? 0 : p.inv.offsets[int64_t(grp) * p.inv.nblk + gb];
   const float inv_g = 1.f / float(p.R);
-  S.kv_bar.wait(0);
+  kv_bar.wait(kv_phase);
 
-  typename Pipeline::PipelineState state;
   for (int c = 0; c < nchunks; ++c) {
     // no proxy fence here: cp.async writes completed through the mbarrier are visible to wgmma
     // (CUTLASS's cp.async GMMA mainloop and FlashAttention-3's paged-KV path rely on the same);
@@ -325,10 +355,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) bwd_main_kernel(const __grid_c
         accS(x + 1) = kpos0 + 8 * e1 <= pos.y ? ptx::exp2f_approx(accS(x + 1) * sl2 - l2.y) : 0.f;
       }
     }
-#ifndef FLASHMSA_BWD_NO_TEACHER
-    if (P.teacher) store_teacher(accS, key0, row0, S.slot[st], P.teacher + (entry0 + int64_t(c) * NTc) * C::kBlockN + 64 * w,
-                                 P.log_rp, inv_g);
-#endif
+    if (teach) store_teacher(accS, key0, row0, S.slot[st], teach + int64_t(c) * NTc * C::kBlockN + 64 * w, P.log_rp, inv_g);
     if (P.teacher_only) {
       pipeline.consumer_release(state);
       ++state;
@@ -396,9 +423,6 @@ __global__ void __launch_bounds__(kCtaThreads, 1) bwd_main_kernel(const __grid_c
       } else {
         if (t < 0) continue;
         float* dst = p.dq_acc + row;
-#if FLASHMSA_BWD_PROBE_NO_DQ_ADD  // measurement probe (wrong dq): the ceiling of a cheaper dQ reduction
-        if (accdQ(2 * e1) != 12345.f) continue;
-#endif
 #pragma unroll
         for (int i = 0; i < 8; ++i)
           atomicAdd(reinterpret_cast<float2*>(dst + 8 * i), make_float2(accdQ(4 * i + 2 * e1), accdQ(4 * i + 2 * e1 + 1)));
@@ -409,25 +433,50 @@ __global__ void __launch_bounds__(kCtaThreads, 1) bwd_main_kernel(const __grid_c
   }
 
   if (P.teacher_only) return;
-  // dK_j, dV_j of this unit: fp32 atomics (several units may share a kv head), in fixed point in
-  // deterministic mode
+  // dK_j, dV_j of this unit and range: fp32 atomics (several units may share a kv head), in fixed
+  // point in deterministic mode
   const auto cKV = thr_dkv.partition_C(make_identity_tensor(Shape<_64, Int<C::kHeadDim>>{}));
   if constexpr (kDet) {
     bool bad = false;
-    add_key_rows_fixed(accdK, cKV, key_base, L, s0, p.Hkv, kvh, p.dk_fix, p.fix[kUnitDk], bad);
+    add_key_rows_fixed(accdK, cKV, key_base, L, s0, p.Hkv, m.kvh, p.dk_fix, p.fix[kUnitDk], bad);
     if (bad) atomicOr(reinterpret_cast<int32_t*>(p.fix) + kBad + 1, 1);
     bad = false;
-    add_key_rows_fixed(accdV, cKV, key_base, L, s0, p.Hkv, kvh, p.dv_fix, p.fix[kUnitDv], bad);
+    add_key_rows_fixed(accdV, cKV, key_base, L, s0, p.Hkv, m.kvh, p.dv_fix, p.fix[kUnitDv], bad);
     if (bad) atomicOr(reinterpret_cast<int32_t*>(p.fix) + kBad + 2, 1);
   } else {
-    add_key_rows(accdK, cKV, key_base, L, s0, p.Hkv, kvh, p.dk_acc);
-    add_key_rows(accdV, cKV, key_base, L, s0, p.Hkv, kvh, p.dv_acc);
+    add_key_rows(accdK, cKV, key_base, L, s0, p.Hkv, m.kvh, p.dk_acc);
+    add_key_rows(accdV, cKV, key_base, L, s0, p.Hkv, m.kvh, p.dv_acc);
   }
+}
+
+// The standalone main backward: one CTA per (key block, unit), its whole list, no teacher.
+template <class Element, bool kDet>
+__global__ void __launch_bounds__(kCtaThreads, 1) bwd_main_kernel(const __grid_constant__ MainParams<Element, kDet> P) {
+  using C = MainConfig<Element>;
+  using Pipeline = typename C::Pipeline;
+  const Common& p = P.c;
+  extern __shared__ char smem_raw[];
+  auto& S = smem_struct<typename C::Plan>(smem_raw);
+  const CtaCoord cta = cta_coord(p.Hq / p.R);
+  MainItem m;
+  if (!main_item(p, cta.gb, cta.unit, m)) return;
+  const int role_wg = threadIdx.x / kWarpGroupThreads;
+  Pipeline pipeline = make_chunk_pipeline<Pipeline>(S.s.pipe, role_wg, C::kProducers, C::kConsumers, S.s.kv_bar);
+  if (role_wg == 0) {  // ---- producer ----
+    cutlass::arch::warpgroup_reg_dealloc<kBwdRegs.producer>();
+    auto state = cutlass::make_producer_start_state<Pipeline>();
+    main_produce<Element>(P, S.d, pipeline, state, S.s.kv_bar, m, 0, m.n);
+    return;
+  }
+  // ---- consumers: warpgroup w owns keys [64 w, 64 w + 64) ----
+  cutlass::arch::warpgroup_reg_alloc<kBwdRegs.consumer>();
+  typename Pipeline::PipelineState state;
+  main_consume<Element>(P, S.d, pipeline, state, S.s.kv_bar, 0, m, m.n, nullptr);
 }
 
 // kDet: the deterministic instantiation (the fixed-point fields of Common set), else the default one
 template <class Element, bool kDet>
-void launch_main(const MainParams<Element>& P, int units, cudaStream_t stream) {
+void launch_main(const MainParams<Element, kDet>& P, int units, cudaStream_t stream) {
   using C = MainConfig<Element>;
   auto kernel = bwd_main_kernel<Element, kDet>;
   FLASHMSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(C::kSmemBytes)));
@@ -437,20 +486,25 @@ void launch_main(const MainParams<Element>& P, int units, cudaStream_t stream) {
   FLASHMSA_CUDA_CHECK(cudaGetLastError());
 }
 
-// bwd.h's run_main: the TMA descriptors of K_j and V_j (teacher_only reads no V: the K
-// descriptor stands in), then the launch (one instantiation per translation unit).
+// The TMA descriptors of K_j and V_j (teacher_only reads no V: the K descriptor stands in).
+template <class Params>
+void set_main_tma(Params& p, const Common& c, bool batched, bool teacher_only, int64_t total) {
+  using Element = typename Params::ElementType;
+  using Stage = typename MainConfig<Element>::SmemLayoutKV;
+  const auto tk = make_block_load<Element, Stage>(c.k, c.Hkv, batched, c.seqs.seqlen, c.seqs.batch, total);
+  p.tma_k = tk.copy;
+  p.tma_v = teacher_only ? tk.copy
+                         : make_block_load<Element, Stage>(c.v, c.Hkv, batched, c.seqs.seqlen, c.seqs.batch, total).copy;
+  p.tma_shape = tk.shape;
+}
+
+// bwd.h's run_main: the TMA descriptors, then the launch (one instantiation per translation unit).
 template <Dtype D, bool kDet>
 void run_main(const MainArgs& a, int units, cudaStream_t stream) {
   using Element = typename ElementOf<D>::type;
-  using Stage = typename MainParams<Element>::StageLayout;
-  MainParams<Element> p;
+  MainParams<Element, kDet> p;
   static_cast<MainArgs&>(p) = a;
-  const auto tk = make_block_load<Element, Stage>(a.c.k, a.c.Hkv, a.batched, a.c.seqs.seqlen, a.c.seqs.batch, a.total);
-  p.tma_k = tk.copy;
-  p.tma_v = a.teacher_only ? tk.copy
-                           : make_block_load<Element, Stage>(a.c.v, a.c.Hkv, a.batched, a.c.seqs.seqlen,
-                                                             a.c.seqs.batch, a.total).copy;
-  p.tma_shape = tk.shape;
+  set_main_tma(p, a.c, a.batched, a.teacher_only, a.total);
   launch_main<Element, kDet>(p, units, stream);
 }
 

@@ -1,17 +1,17 @@
-// Proxy (KL) backward from a stored teacher, SPARSE/GIVEN mode: dqp, dkp and the kl value,
-// key-block-outer over the same inversion as the main backward.
+// The proxy (KL) walk from a stored teacher, SPARSE/GIVEN mode: dqp, dkp and the kl terms,
+// key-block-outer over the same inversion as the main backward; run by the fused kernel
+// (fused_kernel.cuh) after the main walk of the same list segment.
 //
-// The main backward (bwd_kernel.cuh) already has the main probabilities of every list entry and
-// stores the teacher t(entry, key) = mean over the group's heads, fp32 [entries, 128]. This
-// kernel needs only the proxy side, so a chunk is 64 tokens (not 64 / G as when the teacher is
-// recomputed): one CTA = one key block j x one proxy head p; per chunk the producer gathers the
-// 64 Qp rows and the 64 teacher rows (contiguous entries) with cp.async; the consumers
-// (2 warpgroups x 64 keys) compute z^T = Kp Qp^T, the student s = exp(z - plse), dz = g (s - t)
-// (the 1/N and the proxy scale are applied by the convert kernel), the kl terms
-// t (ln t - ln s); dKp_j += dz^T Qp stays in registers, dQp = dz Kp goes through dz^T staged in
-// shared memory to an fp32 accumulator with float2 atomics. Each CTA writes its kl partial.
-// DENSE (warmup) mode keeps the recomputing proxy kernel (proxy_kernel.cuh): its teacher buffer
-// would hold every causal (token, key) pair.
+// The main walk (bwd_kernel.cuh) already has the main probabilities of every list entry and
+// stores the teacher t(entry, key) = mean over the group's heads, fp32 [entry, 128], in the CTA's
+// scratch. This walk needs only the proxy side, so a chunk is 64 tokens (not 64 / G as when the
+// teacher is recomputed): one item = one key block j x one proxy head p; per chunk the producer
+// gathers the 64 Qp rows and the 64 teacher rows (contiguous entries) with cp.async; the
+// consumers (2 warpgroups x 64 keys) compute z^T = Kp Qp^T, the student s = exp(z - plse),
+// dz = g (s - t) (the 1/N and the proxy scale are applied by the convert kernel), the kl terms
+// t (ln t - ln s); dKp_j += dz^T Qp stays in registers for the segment, dQp = dz Kp goes through
+// dz^T staged in shared memory to an fp32 accumulator with float2 atomics. The caller writes the
+// item's kl partial. DENSE (warmup) mode keeps the recomputing proxy kernel (proxy_kernel.cuh).
 #pragma once
 
 #include <cutlass/arch/barrier.h>
@@ -56,96 +56,114 @@ struct KlConfig {
     alignas(16) float teach[kStages][kTok][kTeachStride];
     float plse[kStages][kTok];
     int32_t tok[kStages][kTok];  // global token of each row; -1: past the list
+  };
+  // the barriers (outside Smem: the fused kernel overlays the two walks' Smem)
+  struct Sync {
     typename Pipeline::SharedStorage pipe;
     cutlass::arch::ClusterTransactionBarrier kp_bar;
-    float kl_warp[8];
   };
-  static constexpr size_t kSmemBytes = sizeof(Smem) + 1024;
+  static constexpr size_t kSmemBytes = sizeof(Smem) + sizeof(Sync) + 1024;
   static_assert(kSmemBytes <= kMaxSmemBytes, "shared-memory plan over the SM's 227 KB");
 };
 
-// The kernel's parameters: the dispatcher's plain arguments plus the TMA descriptor of Kp_j.
-template <class Element>
-struct KlParams : KlArgs {
-  using StageLayout = BlockLayout<Element>;
-  TmaBlockLoad<Element, StageLayout> tma_kp;
-  TmaShape tma_shape_kp;
+// A kl-walk item: key block j of sequence b (global block gb) x proxy head grp, and its list.
+struct KlItem {
+  int gb, grp, b, j, pk, n;
+  int64_t kl_slot, s0, L, entry0;
+  const int32_t* list;
 };
+// false: nothing to walk (a block past the last sequence, or an empty list); kl_slot is set
+__device__ __forceinline__ bool kl_item(const Common& p, int gb, int grp, KlItem& k) {
+  k.gb = gb;
+  k.grp = grp;
+  k.kl_slot = int64_t(grp) * p.inv.nblk + gb;
+  k.b = seq_of_block(p.inv.blk_off, p.seqs.batch, gb);
+  if (k.b < 0) return false;
+  p.seqs.get(k.b, k.s0, k.L);
+  k.j = gb - p.inv.blk_off[k.b];
+  k.pk = grp / (p.Hp / p.Hpk);
+  k.entry0 = p.inv.offsets[int64_t(grp) * p.inv.nblk + gb];
+  k.n = p.inv.offsets[int64_t(grp) * p.inv.nblk + gb + 1] - int(k.entry0);
+  k.list = p.inv.tokens + k.entry0;
+  return k.n > 0;
+}
 
-template <class Element, bool kDet>
-__global__ void __launch_bounds__(kCtaThreads, 1) bwd_kl_kernel(const __grid_constant__ KlParams<Element> P) {
+// The producer's side of list entries [first, first + count): Kp_j by TMA on kp_bar (armed
+// here), then per chunk the Qp rows, the teacher rows (entry first + i at teach + 128 i) and the
+// proxy lse into the pipeline, whose state carries over between calls.
+template <class Element, class Params>
+__device__ __forceinline__ void kl_produce(const Params& P, typename KlConfig<Element>::Smem& S_in,
+                                           typename KlConfig<Element>::Pipeline& pipeline,
+                                           cutlass::PipelineState<KlConfig<Element>::kStages>& state,
+                                           cutlass::arch::ClusterTransactionBarrier& kp_bar, const KlItem& k,
+                                           int first, int count, const float* teach) {
+  auto& S = opaque_ref(S_in);
   using namespace cute;
   using C = KlConfig<Element>;
-  using Pipeline = typename C::Pipeline;
   const Common& p = P.c;
-  extern __shared__ char smem_raw[];
-  auto& S = smem_struct<typename C::Smem>(smem_raw);
-
-  ProxyCta cta;
-  if (!proxy_cta(p, cta)) return;
-  const int gb = cta.gb, grp = cta.grp, b = cta.b, j = cta.j, tid = threadIdx.x;
-  const int64_t kl_slot = cta.kl_slot, s0 = cta.s0, L = cta.L;
-  const int pk = grp / (p.Hp / p.Hpk);
-  const int64_t entry0 = p.inv.offsets[int64_t(grp) * p.inv.nblk + gb];
-  const int n = p.inv.offsets[int64_t(grp) * p.inv.nblk + gb + 1] - int(entry0);
-  const int32_t* list = p.inv.tokens + entry0;
-  if (n <= 0) {
-    finish_empty_cta(p.kl_acc, kl_slot, nullptr, 0);
-    return;
-  }
-  const int nchunks = (n + C::kTok - 1) / C::kTok;
-  const int role_wg = tid / kWarpGroupThreads;
-
-  Pipeline pipeline = make_chunk_pipeline<Pipeline>(S.pipe, role_wg, C::kProducers, C::kConsumers, S.kp_bar);
-
+  const int tid = opaque_tid(), grp = k.grp, b = k.b;
+  const int64_t s0 = k.s0;
+  const int nchunks = (count + C::kTok - 1) / C::kTok;
   Tensor sKp = make_tensor(make_smem_ptr(S.kp.data()), typename C::SmemLayoutKp{});
   Tensor sQp = make_tensor(make_smem_ptr(S.qp.data()), typename C::SmemLayoutQp{});
-
-  if (role_wg == 0) {  // ---- producer ----
-    cutlass::arch::warpgroup_reg_dealloc<kBwdRegs.producer>();
-    if (tid == 0) {  // Kp_j, once, by TMA
-      S.kp_bar.arrive_and_expect_tx(C::kBlockN * C::kHeadDim * sizeof(Element));
-      tma_load_block(P.tma_kp, P.tma_shape_kp, pk, b, s0, P.batched, j, sKp, S.kp_bar);
-    }
-    const Element* qpptr = static_cast<const Element*>(p.qp.ptr);
-    auto row_token = [&](int c) -> int32_t {  // token of row `tid` of chunk c (threads < 64)
-      const int li = c * C::kTok + tid;
-      return (tid < C::kTok && li < n) ? list[li] : -1;
-    };
-    int32_t next = row_token(0);
-    auto state = cutlass::make_producer_start_state<Pipeline>();
-    for (int c = 0; c < nchunks; ++c) {
-      pipeline.producer_acquire(state);
-      const int st = state.index();
-      if (tid < C::kTok) S.tok[st][tid] = next;
-      if (c + 1 < nchunks) next = row_token(c + 1);
-      barrier_sync(NamedBarrier::kProducer, kWarpGroupThreads);
-      for (int x = tid; x < C::kTok * 16; x += kWarpGroupThreads) {  // Qp rows, zero past the list
-        const int r = x / 16, col = (x % 16) * 8;
-        const int32_t t = S.tok[st][r];
-        const int64_t tt = t >= 0 ? t : s0;
-        ptx::cp_async_16(&sQp(r, col, st), qpptr + b * p.qp.batch_corr + tt * p.qp.tok + grp * p.qp.head + col,
-                         t >= 0 ? 16 : 0);
-      }
-      for (int x = tid; x < C::kTok * 32; x += kWarpGroupThreads) {  // teacher rows (contiguous entries)
-        const int r = x / 32, col = (x % 32) * 4;
-        const bool valid = c * C::kTok + r < n;
-        const float* src = P.teacher + (entry0 + (valid ? int64_t(c) * C::kTok + r : 0)) * C::kBlockN + col;
-        ptx::cp_async_16(&S.teach[st][r][col], src, valid ? 16 : 0);
-      }
-      if (tid < C::kTok) {
-        const int32_t t = S.tok[st][tid];
-        ptx::cp_async_4(&S.plse[st][tid], p.plse.at(grp, t >= 0 ? t : s0), t >= 0 ? 4 : 0);
-      }
-      pipeline.producer_commit(state, cutlass::arch::cpasync_barrier_arrive);
-      ++state;
-    }
-    ptx::cp_async_wait<0>();
-    return;
+  if (tid == 0) {  // Kp_j, by TMA
+    kp_bar.arrive_and_expect_tx(C::kBlockN * C::kHeadDim * sizeof(Element));
+    tma_load_block(P.tma_kp, P.tma_shape_kp, k.pk, b, s0, P.batched, k.j, sKp, kp_bar);
   }
+  const Element* qpptr = static_cast<const Element*>(p.qp.ptr);
+  auto row_token = [&](int c) -> int32_t {  // token of row `tid` of chunk c (threads < 64)
+    const int li = c * C::kTok + tid;
+    return (tid < C::kTok && li < count) ? k.list[first + li] : -1;
+  };
+  int32_t next = row_token(0);
+  for (int c = 0; c < nchunks; ++c) {
+    pipeline.producer_acquire(state);
+    const int st = state.index();
+    if (tid < C::kTok) S.tok[st][tid] = next;
+    if (c + 1 < nchunks) next = row_token(c + 1);
+    barrier_sync(NamedBarrier::kProducer, kWarpGroupThreads);
+    for (int x = tid; x < C::kTok * 16; x += kWarpGroupThreads) {  // Qp rows, zero past the range
+      const int r = x / 16, col = (x % 16) * 8;
+      const int32_t t = S.tok[st][r];
+      const int64_t tt = t >= 0 ? t : s0;
+      ptx::cp_async_16(&sQp(r, col, st), qpptr + b * p.qp.batch_corr + tt * p.qp.tok + grp * p.qp.head + col,
+                       t >= 0 ? 16 : 0);
+    }
+    for (int x = tid; x < C::kTok * 32; x += kWarpGroupThreads) {  // teacher rows (contiguous entries)
+      const int r = x / 32, col = (x % 32) * 4;
+      const bool valid = c * C::kTok + r < count;
+      const float* src = teach + (valid ? int64_t(c) * C::kTok + r : 0) * C::kBlockN + col;
+      ptx::cp_async_16(&S.teach[st][r][col], src, valid ? 16 : 0);
+    }
+    if (tid < C::kTok) {
+      const int32_t t = S.tok[st][tid];
+      ptx::cp_async_4(&S.plse[st][tid], p.plse.at(grp, t >= 0 ? t : s0), t >= 0 ? 4 : 0);
+    }
+    pipeline.producer_commit(state, cutlass::arch::cpasync_barrier_arrive);
+    ++state;
+  }
+  ptx::cp_async_wait<0>();
+}
 
-  cutlass::arch::warpgroup_reg_alloc<kBwdRegs.consumer>();
-  const int w = role_wg - 1, wtid = tid % kWarpGroupThreads;
+// The consumers' side of list entries [first, first + count): dQp per chunk, dKp_j of the range
+// added at its end, the kl terms into kl_sum. kp_phase: the parity of kp_bar's load.
+template <class Element, class Params>
+__device__ __forceinline__ void kl_consume(const Params& P, typename KlConfig<Element>::Smem& S_in,
+                                           typename KlConfig<Element>::Pipeline& pipeline,
+                                           cutlass::PipelineState<KlConfig<Element>::kStages>& state,
+                                           cutlass::arch::ClusterTransactionBarrier& kp_bar, uint32_t kp_phase,
+                                           const KlItem& k, int count, float& kl_sum) {
+  auto& S = opaque_ref(S_in);
+  using namespace cute;
+  using C = KlConfig<Element>;
+  constexpr bool kDet = Params::kDetMode;
+  const Common& p = P.c;
+  const int tid = opaque_tid(), grp = k.grp;
+  const int64_t s0 = k.s0;
+  const int nchunks = (count + C::kTok - 1) / C::kTok;
+  const int w = tid / kWarpGroupThreads - 1, wtid = tid % kWarpGroupThreads;
+  Tensor sKp = make_tensor(make_smem_ptr(S.kp.data()), typename C::SmemLayoutKp{});
+  Tensor sQp = make_tensor(make_smem_ptr(S.qp.data()), typename C::SmemLayoutQp{});
   Tensor sQpT = make_tensor(make_smem_ptr(S.qp.data()), typename C::SmemLayoutQpT{});
   Tensor sKpt = make_tensor(make_smem_ptr(S.kp.data()), typename C::SmemLayoutKpt{});
   Tensor sDz = make_tensor(make_smem_ptr(S.dz.data()), typename C::SmemLayoutDz{});
@@ -170,30 +188,49 @@ __global__ void __launch_bounds__(kCtaThreads, 1) bwd_kl_kernel(const __grid_con
   Tensor cZ = thr_z.partition_C(make_identity_tensor(Shape<_64, Int<C::kTok>>{}));     // (key, token)
   Tensor cQp = thr_dqp.partition_C(make_identity_tensor(Shape<Int<C::kTok>, _64>{}));  // (token, dp)
 
+  // dz^T to shared memory with stmatrix, as the main walk stages dS^T
+  auto stsm_dz = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_z);
+  auto thr_stsm = stsm_dz.get_thread_slice(wtid);
+  Tensor tDzs = thr_stsm.partition_D(local_tile(sDz, Shape<_64, Int<C::kTok>>{}, make_coord(w, _0{})));
+
   const float psl2 = p.proxy_scale * kLog2e;
   const float coef = (P.grads && p.dkl) ? *p.dkl : 0.f;
   const float unit = kDet ? p.fix[kUnitDqp] : 0.f;  // deterministic mode: dQp's fixed-point unit
   bool bad = false;
-  const int64_t key_base = int64_t(j) * C::kBlockN + 64 * w;
-  float kl_sum = 0.f;
-  S.kp_bar.wait(0);
+  const int64_t key_base = int64_t(k.j) * C::kBlockN + 64 * w;
+  // SM90 accumulator fragment (64 keys x 64 tokens): value x = e0 + 2 e1 + 4 i at (key0 + 8 e1,
+  // row0 + 8 i + e0), as in the main walk; fixed offsets instead of per-element coordinates keep
+  // the element loop's addresses out of the registers
+  const int key0 = get<0>(cZ(0)), row0 = get<1>(cZ(0));
+  if (get<0>(cZ(2)) != key0 + 8 || get<1>(cZ(5)) != row0 + 9) __trap();
+  const int kpos0 = int(key_base) + key0;  // in-sequence position of this thread's first key
+  kp_bar.wait(kp_phase);
 
-  typename Pipeline::PipelineState state;
   for (int c = 0; c < nchunks; ++c) {
     pipeline.consumer_wait(state);  // (no proxy fence: see bwd_kernel.cuh)
     const int st = state.index();
     wg_gemm<true>(mma_z, tZrKp, tZrQp(_, _, _, st), accZ);
+    const float* teach = &S.teach[st][row0][64 * w + key0];
 #pragma unroll
-    for (int x = 0; x < size(accZ); ++x) {
-      const int key = get<0>(cZ(x)), r = get<1>(cZ(x));
-      const int32_t t = S.tok[st][r];
-      const bool ok = t >= 0 && key_base + key <= int64_t(t) - s0;
-      float dz = 0.f;
-      if (ok) {
-        const float zl2 = accZ(x) * psl2 - S.plse[st][r] * kLog2e;  // log2 of the student
-        dz = kl_element(S.teach[st][r][64 * w + key], zl2, coef, kl_sum);
+    for (int i = 0; i < 8; ++i) {
+      const int2 tk = *reinterpret_cast<const int2*>(&S.tok[st][row0 + 8 * i]);
+      const float2 pl = *reinterpret_cast<const float2*>(&S.plse[st][row0 + 8 * i]);
+#pragma unroll
+      for (int e0 = 0; e0 < 2; ++e0) {
+        const int32_t t = e0 ? tk.y : tk.x;
+        const float pl2 = (e0 ? pl.y : pl.x) * kLog2e;
+        const int64_t pos = int64_t(t) - s0;
+#pragma unroll
+        for (int e1 = 0; e1 < 2; ++e1) {
+          const int x = 4 * i + 2 * e1 + e0;
+          float dz = 0.f;
+          if (t >= 0 && kpos0 + 8 * e1 <= pos) {
+            const float zl2 = accZ(x) * psl2 - pl2;  // log2 of the student
+            dz = kl_element(teach[(8 * i + e0) * C::kTeachStride + 8 * e1], zl2, coef, kl_sum);
+          }
+          accZ(x) = dz;
+        }
       }
-      accZ(x) = dz;
     }
     Tensor rDz = make_tensor_like<Element>(accZ);
 #pragma unroll
@@ -201,8 +238,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) bwd_kl_kernel(const __grid_con
     const int32_t tok_a = S.tok[st][get<0>(cQp(0))], tok_b = S.tok[st][get<0>(cQp(0)) + 8];
     if (P.grads) {
       wg_gemm<false>(mma_dkp, make_tensor(rDz.data(), acc_to_a_regs(rDz.layout())), tKprQpT(_, _, _, st), accdKp);
-#pragma unroll
-      for (int x = 0; x < size(accZ); ++x) sDz(64 * w + get<0>(cZ(x)), get<1>(cZ(x))) = rDz(x);
+      copy(stsm_dz, thr_stsm.retile_S(rDz), tDzs);
     }
     pipeline.consumer_release(state);
     if (P.grads) {
@@ -234,32 +270,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) bwd_kl_kernel(const __grid_con
   }
 
   if (kDet && bad) atomicOr(reinterpret_cast<int32_t*>(p.fix) + kBad + 3, 1);
-  proxy_cta_tail<C::kHeadDim, kDet>(p, P.grads, accdKp, thr_dkp, nullptr, grp, pk, key_base, L, s0, kl_sum, S.kl_warp,
-                              kl_slot);
-}
-
-template <class Element, bool kDet>
-void launch_kl(const KlParams<Element>& P, cudaStream_t stream) {
-  using C = KlConfig<Element>;
-  auto kernel = bwd_kl_kernel<Element, kDet>;
-  FLASHMSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(C::kSmemBytes)));
-  if (P.c.inv.nblk == 0) return;
-  const dim3 grid = cta_grid(P.c.inv.nblk, P.c.Hp);
-  kernel<<<grid, C::kThreads, C::kSmemBytes, stream>>>(P);
-  FLASHMSA_CUDA_CHECK(cudaGetLastError());
-}
-
-// bwd.h's run_kl: the TMA descriptor of Kp_j, then the launch (one instantiation per TU).
-template <Dtype D, bool kDet>
-void run_kl(const KlArgs& a, cudaStream_t stream) {
-  using Element = typename ElementOf<D>::type;
-  KlParams<Element> p;
-  static_cast<KlArgs&>(p) = a;
-  const auto t = make_block_load<Element, typename KlParams<Element>::StageLayout>(
-      a.c.kp, a.c.Hpk, a.batched, a.c.seqs.seqlen, a.c.seqs.batch, a.total);
-  p.tma_kp = t.copy;
-  p.tma_shape_kp = t.shape;
-  launch_kl<Element, kDet>(p, stream);
+  add_dkp<C::kHeadDim, kDet>(p, P.grads, accdKp, thr_dkp, nullptr, grp, k.pk, key_base, k.L, s0);
 }
 
 }  // namespace flashmsa::cuda::attn_bwd

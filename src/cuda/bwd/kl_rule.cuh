@@ -21,31 +21,37 @@ __device__ __forceinline__ float kl_element(float teacher, float zl2, float g, f
   return dz;
 }
 
-// The tail of a (key block, proxy head) CTA: dKp_j (fp32 atomics: several proxy heads may share a
-// proxy key head; in proxy-head order in deterministic mode), then the CTA's kl partial (added by
-// the kl reduce in a fixed order). dQp is added per chunk by each kernel: the kl kernel's dQp
-// GEMM yields (token, dim) accumulators (float2 adds of adjacent dims), the recomputing kernel's
-// dQp^T = Kp^T dz^T yields (dim, token) ones (scalar adds).
-// kFixed (the kl kernel's deterministic instantiation): dKp in fixed point (bwd_params.cuh), no
+// dKp_j of a (key block, proxy head) walk: fp32 atomics (several proxy heads may share a proxy
+// key head; in proxy-head order with kp_turn, deterministic DENSE mode). dQp is added per chunk
+// by each kernel: the fused kernel's kl walk yields (token, dim) accumulators (float2 adds of
+// adjacent dims), the recomputing kernel's dQp^T = Kp^T dz^T yields (dim, token) ones (scalar adds).
+// kFixed (the kl walk's deterministic instantiation): dKp in fixed point (bwd_params.cuh), no
 // turn and no fence in the kernel (a fence would make every add of the kernel a waiting ATOMG).
 template <int kHeadDim, bool kFixed = false, class Acc, class ThrMma>
+__device__ __forceinline__ void add_dkp(const Common& p, bool grads, const Acc& accdKp, const ThrMma& thr_dkp,
+                                        int32_t* kp_turn, int grp, int pk, int64_t key_base, int64_t L, int64_t s0) {
+  using namespace cute;
+  if (!grads) return;
+  const auto c = thr_dkp.partition_C(make_identity_tensor(Shape<_64, Int<kHeadDim>>{}));
+  if constexpr (kFixed) {
+    bool bad = false;
+    add_key_rows_fixed(accdKp, c, key_base, L, s0, p.Hpk, pk, p.dkp_fix, p.fix[kUnitDkp], bad);
+    if (bad) atomicOr(reinterpret_cast<int32_t*>(p.fix) + kBad + 4, 1);
+  } else {
+    const int order = grp % (p.Hp / p.Hpk);
+    take_turn(kp_turn, order);
+    add_key_rows(accdKp, c, key_base, L, s0, p.Hpk, pk, p.dkp_acc);
+    pass_turn(kp_turn, order);
+  }
+}
+
+// The tail of a (key block, proxy head) CTA of the recomputing kernel: dKp_j, then the CTA's kl
+// partial (added by the kl reduce in a fixed order).
+template <int kHeadDim, class Acc, class ThrMma>
 __device__ __forceinline__ void proxy_cta_tail(const Common& p, bool grads, const Acc& accdKp, const ThrMma& thr_dkp,
                                                int32_t* kp_turn, int grp, int pk, int64_t key_base, int64_t L,
                                                int64_t s0, float kl_sum, float (&kl_warp)[8], int64_t kl_slot) {
-  using namespace cute;
-  if (grads) {
-    const auto c = thr_dkp.partition_C(make_identity_tensor(Shape<_64, Int<kHeadDim>>{}));
-    if constexpr (kFixed) {
-      bool bad = false;
-      add_key_rows_fixed(accdKp, c, key_base, L, s0, p.Hpk, pk, p.dkp_fix, p.fix[kUnitDkp], bad);
-      if (bad) atomicOr(reinterpret_cast<int32_t*>(p.fix) + kBad + 4, 1);
-    } else {
-      const int order = grp % (p.Hp / p.Hpk);
-      take_turn(kp_turn, order);
-      add_key_rows(accdKp, c, key_base, L, s0, p.Hpk, pk, p.dkp_acc);
-      pass_turn(kp_turn, order);
-    }
-  }
+  add_dkp<kHeadDim>(p, grads, accdKp, thr_dkp, kp_turn, grp, pk, key_base, L, s0);
   if (p.kl_acc) store_kl_partial(kl_sum, kl_warp, p.kl_acc, kl_slot);
 }
 

@@ -1,0 +1,4 @@
+#include "cuda/bwd/fused_kernel.cuh"
+namespace flashmsa::cuda::attn_bwd {
+template void run_fused<Dtype::kBf16, false>(const FusedArgs&, cudaStream_t);
+}
