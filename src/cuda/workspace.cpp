@@ -87,7 +87,7 @@ BwdLayout bwd_layout(const flashmsa_bwd_args_t& a, const Geometry& g) {
   l.dq = take(size_t(g.total) * g.Hq * kHeadDim * (l.dq32 ? 4 : fix));
   l.dk = take(size_t(g.total) * g.Hkv * kHeadDim * fix);
   l.dv = take(size_t(g.total) * g.Hkv * kHeadDim * fix);
-  if (g.has_proxy) {  // (fixed point only for the kl kernel: SPARSE/GIVEN)
+  if (g.has_proxy) {  // (fixed point only for the fused kernel's kl walk: SPARSE/GIVEN)
     const size_t fixp = a.mode == FLASHMSA_MODE_DENSE ? 4 : fix;
     l.dqp = take(size_t(g.total) * g.Hp * kHeadDim * fixp);
     l.dkp = take(size_t(g.total) * g.Hpk * kHeadDim * fixp);

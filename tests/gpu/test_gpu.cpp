@@ -689,7 +689,7 @@ TEST(Deterministic, GivenRepeatedBlocksCountOnce) {
   run_bwd_case(fmsa().with_topk(5).seqlens({900, 3}),
                BwdCase().given().with_dkl(1.0).deterministic().with_repeated_blocks());
 }
-// every deterministic instantiation runs: fp16 main and kl kernels, the dense proxy kernel in both
+// every deterministic instantiation runs: fp16 fused (main + kl) kernels, the dense proxy kernel in both
 // chunk widths (G = 4: 16 tokens per chunk; G = 1: 64) and both dtypes
 TEST(Deterministic, BatchedFp16) {
   run_bwd_case(fmsa().with_topk(8).batched(2, 700).fp16(),
@@ -1451,29 +1451,46 @@ TEST(Errors, UnsupportedHeadDim) {
   for (double x : out.host) ASSERT_TRUE(std::isnan(x)) << "output written by a refused call";
 }
 
+// A sparse backward with a kl gradient whose outputs start NaN, for the tests of refused calls:
+// a refused call writes none of them.
+struct RefusedBwd {
+  Inputs in;
+  Tensor o, l, idx, g, dq, dk, dv, dqp, dkp;
+  flashmsa::BwdArgs b;
+  RefusedBwd(const Problem& pb, std::mt19937_64& rng) : in(make_inputs(pb, rng)) {
+    const int64_t T = pb.total();
+    o = output(token_shape(pb, pb.Hq, pb.D), pb.dtype);
+    l = output({pb.Hq, T}, FLASHMSA_DTYPE_FP32);
+    idx = output({pb.Hp, T, 2}, FLASHMSA_DTYPE_INT32);
+    g = output({}, FLASHMSA_DTYPE_FP32);
+    cudaMemset(idx.dev, 0, idx.bytes());
+    dq = output(token_shape(pb, pb.Hq, pb.D), pb.dtype);
+    dk = output(token_shape(pb, pb.Hkv, pb.D), pb.dtype);
+    dv = output(token_shape(pb, pb.Hkv, pb.D), pb.dtype);
+    dqp = output(token_shape(pb, pb.Hp, pb.Dp), pb.dtype);
+    dkp = output(token_shape(pb, pb.Hpk, pb.Dp), pb.dtype);
+    b.q = dev_view(in.q); b.k = dev_view(in.k); b.v = dev_view(in.v); b.qp = dev_view(in.qp); b.kp = dev_view(in.kp);
+    b.cu_seqlens = dev_view(in.cu);
+    b.max_seqlen = pb.max_len();
+    b.indices = dev_view(idx); b.out = dev_view(o); b.lse = dev_view(l); b.dout = dev_view(o); b.dkl = dev_view(g);
+    b.dq = dev_view(dq); b.dk = dev_view(dk); b.dv = dev_view(dv); b.dqp = dev_view(dqp); b.dkp = dev_view(dkp);
+  }
+  void expect_untouched() {
+    for (Tensor* t : {&dq, &dk, &dv, &dqp, &dkp}) {
+      download(*t);
+      for (double x : t->host) ASSERT_TRUE(std::isnan(x)) << "output written by a refused call";
+    }
+  }
+};
+
 TEST(Errors, ProxyGradientAcrossKvHeads) {
   PoolScope scope;
   std::mt19937_64 rng(fresh_seed());
-  Problem pb = Problem().heads(8, 4).proxy_heads(2, 1).with_topk(2).seqlens({200});  // a group spans two kv heads
-  Inputs in = make_inputs(pb, rng);
-  const int64_t T = pb.total();
-  Tensor o = output(token_shape(pb, pb.Hq, pb.D), pb.dtype), l = output({pb.Hq, T}, FLASHMSA_DTYPE_FP32),
-         idx = output({pb.Hp, T, 2}, FLASHMSA_DTYPE_INT32), g = output({}, FLASHMSA_DTYPE_FP32);
-  cudaMemset(idx.dev, 0, idx.bytes());
-  Tensor dq = output(token_shape(pb, pb.Hq, pb.D), pb.dtype), dk = output(token_shape(pb, pb.Hkv, pb.D), pb.dtype),
-         dv = output(token_shape(pb, pb.Hkv, pb.D), pb.dtype), dqp = output(token_shape(pb, pb.Hp, pb.Dp), pb.dtype),
-         dkp = output(token_shape(pb, pb.Hpk, pb.Dp), pb.dtype);
-  flashmsa::BwdArgs b;
-  b.q = dev_view(in.q); b.k = dev_view(in.k); b.v = dev_view(in.v); b.qp = dev_view(in.qp); b.kp = dev_view(in.kp);
-  b.cu_seqlens = dev_view(in.cu);
-  b.max_seqlen = pb.max_len();
-  b.indices = dev_view(idx); b.out = dev_view(o); b.lse = dev_view(l); b.dout = dev_view(o); b.dkl = dev_view(g);
-  b.dq = dev_view(dq); b.dk = dev_view(dk); b.dv = dev_view(dv); b.dqp = dev_view(dqp); b.dkp = dev_view(dkp);
+  RefusedBwd r(Problem().heads(8, 4).proxy_heads(2, 1).with_topk(2).seqlens({200}), rng);  // a group spans two kv heads
   size_t bytes = 0;
-  EXPECT_EQ(flashmsa_bwd(&b, nullptr, bytes), FLASHMSA_ERROR_NOT_SUPPORTED);
+  EXPECT_EQ(flashmsa_bwd(&r.b, nullptr, bytes), FLASHMSA_ERROR_NOT_SUPPORTED);
   EXPECT_NE(std::string(flashmsa_last_error()).find("kv head"), std::string::npos) << flashmsa_last_error();
-  download(dq);
-  for (double x : dq.host) ASSERT_TRUE(std::isnan(x)) << "output written by a refused call";
+  r.expect_untouched();
 }
 
 TEST(Kl, SegmentedSparse) {  // the forward's kl through the fused kernel's teacher-only walk (Proxy.SegmentedLists)
@@ -1485,30 +1502,15 @@ TEST(Kl, SegmentedSparse) {  // the forward's kl through the fused kernel's teac
 TEST(Errors, BadSegmentKnob) {
   PoolScope scope;
   std::mt19937_64 rng(fresh_seed());
-  Problem pb = fmsa().with_topk(2).seqlens({200});
-  Inputs in = make_inputs(pb, rng);
-  const int64_t T = pb.total();
-  Tensor o = output(token_shape(pb, pb.Hq, pb.D), pb.dtype), l = output({pb.Hq, T}, FLASHMSA_DTYPE_FP32),
-         idx = output({pb.Hp, T, 2}, FLASHMSA_DTYPE_INT32), g = output({}, FLASHMSA_DTYPE_FP32);
-  cudaMemset(idx.dev, 0, idx.bytes());
-  Tensor dq = output(token_shape(pb, pb.Hq, pb.D), pb.dtype), dk = output(token_shape(pb, pb.Hkv, pb.D), pb.dtype),
-         dv = output(token_shape(pb, pb.Hkv, pb.D), pb.dtype), dqp = output(token_shape(pb, pb.Hp, pb.Dp), pb.dtype),
-         dkp = output(token_shape(pb, pb.Hpk, pb.Dp), pb.dtype);
-  flashmsa::BwdArgs b;
-  b.q = dev_view(in.q); b.k = dev_view(in.k); b.v = dev_view(in.v); b.qp = dev_view(in.qp); b.kp = dev_view(in.kp);
-  b.cu_seqlens = dev_view(in.cu);
-  b.max_seqlen = pb.max_len();
-  b.indices = dev_view(idx); b.out = dev_view(o); b.lse = dev_view(l); b.dout = dev_view(o); b.dkl = dev_view(g);
-  b.dq = dev_view(dq); b.dk = dev_view(dk); b.dv = dev_view(dv); b.dqp = dev_view(dqp); b.dkp = dev_view(dkp);
+  RefusedBwd r(fmsa().with_topk(2).seqlens({200}), rng);
   for (const char* bad : {"0", "-5", "abc", "64x", " 64", "+64", "2000000"}) {
     ScopedEnv seg("FLASHMSA_KL_SEGMENT", bad);
     size_t bytes = 0;
-    EXPECT_EQ(flashmsa_bwd_workspace_size(&b, &bytes), FLASHMSA_ERROR_INVALID_ARGUMENT) << bad;
+    EXPECT_EQ(flashmsa_bwd_workspace_size(&r.b, &bytes), FLASHMSA_ERROR_INVALID_ARGUMENT) << bad;
     EXPECT_NE(std::string(flashmsa_last_error()).find("FLASHMSA_KL_SEGMENT"), std::string::npos) << flashmsa_last_error();
-    EXPECT_EQ(flashmsa_bwd(&b, nullptr, 0), FLASHMSA_ERROR_INVALID_ARGUMENT) << bad;
+    EXPECT_EQ(flashmsa_bwd(&r.b, nullptr, 0), FLASHMSA_ERROR_INVALID_ARGUMENT) << bad;
   }
-  download(dq);
-  for (double x : dq.host) ASSERT_TRUE(std::isnan(x)) << "output written by a refused call";
+  r.expect_untouched();
 }
 
 }  // namespace

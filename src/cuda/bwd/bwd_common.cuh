@@ -1,4 +1,4 @@
-// Device pieces shared by the backward's three wgmma kernels (main: bwd_kernel.cuh, kl:
+// Device pieces shared by the backward's wgmma kernels (main walk: bwd_kernel.cuh, kl walk:
 // kl_kernel.cuh, recomputing proxy: proxy_kernel.cuh): the resident key block's layout and TMA
 // load, the chunk pipeline, the CTA's coordinates over (key block, unit), deterministic turns,
 // the key-side gradient adds and the kl partials.

@@ -1,5 +1,5 @@
 // The KL rule of docs/semantics.md ("The KL term") on the device, in one place for the kernels
-// that apply it: the kl kernel (kl_kernel.cuh, teacher stored by the main backward) and the
+// that apply it: the kl walk (kl_kernel.cuh, teacher stored by the main walk; fused_kernel.cuh) and the
 // recomputing proxy kernel (proxy_kernel.cuh, DENSE mode). The teacher's mean over the group
 // (1/G) is taken where the teacher is formed (bwd_kernel.cuh's store_teacher, proxy_kernel.cuh);
 // the 1/N of the kl value and the gradient's 1/N and proxy scale are the host's (kl_scales in
