@@ -110,7 +110,7 @@ void run_bwd(const flashmsa_bwd_args_t& a, const Geometry& g, char* ws, const Bw
   // the proxy side (the proxy gradient dkl and/or the kl value): SPARSE/GIVEN runs it in the fused
   // kernel with the main backward (the teacher in a per-CTA scratch), DENSE in the recomputing
   // proxy kernel after it
-  const bool proxy_side = g.has_proxy && bwd_proxy_side(a, g);
+  const bool proxy_side = bwd_proxy_side(a, g);
   ProxyRun r;
   attn_bwd::Common cp = c;
   if (proxy_side) {
@@ -136,8 +136,7 @@ void run_bwd(const flashmsa_bwd_args_t& a, const Geometry& g, char* ws, const Bw
   }
   float* const kl_out = present(a.kl) ? static_cast<float*>(a.kl.data) : nullptr;
   if (l.has_teacher) {  // (has_teacher: SPARSE/GIVEN with the proxy side; R = G here, bwd_features)
-    run_fused(g, cp, r, false, reinterpret_cast<float*>(ws + l.teach), reinterpret_cast<int32_t*>(ws + l.next_item),
-              kl_out, st);
+    run_fused(g, cp, r, false, fused_scratch(l, ws), kl_out, st);
   } else {
     attn_bwd::MainArgs mp;
     mp.c = c;

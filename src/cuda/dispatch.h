@@ -121,11 +121,11 @@ size_t guard_bytes(const Geometry& g);
 // 128 keys per persistent CTA, kl_ctas(g) CTAs (the device's SMs: one CTA each). SPARSE/GIVEN
 // only: in DENSE mode the recomputing proxy kernel runs instead. The segment: kKlSegment list
 // entries (FLASHMSA_KL_SEGMENT overrides it for tests and tuning), at most max_seqlen, rounded up
-// to a multiple of 64. Measured: docs/kernels/bwd.md ("Session 13").
+// to a multiple of 64. Measured: docs/kernels/bwd.md ("Session 13"). The layouts keep both
+// numbers (kl_seg, kl_ctas), so the kernel runs with exactly what its scratch was sized for.
 constexpr int kKlSegment = 1024;
 int kl_ctas(const Geometry& g);
 int kl_segment(const Geometry& g);
-size_t teacher_bytes(const Geometry& g);
 attn_bwd::InversionArgs inversion_args(const int32_t* idx, int64_t idx_head, int64_t idx_tok,
                                        const flashmsa_tensor_t& cu, const Geometry& g);
 
@@ -137,6 +137,7 @@ attn_bwd::InversionArgs inversion_args(const int32_t* idx, int64_t idx_head, int
 struct BwdLayout {
   size_t lse2 = 0, dsum = 0, dq = 0, dk = 0, dv = 0, dqp = 0, dkp = 0, inv = 0, plse = 0, kl = 0, teach = 0,
          next_item = 0, total = 0;
+  int kl_seg = 0, kl_ctas = 0;  // the teacher scratch's segment and CTAs (has_teacher)
   size_t dq_unit = 0, fix = 0;  // deterministic mode: dq units [Hq, padded]; the FixWord block
   size_t turn_qp = 0, turn_kp = 0;  // deterministic mode, DENSE: the recomputing proxy kernel's turns
   bool deterministic = false;
@@ -151,6 +152,7 @@ BwdLayout bwd_layout(const flashmsa_bwd_args_t& a, const Geometry& g);
 // partials, the teacher scratch and the item counter.
 struct FwdLayout {
   size_t idx = 0, lse2 = 0, inv = 0, plse = 0, kl = 0, teach = 0, next_item = 0, total = 0;
+  int kl_seg = 0, kl_ctas = 0;  // as in BwdLayout
   int64_t padded = 0;
   bool has_teacher = false;
 };
@@ -202,10 +204,20 @@ struct ProxyRun {
 // DENSE mode's proxy side: the recomputing proxy kernel (the teacher from the group's S^T, chunk
 // by chunk); then, when kl_out is given, the kl value there (the partials added in a fixed order).
 void run_proxy(const Geometry& g, const attn_bwd::Common& c, const ProxyRun& r, float* kl_out, cudaStream_t st);
+// The fused kernel's scratch in a layout's workspace (has_teacher).
+struct FusedScratch {
+  float* teacher = nullptr;      // [ctas, seg, 128]
+  int32_t* next_item = nullptr;  // the items' counter (zeroed by run_fused)
+  int seg = 0, ctas = 0;
+};
+template <class Layout>
+FusedScratch fused_scratch(const Layout& l, char* ws) {
+  return {reinterpret_cast<float*>(ws + l.teach), reinterpret_cast<int32_t*>(ws + l.next_item), l.kl_seg, l.kl_ctas};
+}
 // SPARSE/GIVEN with a kl: the fused kernel (the main backward's walk and the kl walk per CTA, the
-// teacher in `scratch`, teacher_bytes(g)); c is the main backward's Common (the forward's kl:
-// teacher_only); then the kl value as run_proxy.
-void run_fused(const Geometry& g, const attn_bwd::Common& c, const ProxyRun& r, bool teacher_only, float* scratch,
-               int32_t* next_item, float* kl_out, cudaStream_t st);
+// teacher in the scratch); c is the main backward's Common (the forward's kl: teacher_only); then
+// the kl value as run_proxy.
+void run_fused(const Geometry& g, const attn_bwd::Common& c, const ProxyRun& r, bool teacher_only,
+               const FusedScratch& s, float* kl_out, cudaStream_t st);
 
 }  // namespace flashmsa::cuda

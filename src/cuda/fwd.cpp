@@ -69,8 +69,7 @@ void run_fwd_kl(const flashmsa_fwd_args_t& a, const Geometry& g, const int32_t* 
   r.kl_acc = reinterpret_cast<float*>(ws + l.kl);
   r.grads = false;
   if (l.has_teacher)  // the fused kernel: the main backward's S and P only (the teacher), the kl walk (R = G: fwd_features)
-    run_fused(g, c, r, true, reinterpret_cast<float*>(ws + l.teach), reinterpret_cast<int32_t*>(ws + l.next_item),
-              static_cast<float*>(a.kl.data), st);
+    run_fused(g, c, r, true, fused_scratch(l, ws), static_cast<float*>(a.kl.data), st);
   else
     run_proxy(g, c, r, static_cast<float*>(a.kl.data), st);
 }

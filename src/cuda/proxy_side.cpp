@@ -127,8 +127,8 @@ void run_proxy(const Geometry& g, const attn_bwd::Common& c, const ProxyRun& r, 
   kl_reduce(g, r, kl_out, st);
 }
 
-void run_fused(const Geometry& g, const attn_bwd::Common& c, const ProxyRun& r, bool teacher_only, float* scratch,
-               int32_t* next_item, float* kl_out, cudaStream_t st) {
+void run_fused(const Geometry& g, const attn_bwd::Common& c, const ProxyRun& r, bool teacher_only,
+               const FusedScratch& s, float* kl_out, cudaStream_t st) {
   attn_bwd::FusedArgs fa;
   fa.c = proxy_common(g, c, r, st);
   fa.c.R = tiles::bwd_unit_heads(g);
@@ -140,11 +140,11 @@ void run_fused(const Geometry& g, const attn_bwd::Common& c, const ProxyRun& r, 
   fa.log_rp = __builtin_ctz(unsigned(fa.Rp));
   fa.teacher_only = teacher_only;
   fa.grads = r.grads && !teacher_only;
-  fa.scratch = scratch;
-  fa.seg = kl_segment(g);
-  fa.ctas = kl_ctas(g);
-  fa.next_item = next_item;
-  FLASHMSA_CUDA_CHECK(cudaMemsetAsync(next_item, 0, sizeof(int32_t), st));
+  fa.scratch = s.teacher;
+  fa.seg = s.seg;
+  fa.ctas = s.ctas;
+  fa.next_item = s.next_item;
+  FLASHMSA_CUDA_CHECK(cudaMemsetAsync(s.next_item, 0, sizeof(int32_t), st));
   const bool det = fa.c.fix != nullptr;
   const bool ready = fa.c.dq_fix && fa.c.dk_fix && fa.c.dv_fix && fa.c.dq_unit.ptr && fa.c.dqp_fix && fa.c.dkp_fix;
   by_dtype(dtype_of(g), [&](auto D) {

@@ -38,8 +38,6 @@ int kl_segment(const Geometry& g) {
   return int((seg + 63) / 64 * 64);
 }
 
-size_t teacher_bytes(const Geometry& g) { return size_t(kl_ctas(g)) * size_t(kl_segment(g)) * 128 * 4; }
-
 namespace {
 // The kl side of a layout (forward's kl value, backward's proxy gradient): the proxy lse when it
 // is recomputed, the kl partials, and in SPARSE/GIVEN mode the teacher.
@@ -48,7 +46,9 @@ void take_kl_side(Layout& l, Take& take, const Geometry& g, flashmsa_mode_t mode
   if (plse) l.plse = take(size_t(g.Hp) * g.total * 4);
   l.kl = take(size_t(g.Hp) * global_blocks_bound(g) * 4);
   if (mode != FLASHMSA_MODE_DENSE) {  // the fused kernel's teacher scratch and its items' counter
-    l.teach = take(teacher_bytes(g));
+    l.kl_seg = kl_segment(g);
+    l.kl_ctas = kl_ctas(g);
+    l.teach = take(size_t(l.kl_ctas) * size_t(l.kl_seg) * kBlockKeys * 4);
     l.next_item = take(4);
     l.has_teacher = true;
   }

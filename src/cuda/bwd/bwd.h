@@ -19,7 +19,6 @@ struct MainArgs {
   Common c;
   int Rp = 0;                  // head slots per token: R rounded up to a power of two
   int log_rp = 0;              // log2(Rp)
-  bool teacher_only = false;   // (the fused kernel's forward kl; false here)
   int64_t total = 0;           // tokens of the per-token tensors (the TMA descriptors' extent)
 };
 

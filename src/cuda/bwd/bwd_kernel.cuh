@@ -95,6 +95,7 @@ struct MainConfig {
 template <class Element, bool kDet = false>
 struct MainParams : MainArgs {
   static constexpr bool kDetMode = kDet;
+  static constexpr bool teacher_only = false;  // (the fused kernel's forward kl only)
   using ElementType = Element;
   using StageLayout = typename MainConfig<Element>::SmemLayoutKV;
   TmaBlockLoad<Element, StageLayout> tma_k, tma_v;
@@ -504,7 +505,7 @@ void run_main(const MainArgs& a, int units, cudaStream_t stream) {
   using Element = typename ElementOf<D>::type;
   MainParams<Element, kDet> p;
   static_cast<MainArgs&>(p) = a;
-  set_main_tma(p, a.c, a.batched, a.teacher_only, a.total);
+  set_main_tma(p, a.c, a.batched, false, a.total);
   launch_main<Element, kDet>(p, units, stream);
 }
 
