@@ -103,55 +103,70 @@ struct MainParams : MainArgs {
 };
 
 // The teacher of one chunk from this warpgroup's P^T accumulator (64 keys x 64 rows, rows =
-// Rp head slots per token): sum over each token's head slots, scaled by 1/G, one store per
-// (token, key). SM90 accumulator fragment: value x = e0 + 2 e1 + 4 i of lane l sits at
+// Rp = 2^kLogRp head slots per token): sum over each token's head slots, scaled by 1/G, one store
+// per (token, key). SM90 accumulator fragment: value x = e0 + 2 e1 + 4 i of lane l sits at
 // key 16 warp + l / 4 + 8 e1 and row 8 i + 2 (l % 4) + e0 (cS gives both). A token's Rp >= 2
 // slots are the aligned column group of its rows: e0 pairs, then i groups of Rp / 8, then the
-// lanes xor 1 (Rp >= 4) and xor 2 (Rp >= 8); the rows' padding heads hold P = 0.
-template <class Acc>
-__device__ __forceinline__ void store_teacher(const Acc& accS, int key0, int row0, const int32_t* slot_tok, float* dst,
-                                              int log_rp, float inv_g) {
+// lanes xor 1 (Rp >= 4) and xor 2 (Rp >= 8); the rows' padding heads hold P = 0. Rp is a
+// template parameter (store_teacher dispatches): with a runtime Rp every step was a branch, and
+// the store took ~330 of the main walk's ~930 instructions per warp and chunk (session 14's ncu).
+template <int kLogRp, class Acc>
+__device__ __forceinline__ void store_teacher_rp(const Acc& accS, int key0, int row0, const int32_t* slot_tok,
+                                                 float* dst, float inv_g) {
   using namespace cute;
   static_assert(decltype(size(accS))::value == 32, "64 x 64 fragment");
-  if (log_rp == 0) {  // one head per token: the teacher is P itself
+  if constexpr (kLogRp == 0) {  // one head per token: the teacher is P itself
 #pragma unroll
     for (int i = 0; i < 8; ++i)
 #pragma unroll
-      for (int e1 = 0; e1 < 2; ++e1)
+      for (int e0 = 0; e0 < 2; ++e0) {
+        const int r = row0 + 8 * i + e0;
+        if (slot_tok[r] < 0) continue;
 #pragma unroll
-        for (int e0 = 0; e0 < 2; ++e0) {
-          const int r = row0 + 8 * i + e0;
-          if (slot_tok[r] >= 0) dst[r * kBlockKeys + key0 + 8 * e1] = accS(4 * i + 2 * e1 + e0) * inv_g;
-        }
-    return;
-  }
-  // only the first i of each token's group (i % span == 0) accumulates: no symmetric copies,
-  // so the reduction adds few live registers (it runs before dP^T exists)
-  const int span_mask = log_rp >= 3 ? (1 << (log_rp - 3)) - 1 : 0;  // consecutive i of one token, minus 1
-  float a[8][2];
+        for (int e1 = 0; e1 < 2; ++e1) dst[r * kBlockKeys + key0 + 8 * e1] = accS(4 * i + 2 * e1 + e0) * inv_g;
+      }
+  } else {
+    // only the first i of each token's group (i % kSpan == 0) accumulates: no symmetric copies,
+    // so the reduction adds few live registers (it runs before dP^T exists)
+    constexpr int kSpan = kLogRp >= 3 ? 1 << (kLogRp - 3) : 1;  // consecutive i of one token
+    float a[8][2];
 #pragma unroll
-  for (int i = 0; i < 8; ++i)
+    for (int i = 0; i < 8; ++i)
 #pragma unroll
-    for (int e1 = 0; e1 < 2; ++e1) a[i][e1] = accS(4 * i + 2 * e1) + accS(4 * i + 2 * e1 + 1);
+      for (int e1 = 0; e1 < 2; ++e1) a[i][e1] = accS(4 * i + 2 * e1) + accS(4 * i + 2 * e1 + 1);
 #pragma unroll
-  for (int sft = 1; sft < 8; sft <<= 1)
-    if (sft <= span_mask)
+    for (int sft = 1; sft < kSpan; sft <<= 1)
 #pragma unroll
       for (int i = 0; i < 8; i += 2 * sft) a[i][0] += a[i + sft][0], a[i][1] += a[i + sft][1];
-  const int q = (threadIdx.x % 32) % 4;
+    const int q = (threadIdx.x % 32) % 4;
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    if (i & span_mask) continue;
+    for (int i = 0; i < 8; i += kSpan) {
 #pragma unroll
-    for (int e1 = 0; e1 < 2; ++e1) {
-      if (log_rp >= 2) a[i][e1] += __shfl_xor_sync(0xffffffff, a[i][e1], 1);
-      if (log_rp >= 3) a[i][e1] += __shfl_xor_sync(0xffffffff, a[i][e1], 2);
+      for (int e1 = 0; e1 < 2; ++e1) {
+        if constexpr (kLogRp >= 2) a[i][e1] += __shfl_xor_sync(0xffffffff, a[i][e1], 1);
+        if constexpr (kLogRp >= 3) a[i][e1] += __shfl_xor_sync(0xffffffff, a[i][e1], 2);
+      }
+      const int slot = (row0 + 8 * i) >> kLogRp;
+      const bool writer = kLogRp >= 3 ? q == (slot & 3) : (kLogRp == 2 ? (q & 1) == 0 : true);
+      if (!writer || slot_tok[slot] < 0) continue;
+#pragma unroll
+      for (int e1 = 0; e1 < 2; ++e1) dst[slot * kBlockKeys + key0 + 8 * e1] = a[i][e1] * inv_g;
     }
-    const int slot = (row0 + 8 * i) >> log_rp;
-    const bool writer = log_rp >= 3 ? q == (slot & 3) : (log_rp == 2 ? (q & 1) == 0 : true);
-    if (!writer || slot_tok[slot] < 0) continue;
-#pragma unroll
-    for (int e1 = 0; e1 < 2; ++e1) dst[slot * kBlockKeys + key0 + 8 * e1] = a[i][e1] * inv_g;
+  }
+}
+
+// store_teacher_rp for the runtime log2(Rp) (0..6: R <= 64, support.cpp); a uniform branch per chunk.
+template <class Acc>
+__device__ __forceinline__ void store_teacher(const Acc& accS, int key0, int row0, const int32_t* slot_tok, float* dst,
+                                              int log_rp, float inv_g) {
+  switch (log_rp) {
+    case 0: store_teacher_rp<0>(accS, key0, row0, slot_tok, dst, inv_g); break;
+    case 1: store_teacher_rp<1>(accS, key0, row0, slot_tok, dst, inv_g); break;
+    case 2: store_teacher_rp<2>(accS, key0, row0, slot_tok, dst, inv_g); break;
+    case 3: store_teacher_rp<3>(accS, key0, row0, slot_tok, dst, inv_g); break;
+    case 4: store_teacher_rp<4>(accS, key0, row0, slot_tok, dst, inv_g); break;
+    case 5: store_teacher_rp<5>(accS, key0, row0, slot_tok, dst, inv_g); break;
+    default: store_teacher_rp<6>(accS, key0, row0, slot_tok, dst, inv_g); break;
   }
 }
 

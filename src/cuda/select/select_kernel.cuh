@@ -26,10 +26,6 @@
 #include "cuda/ptx/cp_async.cuh"
 #include "cuda/select/select.h"
 
-#ifndef FLASHMSA_SELECT_OVERLAP
-#define FLASHMSA_SELECT_OVERLAP 0  // a build knob for measurements (the consumer loop below)
-#endif
-
 namespace flashmsa::cuda::selection {
 
 template <class Element>
@@ -326,47 +322,6 @@ __global__ void __launch_bounds__(kCtaThreads, 1) select_kernel(const __grid_con
     }
   };
   typename Pipeline::PipelineState state;
-#if FLASHMSA_SELECT_OVERLAP
-  // Measurement variant (default off; docs/kernels/select.md, "Session 13"): block j + 1's GEMM in
-  // flight while block j is scored, FlashAttention-3's intra-warpgroup overlap. Two accumulators
-  // in turn; the loop is unrolled by two so that each has a fixed role in each half, and every
-  // issue inside it is unconditional (j + 2 <= m_block), so no in-flight accumulator meets a
-  // merge point (session 10: a conditional issue made ptxas serialise every wgmma). The local
-  // block (masked) is the last one: the tail after the loop.
-  Tensor acc1 = partition_fragment_C(mma, Shape<_64, Int<C::kBlockN>>{});
-  typename Pipeline::PipelineState done_state;  // the stage of the oldest GEMM in flight
-  auto issue = [&](auto& a) {
-    pipeline.consumer_wait(state);
-    wg_gemm_issue<true>(mma, tSrQ, tSrK(_, _, _, state.index()), a);
-    ++state;
-  };
-  auto retire = [&](auto& a, auto in_flight) {  // the oldest GEMM done, its stage back
-    warpgroup_wait<decltype(in_flight)::value>();
-    wg_gemm_done(mma, tSrQ, a);
-    pipeline.consumer_release(done_state);
-    ++done_state;
-  };
-  issue(acc);
-  int j = 0;
-  for (; j + 2 <= m_block; j += 2) {
-    issue(acc1);
-    retire(acc, Int<1>{});
-    score_block(acc, j, std::false_type{});
-    issue(acc);
-    retire(acc1, Int<1>{});
-    score_block(acc1, j + 1, std::false_type{});
-  }
-  if (j < m_block) {  // j == m_block - 1: one unmasked block, then the local one in acc1
-    issue(acc1);
-    retire(acc, Int<1>{});
-    score_block(acc, j, std::false_type{});
-    retire(acc1, Int<0>{});
-    score_block(acc1, m_block, std::true_type{});
-  } else {
-    retire(acc, Int<0>{});
-    score_block(acc, m_block, std::true_type{});
-  }
-#else
   for (int j = 0; j <= m_block; ++j) {
     pipeline.consumer_wait(state);
     wg_gemm<true>(mma, tSrQ, tSrK(_, _, _, state.index()), acc);
@@ -375,7 +330,6 @@ __global__ void __launch_bounds__(kCtaThreads, 1) select_kernel(const __grid_con
     if (j == m_block) score_block(acc, j, std::true_type{});
     else score_block(acc, j, std::false_type{});
   }
-#endif
 
   // Write the rows (write_row), and the selected set's proxy lse: the row's owner lane.
   if (own_row >= 0 && own_i < L) {
