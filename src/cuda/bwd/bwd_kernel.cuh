@@ -34,8 +34,19 @@
 #include "cuda/ptx/cp_async.cuh"
 #include "cuda/ptx/order.cuh"
 
+// FLASHMSA_BWD_DQ_WRITER (a build knob for measurements, default off; docs/kernels/bwd.md, "Session
+// 14"): the consumers stage each chunk's dQ tile in shared memory and the producer warpgroup's last
+// warp adds it to dq_acc, so no consumer waits for its reductions to drain. Non-deterministic mode
+// only (the deterministic adds stay with the consumers); the tile needs the room of a third stage.
+#ifndef FLASHMSA_BWD_DQ_WRITER
+#define FLASHMSA_BWD_DQ_WRITER 0
+#endif
 #ifndef FLASHMSA_BWD_STAGES
+#if FLASHMSA_BWD_DQ_WRITER
+#define FLASHMSA_BWD_STAGES 2
+#else
 #define FLASHMSA_BWD_STAGES 3  // pipeline stages of the chunk rows (a build knob for measurements)
+#endif
 #endif
 
 namespace flashmsa::cuda::attn_bwd {
@@ -43,8 +54,10 @@ namespace flashmsa::cuda::attn_bwd {
 template <class Element>
 struct MainConfig {
   static constexpr int kBlockN = kBlockKeys, kRows = 64, kHeadDim = kHeadDimInst;
+  static constexpr bool kDqWriter = FLASHMSA_BWD_DQ_WRITER;
+  // with the dQ writer the producer warpgroup's last warp adds dQ instead of gathering rows
   static constexpr int kThreads = kCtaThreads, kStages = FLASHMSA_BWD_STAGES, kConsumers = kConsumerThreads,
-                       kProducers = kWarpGroupThreads;
+                       kProducers = kDqWriter ? kWarpGroupThreads - 32 : kWarpGroupThreads, kDqStride = 132;
   using Pipeline = cutlass::PipelineAsync<kStages>;
   using Major = cute::GMMA::Major;
   // K, V resident: (keys, d), d contiguous; the K^T view (d, keys) for dQ = dS K
@@ -75,12 +88,19 @@ struct MainConfig {
     int32_t tok[kStages][kRows];   // global token of each row; -1: padding row
     int32_t slot[kStages][kRows];  // global token of each token slot; -1: past the list
     float unit[kStages][kRows];    // deterministic mode: each row's fixed-point unit (bwd_params.cuh)
+#if FLASHMSA_BWD_DQ_WRITER
+    alignas(16) float dq[kRows][kDqStride];  // the chunk's dQ tile (rows x d; 132: float2 stores 2 wavefronts)
+    int64_t dq_row[kRows];                   // dq_acc offset of each row; -1: nothing to add
+#endif
   };
   // the pipeline's barriers and the resident block's (outside Smem: the fused kernel overlays the
   // two walks' Smem and keeps both Syncs)
   struct Sync {
     typename Pipeline::SharedStorage pipe;
     cutlass::arch::ClusterTransactionBarrier kv_bar;
+#if FLASHMSA_BWD_DQ_WRITER
+    cutlass::arch::ClusterBarrier dq_full, dq_empty;  // the dQ tile written by the consumers / added
+#endif
   };
   struct Plan {
     Smem d;
@@ -89,6 +109,23 @@ struct MainConfig {
   static constexpr size_t kSmemBytes = sizeof(Plan) + 1024;
   static_assert(kSmemBytes <= kMaxSmemBytes, "shared-memory plan over the SM's 227 KB");
 };
+
+#if FLASHMSA_BWD_DQ_WRITER
+// The walks take kv_bar; the dQ writer's barriers sit next to it in the same Sync.
+template <class Element>
+__device__ __forceinline__ typename MainConfig<Element>::Sync& main_sync(cutlass::arch::ClusterTransactionBarrier& kv_bar) {
+  using Sync = typename MainConfig<Element>::Sync;
+  return *reinterpret_cast<Sync*>(reinterpret_cast<char*>(&kv_bar) - offsetof(Sync, kv_bar));
+}
+// before make_chunk_pipeline (its fence and CTA barrier publish the initialisation)
+template <class Sync>
+__device__ __forceinline__ void init_dq_writer(Sync& s) {
+  if (threadIdx.x == 0) {
+    s.dq_full.init(kConsumerThreads);
+    s.dq_empty.init(32);
+  }
+}
+#endif
 
 // The kernel's parameters: the dispatcher's plain arguments plus the TMA descriptors of K_j, V_j;
 // kDetMode: the deterministic instantiation.
@@ -223,6 +260,27 @@ __device__ __forceinline__ void main_produce(const Params& P, typename MainConfi
   Tensor sV = make_tensor(make_smem_ptr(S.v.data()), typename C::SmemLayoutKV{});
   Tensor sQ = make_tensor(make_smem_ptr(S.q.data()), typename C::SmemLayoutRows{});
   Tensor sdO = make_tensor(make_smem_ptr(S.dout.data()), typename C::SmemLayoutRows{});
+#if FLASHMSA_BWD_DQ_WRITER
+  if (tid >= C::kProducers) {  // the dQ writer warp: each chunk's tile, row by row, 512 B per add
+    if (Params::kDetMode || P.teacher_only) return;
+    auto& sync = main_sync<Element>(kv_bar);
+    const int lane = tid % 32;
+    for (int c = 0; c < nchunks; ++c) {
+      sync.dq_full.wait(state.count() & 1);  // (the producer state counts the chunks as the consumers' does)
+#pragma unroll 4
+      for (int r = 0; r < C::kRows; ++r) {
+        const int64_t off = S.dq_row[r];
+        if (off < 0) continue;
+        const float4 v = *reinterpret_cast<const float4*>(&S.dq[r][4 * lane]);
+        atomicAdd(reinterpret_cast<float4*>(p.dq_acc + off + 4 * lane), v);
+      }
+      __syncwarp();
+      sync.dq_empty.arrive();
+      ++state;
+    }
+    return;
+  }
+#endif
   if (tid == 0) {  // K_j (and V_j), by TMA
     kv_bar.arrive_and_expect_tx((P.teacher_only ? 1 : 2) * C::kBlockN * C::kHeadDim * sizeof(Element));
     tma_load_block(P.tma_k, P.tma_shape, m.kvh, b, s0, P.batched, m.j, sK, kv_bar);
@@ -244,9 +302,9 @@ __device__ __forceinline__ void main_produce(const Params& P, typename MainConfi
     const int st = state.index();
     if (tid < NTc) S.slot[st][tid] = next;
     if (c + 1 < nchunks) next = slot_token(c + 1);  // in flight meanwhile
-    barrier_sync(NamedBarrier::kProducer, kWarpGroupThreads);
+    barrier_sync(NamedBarrier::kProducer, C::kProducers);
     // rows of this chunk: row r = slot r / Rp, head h0 + r % Rp (padding heads >= R: zero rows)
-    for (int x = tid; x < C::kRows * 16; x += kWarpGroupThreads) {
+    for (int x = tid; x < C::kRows * 16; x += C::kProducers) {
       const int r = x / 16, col = (x % 16) * 8;
       const int32_t t = S.slot[st][r >> lrp];
       const bool valid = t >= 0 && (r & rmask) < R;
@@ -437,6 +495,17 @@ __device__ __forceinline__ void main_consume(const Params& P, typename MainConfi
           add_fixed(p.dq_fix + quad + 8 * i + dB, B, u, bad);
         }
       } else {
+#if FLASHMSA_BWD_DQ_WRITER
+        auto& sync = main_sync<Element>(kv_bar);
+        if (e1 == 0 && state.count() > 0) sync.dq_empty.wait((state.count() - 1) & 1);  // the tile is free
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+          *reinterpret_cast<float2*>(&S.dq[rq0 + 8 * e1][dq0 + 8 * i]) =
+              make_float2(accdQ(4 * i + 2 * e1), accdQ(4 * i + 2 * e1 + 1));
+        if (w == 0 && (wtid & 3) == 0) S.dq_row[rq0 + 8 * e1] = t < 0 ? int64_t(-1) : row - dq0;
+        if (e1 == 1) sync.dq_full.arrive();
+        continue;
+#endif
         if (t < 0) continue;
         float* dst = p.dq_acc + row;
 #pragma unroll
@@ -477,6 +546,9 @@ __global__ void __launch_bounds__(kCtaThreads, 1) bwd_main_kernel(const __grid_c
   MainItem m;
   if (!main_item(p, cta.gb, cta.unit, m)) return;
   const int role_wg = threadIdx.x / kWarpGroupThreads;
+#if FLASHMSA_BWD_DQ_WRITER
+  init_dq_writer(S.s);
+#endif
   Pipeline pipeline = make_chunk_pipeline<Pipeline>(S.s.pipe, role_wg, C::kProducers, C::kConsumers, S.s.kv_bar);
   if (role_wg == 0) {  // ---- producer ----
     cutlass::arch::warpgroup_reg_dealloc<kBwdRegs.producer>();

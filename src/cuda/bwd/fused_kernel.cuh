@@ -74,6 +74,9 @@ __global__ void __launch_bounds__(kCtaThreads, 1) bwd_fused_kernel(const __grid_
   auto& S = smem_struct<typename F::Plan>(smem_raw);
   const int tid = threadIdx.x, role_wg = tid / kWarpGroupThreads;
   const bool producer = role_wg == 0;
+#if FLASHMSA_BWD_DQ_WRITER
+  init_dq_writer(S.ms);
+#endif
   PM pm = make_chunk_pipeline<PM>(S.ms.pipe, role_wg, F::CM::kProducers, F::CM::kConsumers, S.ms.kv_bar);
   PK pk = make_chunk_pipeline<PK>(S.ks.pipe, role_wg, F::CK::kProducers, F::CK::kConsumers, S.ks.kp_bar);
   float* const scratch = P.scratch + int64_t(blockIdx.x) * P.seg * kBlockKeys;
