@@ -117,6 +117,16 @@ __device__ __forceinline__ typename MainConfig<Element>::Sync& main_sync(cutlass
   using Sync = typename MainConfig<Element>::Sync;
   return *reinterpret_cast<Sync*>(reinterpret_cast<char*>(&kv_bar) - offsetof(Sync, kv_bar));
 }
+#if FLASHMSA_BWD_DQ_WRITER == 2
+// Writer form 2: the TMA engine adds each row (PTX ISA: cp.reduce.async.bulk, bulk_group), so the
+// writer's registers never wait for a drain; the tile is reused after the engine has read it.
+__device__ __forceinline__ void bulk_add_row(float* gdst, const float* ssrc, uint32_t bytes) {
+  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(ssrc));
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(gdst), "r"(s),
+               "r"(bytes)
+               : "memory");
+}
+#endif
 // before make_chunk_pipeline (its fence and CTA barrier publish the initialisation)
 template <class Sync>
 __device__ __forceinline__ void init_dq_writer(Sync& s) {
@@ -267,6 +277,16 @@ __device__ __forceinline__ void main_produce(const Params& P, typename MainConfi
     const int lane = tid % 32;
     for (int c = 0; c < nchunks; ++c) {
       sync.dq_full.wait(state.count() & 1);  // (the producer state counts the chunks as the consumers' does)
+#if FLASHMSA_BWD_DQ_WRITER == 2
+      if (lane == 0) {
+        for (int r = 0; r < C::kRows; ++r) {
+          const int64_t off = S.dq_row[r];
+          if (off >= 0) bulk_add_row(p.dq_acc + off, &S.dq[r][0], C::kHeadDim * sizeof(float));
+        }
+        asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+        asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+      }
+#else
 #pragma unroll 4
       for (int r = 0; r < C::kRows; ++r) {
         const int64_t off = S.dq_row[r];
@@ -274,10 +294,14 @@ __device__ __forceinline__ void main_produce(const Params& P, typename MainConfi
         const float4 v = *reinterpret_cast<const float4*>(&S.dq[r][4 * lane]);
         atomicAdd(reinterpret_cast<float4*>(p.dq_acc + off + 4 * lane), v);
       }
+#endif
       __syncwarp();
       sync.dq_empty.arrive();
       ++state;
     }
+#if FLASHMSA_BWD_DQ_WRITER == 2
+    if (lane == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");  // the adds done before the range ends
+#endif
     return;
   }
 #endif
@@ -503,6 +527,9 @@ __device__ __forceinline__ void main_consume(const Params& P, typename MainConfi
           *reinterpret_cast<float2*>(&S.dq[rq0 + 8 * e1][dq0 + 8 * i]) =
               make_float2(accdQ(4 * i + 2 * e1), accdQ(4 * i + 2 * e1 + 1));
         if (w == 0 && (wtid & 3) == 0) S.dq_row[rq0 + 8 * e1] = t < 0 ? int64_t(-1) : row - dq0;
+#if FLASHMSA_BWD_DQ_WRITER == 2
+        if (e1 == 1) ptx::fence_proxy_async_smem();  // the tile is read by the TMA engine (async proxy)
+#endif
         if (e1 == 1) sync.dq_full.arrive();
         continue;
 #endif
