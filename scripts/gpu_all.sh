@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Everything one device call needs, logs under $OUT. STEPS picks the parts (default: all):
-#   suite      the GPU suite (tests/gpu; SUITE_FILTER: a gtest filter, default every test)
+#   suite      the GPU suite (tests/gpu; SUITE_FILTER: a gtest filter, default every test; SUITE_BIN: another
+#              binary of .gpu/, e.g. a variant's flashmsa_gpu_tests_<name>; SUITE_S: the time limit, default
+#              400 s, which the whole suite exceeds since session 13: run it in two parts)
 #   sanitize   compute-sanitizer memcheck + racecheck on the small cases
 #   pytest     the Python tests against the CUDA build (tests/python, GPU ones included)
 #   run        the main job on the GPU
@@ -31,8 +33,13 @@
 #   cp         context parallelism over NCCL on every GPU of the machine (needs 2 or more):
 #              tests/python/test_distributed.py::test_nccl_two_gpus_m3 for each token count in
 #              CP_LENGTHS (default "16384,9000,7384 65536,40000,25536": 32k and 128k tokens)
-# Binaries and libflashmsa.so are expected in .gpu/ (copied from build/, carried by the device call).
+# Binaries and libflashmsa.so are expected in .gpu/ (copied from build/, carried by the device call),
+# or packed by scripts/pack_gpu.sh into .gpu_pack/bins.tar.xz (carry .gpu_pack: several binaries
+# exceed the device tool's 64 MiB), which is unpacked into .gpu/ first.
 set -uo pipefail
+if [ -f .gpu_pack/bins.tar.xz ]; then
+  mkdir -p .gpu && tar -xJf .gpu_pack/bins.tar.xz -C .gpu && echo "unpacked .gpu_pack/bins.tar.xz into .gpu/"
+fi
 OUT=${OUT:-/tmp/out}
 STEPS=${STEPS:-suite sanitize pytest run bench}
 mkdir -p "$OUT"
@@ -41,7 +48,8 @@ has() { [[ " $STEPS " == *" $1 "* ]]; }
 stamp() { echo "== $1 ($(date +%T))"; }
 if has suite; then
   stamp "GPU suite"
-  timeout 400 ./.gpu/flashmsa_gpu_tests --gtest_filter="${SUITE_FILTER:-*}" > "$OUT/gpu_suite.log" 2>&1; echo "suite rc=$?"
+  timeout ${SUITE_S:-400} "./.gpu/${SUITE_BIN:-flashmsa_gpu_tests}" --gtest_filter="${SUITE_FILTER:-*}" > "$OUT/gpu_suite.log" 2>&1
+  echo "suite (${SUITE_BIN:-flashmsa_gpu_tests}) rc=$?"
   grep -E "^\[  (PASSED|FAILED)|FAILED  \]|tests? from .* ran" "$OUT/gpu_suite.log" | tail -8
   # the numbers the numerics docs and the deterministic mode need
   awk '/^\[ RUN      \] (Numerics|Deterministic)\./{p=1} /^\[       OK \]|^\[  FAILED  \]/{if(p)print; p=0} p' "$OUT/gpu_suite.log"
