@@ -111,12 +111,6 @@ struct MainConfig {
 };
 
 #if FLASHMSA_BWD_DQ_WRITER
-// The walks take kv_bar; the dQ writer's barriers sit next to it in the same Sync.
-template <class Element>
-__device__ __forceinline__ typename MainConfig<Element>::Sync& main_sync(cutlass::arch::ClusterTransactionBarrier& kv_bar) {
-  using Sync = typename MainConfig<Element>::Sync;
-  return *reinterpret_cast<Sync*>(reinterpret_cast<char*>(&kv_bar) - offsetof(Sync, kv_bar));
-}
 #if FLASHMSA_BWD_DQ_WRITER == 2
 // Writer form 2: the TMA engine adds each row (PTX ISA: cp.reduce.async.bulk, bulk_group), so the
 // writer's registers never wait for a drain; the tile is reused after the engine has read it.
@@ -249,13 +243,13 @@ __device__ __forceinline__ bool main_item(const Common& p, int gb, int unit, Mai
 }
 
 // The producer's side of list entries [first, first + count) of an item: K_j (and V_j) by TMA
-// on kv_bar (armed here), then the chunks' rows into the pipeline. The pipeline state carries
+// on sync.kv_bar (armed here), then the chunks' rows into the pipeline. The pipeline state carries
 // over between calls (the fused kernel walks several ranges and items on one pipeline).
 template <class Element, class Params>
 __device__ __forceinline__ void main_produce(const Params& P, typename MainConfig<Element>::Smem& S_in,
                                              typename MainConfig<Element>::Pipeline& pipeline,
                                              cutlass::PipelineState<MainConfig<Element>::kStages>& state,
-                                             cutlass::arch::ClusterTransactionBarrier& kv_bar, const MainItem& m,
+                                             typename MainConfig<Element>::Sync& sync, const MainItem& m,
                                              int first, int count) {
   auto& S = opaque_ref(S_in);
   using namespace cute;
@@ -273,7 +267,6 @@ __device__ __forceinline__ void main_produce(const Params& P, typename MainConfi
 #if FLASHMSA_BWD_DQ_WRITER
   if (tid >= C::kProducers) {  // the dQ writer warp: each chunk's tile, row by row, 512 B per add
     if (Params::kDetMode || P.teacher_only) return;
-    auto& sync = main_sync<Element>(kv_bar);
     const int lane = tid % 32;
     for (int c = 0; c < nchunks; ++c) {
       sync.dq_full.wait(state.count() & 1);  // (the producer state counts the chunks as the consumers' does)
@@ -306,9 +299,9 @@ __device__ __forceinline__ void main_produce(const Params& P, typename MainConfi
   }
 #endif
   if (tid == 0) {  // K_j (and V_j), by TMA
-    kv_bar.arrive_and_expect_tx((P.teacher_only ? 1 : 2) * C::kBlockN * C::kHeadDim * sizeof(Element));
-    tma_load_block(P.tma_k, P.tma_shape, m.kvh, b, s0, P.batched, m.j, sK, kv_bar);
-    if (!P.teacher_only) tma_load_block(P.tma_v, P.tma_shape, m.kvh, b, s0, P.batched, m.j, sV, kv_bar);
+    sync.kv_bar.arrive_and_expect_tx((P.teacher_only ? 1 : 2) * C::kBlockN * C::kHeadDim * sizeof(Element));
+    tma_load_block(P.tma_k, P.tma_shape, m.kvh, b, s0, P.batched, m.j, sK, sync.kv_bar);
+    if (!P.teacher_only) tma_load_block(P.tma_v, P.tma_shape, m.kvh, b, s0, P.batched, m.j, sV, sync.kv_bar);
   }
   const Element* qptr = static_cast<const Element*>(p.q.ptr);
   const Element* doptr = static_cast<const Element*>(p.dout.ptr);
@@ -365,7 +358,7 @@ template <class Element, class Params>
 __device__ __forceinline__ void main_consume(const Params& P, typename MainConfig<Element>::Smem& S_in,
                                              typename MainConfig<Element>::Pipeline& pipeline,
                                              cutlass::PipelineState<MainConfig<Element>::kStages>& state,
-                                             cutlass::arch::ClusterTransactionBarrier& kv_bar, uint32_t kv_phase,
+                                             typename MainConfig<Element>::Sync& sync, uint32_t kv_phase,
                                              const MainItem& m, int count, float* teach) {
   auto& S = opaque_ref(S_in);
   using namespace cute;
@@ -433,7 +426,7 @@ __device__ __forceinline__ void main_consume(const Params& P, typename MainConfi
     __trap();
   const int kpos0 = int(key_base) + key0;  // in-sequence position of this thread's first key
   const float inv_g = 1.f / float(p.R);
-  kv_bar.wait(kv_phase);
+  sync.kv_bar.wait(kv_phase);
 
   for (int c = 0; c < nchunks; ++c) {
     // no proxy fence here: cp.async writes completed through the mbarrier are visible to wgmma
@@ -520,7 +513,6 @@ __device__ __forceinline__ void main_consume(const Params& P, typename MainConfi
         }
       } else {
 #if FLASHMSA_BWD_DQ_WRITER
-        auto& sync = main_sync<Element>(kv_bar);
         if (e1 == 0 && state.count() > 0) sync.dq_empty.wait((state.count() - 1) & 1);  // the tile is free
 #pragma unroll
         for (int i = 0; i < 8; ++i)
@@ -580,13 +572,13 @@ __global__ void __launch_bounds__(kCtaThreads, 1) bwd_main_kernel(const __grid_c
   if (role_wg == 0) {  // ---- producer ----
     cutlass::arch::warpgroup_reg_dealloc<kBwdRegs.producer>();
     auto state = cutlass::make_producer_start_state<Pipeline>();
-    main_produce<Element>(P, S.d, pipeline, state, S.s.kv_bar, m, 0, m.n);
+    main_produce<Element>(P, S.d, pipeline, state, S.s, m, 0, m.n);
     return;
   }
   // ---- consumers: warpgroup w owns keys [64 w, 64 w + 64) ----
   cutlass::arch::warpgroup_reg_alloc<kBwdRegs.consumer>();
   typename Pipeline::PipelineState state;
-  main_consume<Element>(P, S.d, pipeline, state, S.s.kv_bar, 0, m, m.n, nullptr);
+  main_consume<Element>(P, S.d, pipeline, state, S.s, 0, m, m.n, nullptr);
 }
 
 // kDet: the deterministic instantiation (the fixed-point fields of Common set), else the default one

@@ -114,7 +114,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) bwd_fused_kernel(const __grid_
       }
       for (int first = 0; first < m.n; first += P.seg) {
         const int count = min(P.seg, m.n - first);
-        main_produce<Element>(P, S.u.m, pm, sm, S.ms.kv_bar, m, first, count);
+        main_produce<Element>(P, S.u.m, pm, sm, S.ms, m, first, count);
         walk_done();
         kl_produce<Element>(P, S.u.k, pk, sk, S.ks.kp_bar, k, first, count, scratch);
         walk_done();
@@ -130,7 +130,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) bwd_fused_kernel(const __grid_
     float kl_sum = 0.f;
     for (int first = 0; first < m.n; first += P.seg) {
       const int count = min(P.seg, m.n - first);
-      main_consume<Element>(P, S.u.m, pm, sm, S.ms.kv_bar, loads & 1, m, count, scratch);
+      main_consume<Element>(P, S.u.m, pm, sm, S.ms, loads & 1, m, count, scratch);
       walk_done();
       kl_consume<Element>(P, S.u.k, pk, sk, S.ks.kp_bar, loads & 1, k, count, kl_sum);
       ++loads;
