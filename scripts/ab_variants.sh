@@ -11,7 +11,7 @@ cp "$build/tests/flashmsa_gpu_tests" "$build/flashmsa_bench" "$build/flashmsa" "
 M=bwd_main_bf16,bwd_main_bf16_det
 K=bwd_kl_bf16,bwd_kl_bf16_det
 # One line per variant between the LIST markers: NAME|TUs|FLAGS, e.g.
-#   st2|$M|-DFLASHMSA_BWD_STAGES=2
+#   pr56|bwd_fused_bf16,bwd_fused_bf16_det|-DFLASHMSA_FUSED_PRODUCER_REGS=56
 # None is pending: session 4 measured ovl, adkv, both, uf and all (docs/kernels/bwd.md); uf
 # became the default code and the other knobs were deleted.
 while IFS='|' read -r name tus flags; do

@@ -3,10 +3,10 @@
 # a second benchmark binary against it, next to the normal one (the rest of the library is
 # shared). Carry .gpu/ to the GPU machine and run both binaries in the same call.
 #   bash scripts/bench_variant.sh NAME TU[,TU...] FLAGS...
-#   bash scripts/bench_variant.sh st2 bwd_main_bf16 -DFLASHMSA_BWD_STAGES=2
-#   -> .gpu/flashmsa_bench_st2 (and the ptxas register/spill line of the variant); run it with
+#   bash scripts/bench_variant.sh pr56 bwd_fused_bf16 -DFLASHMSA_FUSED_PRODUCER_REGS=56
+#   -> .gpu/flashmsa_bench_pr56 (and the ptxas register/spill line of the variant); run it with
 #      --options 0 when the variant refuses the deterministic mode. With VARIANT_TESTS=1 also
-#      .gpu/flashmsa_gpu_tests_st2 (the GPU suite against the variant)
+#      .gpu/flashmsa_gpu_tests_pr56 (the GPU suite against the variant)
 set -euo pipefail
 name=$1 tus=$2  # one TU, or several separated by commas
 shift 2

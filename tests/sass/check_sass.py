@@ -2,7 +2,9 @@
 """Checks on the compiled kernels' machine code (SASS) that CI can run without a GPU.
 
 The default (non-deterministic, kDet = false) backward kernels must add their gradients with
-REDG (a reduction that does not wait for a reply), never ATOMG. The deterministic main and kl
+REDG (a reduction that does not wait for a reply), never ATOMG; the main and fused kernels add dQ
+through their dQ writer warp's bulk reductions (cp.reduce.async.bulk: UBLKRED ... ADD.F32, the
+TMA engine adding a row of the shared-memory dQ tile), which must be there. The deterministic main and kl
 kernels (kDet = true) add 64-bit fixed-point integers (bwd_params.cuh), whose sum does not depend
 on the order: they must hold 64-bit REDG adds, and no GPU-scope fence and no ATOMG. The
 deterministic recomputing proxy kernel (DENSE mode) orders fp32 adds by turn counters and must
@@ -66,6 +68,7 @@ ATOMIC = re.compile(r"\bATOMG?\.E\.")  # global or generic atomics that return a
 REDUCTION = re.compile(r"\bREDG\.E\.")  # fire-and-forget global reductions
 FIXED_ADD = re.compile(r"\bREDG\.E\.ADD\.64\b")  # the deterministic mode's 64-bit integer adds
 FIXED_KERNELS = ("bwd_main_kernel", "bwd_fused_kernel")  # deterministic in fixed point (the proxy kernel: turns)
+BULK_ADD = re.compile(r"\bUBLKRED\.G\.S\.ADD\.F32\b")  # the dQ writer's row adds (default main and fused kernels)
 GPU_FENCE = re.compile(r"\bMEMBAR\.[A-Z.]*GPU\b")
 # The fused kernel's persistent CTAs take items from a counter: one 32-bit ATOMG.E.ADD per item
 # (one copy in each role's loop), whose returned value is the item. Not a gradient add.
@@ -103,16 +106,20 @@ def main(argv: list[str]) -> int:
                 continue
             det = int(m.group(1))
             seen[(kernel, det)] += 1
-            atomics, reds, fences, fixed = (len(r.findall(text)) for r in (ATOMIC, REDUCTION, GPU_FENCE, FIXED_ADD))
+            atomics, reds, fences, fixed, bulk = (len(r.findall(text))
+                                                  for r in (ATOMIC, REDUCTION, GPU_FENCE, FIXED_ADD, BULK_ADD))
             counters = len(ITEM_COUNTER.findall(text))
             if counters != ITEM_COUNTERS.get(kernel, 0):
                 failures.append(f"{kname}: {counters} item-counter ATOMG, expected {ITEM_COUNTERS.get(kernel, 0)}")
             atomics -= counters
             print(f"{kernel} kDet={det} ({os.path.basename(obj)}): REDG {reds} (64-bit integer {fixed}), "
-                  f"ATOMG/ATOM {atomics}, GPU fences {fences}, HGMMA {mmas}, wgmma waits {waits}")
+                  f"bulk fp32 adds {bulk}, ATOMG/ATOM {atomics}, GPU fences {fences}, HGMMA {mmas}, wgmma waits {waits}")
             if det == 0 and (atomics or not reds or fixed):
                 failures.append(f"{kname}: {atomics} ATOMG/ATOM, {reds} REDG, {fixed} 64-bit (the default kernel "
                                 f"must add fp32 with REDG only)")
+            if kernel in FIXED_KERNELS and (det == 0) != (bulk > 0):
+                failures.append(f"{kname}: {bulk} bulk fp32 adds (the default kernel's dQ writer must add the dQ "
+                                f"tile with cp.reduce.async.bulk, the deterministic kernel not at all)")
             if det == 1 and kernel in FIXED_KERNELS and (atomics or fences or not fixed):
                 failures.append(f"{kname}: {atomics} ATOMG/ATOM, {fences} GPU fences, {fixed} 64-bit REDG (the "
                                 f"fixed-point deterministic kernel must add 64-bit integers with REDG, fence-free)")

@@ -6,13 +6,15 @@
 // chunks of 64 rows = NTc token slots x Rp head slots (Rp = R rounded up to a power of two;
 // m3: 4 x 16), so no masked work is paid beyond the causal diagonal and partial chunks. dK_j and
 // dV_j accumulate in registers for the whole list (two consumer warpgroups own 64 keys each,
-// S^T = K Q^T layout as in FlashAttention-3's backward); dQ of each chunk goes to an fp32
-// accumulator with float2 atomics after a GEMM over both warpgroups' dS^T staged in shared
-// memory (deterministic mode: dQ, and dK_j, dV_j at the end, go to 64-bit fixed-point
-// accumulators, whose integer adds give the same sum in any order; bwd_params.cuh). Warpgroup 0 produces: the chunk's token ids (prefetched one chunk ahead), then the Q
-// and dO rows, lse (log2) and dpsum gathered with cp.async into a three-stage mbarrier pipeline
-// whose arrivals complete with the copies (the producer never waits for its own loads); K_j and
-// V_j come once by TMA.
+// S^T = K Q^T layout as in FlashAttention-3's backward); dQ of each chunk (a GEMM over both
+// warpgroups' dS^T staged in shared memory) goes to a dQ tile in shared memory, whose rows the
+// producer warpgroup's last warp (the dQ writer) has the TMA engine add to an fp32 accumulator
+// (deterministic mode: dQ, and dK_j, dV_j at the end, go to 64-bit fixed-point accumulators from
+// the consumers, whose integer adds give the same sum in any order; bwd_params.cuh). The other
+// three producer warps gather: the chunk's token ids (prefetched one chunk ahead), then the Q and
+// dO rows, lse (log2) and dpsum with cp.async into a two-stage mbarrier pipeline whose arrivals
+// complete with the copies (the producer never waits for its own loads); K_j and V_j come once
+// by TMA.
 //
 // The walk is written as two device functions (main_produce, main_consume) over a range of a
 // list's entries, so that the fused kernel (fused_kernel.cuh: SPARSE/GIVEN with a kl, where the
@@ -34,30 +36,20 @@
 #include "cuda/ptx/cp_async.cuh"
 #include "cuda/ptx/order.cuh"
 
-// FLASHMSA_BWD_DQ_WRITER (a build knob for measurements, default off; docs/kernels/bwd.md, "Session
-// 14"): the consumers stage each chunk's dQ tile in shared memory and the producer warpgroup's last
-// warp adds it to dq_acc, so no consumer waits for its reductions to drain. Non-deterministic mode
-// only (the deterministic adds stay with the consumers); the tile needs the room of a third stage.
-#ifndef FLASHMSA_BWD_DQ_WRITER
-#define FLASHMSA_BWD_DQ_WRITER 0
-#endif
-#ifndef FLASHMSA_BWD_STAGES
-#if FLASHMSA_BWD_DQ_WRITER
-#define FLASHMSA_BWD_STAGES 2
-#else
-#define FLASHMSA_BWD_STAGES 3  // pipeline stages of the chunk rows (a build knob for measurements)
-#endif
-#endif
+// The dQ path (docs/kernels/bwd.md, "Session 15"): the consumers stage each chunk's dQ tile in
+// shared memory and the producer warpgroup's last warp has the TMA engine add it to dq_acc row by
+// row (cp.reduce.async.bulk), so no consumer waits for its reductions to drain; the tile takes the
+// room of a third pipeline stage (two stages: session 11 measured the third worth nothing). The
+// deterministic mode keeps its fixed-point adds in the consumers.
 
 namespace flashmsa::cuda::attn_bwd {
 
 template <class Element>
 struct MainConfig {
   static constexpr int kBlockN = kBlockKeys, kRows = 64, kHeadDim = kHeadDimInst;
-  static constexpr bool kDqWriter = FLASHMSA_BWD_DQ_WRITER;
-  // with the dQ writer the producer warpgroup's last warp adds dQ instead of gathering rows
-  static constexpr int kThreads = kCtaThreads, kStages = FLASHMSA_BWD_STAGES, kConsumers = kConsumerThreads,
-                       kProducers = kDqWriter ? kWarpGroupThreads - 32 : kWarpGroupThreads, kDqStride = 132;
+  // the producer warpgroup's last warp adds dQ (the dQ writer); the other three gather rows
+  static constexpr int kThreads = kCtaThreads, kStages = 2, kConsumers = kConsumerThreads,
+                       kProducers = kWarpGroupThreads - 32, kDqStride = 132;
   using Pipeline = cutlass::PipelineAsync<kStages>;
   using Major = cute::GMMA::Major;
   // K, V resident: (keys, d), d contiguous; the K^T view (d, keys) for dQ = dS K
@@ -88,19 +80,15 @@ struct MainConfig {
     int32_t tok[kStages][kRows];   // global token of each row; -1: padding row
     int32_t slot[kStages][kRows];  // global token of each token slot; -1: past the list
     float unit[kStages][kRows];    // deterministic mode: each row's fixed-point unit (bwd_params.cuh)
-#if FLASHMSA_BWD_DQ_WRITER
     alignas(16) float dq[kRows][kDqStride];  // the chunk's dQ tile (rows x d; 132: float2 stores 2 wavefronts)
     int64_t dq_row[kRows];                   // dq_acc offset of each row; -1: nothing to add
-#endif
   };
   // the pipeline's barriers and the resident block's (outside Smem: the fused kernel overlays the
   // two walks' Smem and keeps both Syncs)
   struct Sync {
     typename Pipeline::SharedStorage pipe;
     cutlass::arch::ClusterTransactionBarrier kv_bar;
-#if FLASHMSA_BWD_DQ_WRITER
     cutlass::arch::ClusterBarrier dq_full, dq_empty;  // the dQ tile written by the consumers / added
-#endif
   };
   struct Plan {
     Smem d;
@@ -110,17 +98,15 @@ struct MainConfig {
   static_assert(kSmemBytes <= kMaxSmemBytes, "shared-memory plan over the SM's 227 KB");
 };
 
-#if FLASHMSA_BWD_DQ_WRITER
-#if FLASHMSA_BWD_DQ_WRITER == 2
-// Writer form 2: the TMA engine adds each row (PTX ISA: cp.reduce.async.bulk, bulk_group), so the
-// writer's registers never wait for a drain; the tile is reused after the engine has read it.
+// The dQ writer's add of one row: the TMA engine reads the row from shared memory and adds it to
+// global memory (PTX ISA: cp.reduce.async.bulk, bulk_group); the tile is reused after the engine
+// has read it (cp.async.bulk.wait_group.read).
 __device__ __forceinline__ void bulk_add_row(float* gdst, const float* ssrc, uint32_t bytes) {
   const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(ssrc));
   asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(gdst), "r"(s),
                "r"(bytes)
                : "memory");
 }
-#endif
 // before make_chunk_pipeline (its fence and CTA barrier publish the initialisation)
 template <class Sync>
 __device__ __forceinline__ void init_dq_writer(Sync& s) {
@@ -129,7 +115,6 @@ __device__ __forceinline__ void init_dq_writer(Sync& s) {
     s.dq_empty.init(32);
   }
 }
-#endif
 
 // The kernel's parameters: the dispatcher's plain arguments plus the TMA descriptors of K_j, V_j;
 // kDetMode: the deterministic instantiation.
@@ -264,40 +249,26 @@ __device__ __forceinline__ void main_produce(const Params& P, typename MainConfi
   Tensor sV = make_tensor(make_smem_ptr(S.v.data()), typename C::SmemLayoutKV{});
   Tensor sQ = make_tensor(make_smem_ptr(S.q.data()), typename C::SmemLayoutRows{});
   Tensor sdO = make_tensor(make_smem_ptr(S.dout.data()), typename C::SmemLayoutRows{});
-#if FLASHMSA_BWD_DQ_WRITER
-  if (tid >= C::kProducers) {  // the dQ writer warp: each chunk's tile, row by row, 512 B per add
+  if (tid >= C::kProducers) {  // the dQ writer warp: per chunk, lane 0 has each row of the tile added
     if (Params::kDetMode || P.teacher_only) return;
     const int lane = tid % 32;
     for (int c = 0; c < nchunks; ++c) {
       sync.dq_full.wait(state.count() & 1);  // (the producer state counts the chunks as the consumers' does)
-#if FLASHMSA_BWD_DQ_WRITER == 2
       if (lane == 0) {
         for (int r = 0; r < C::kRows; ++r) {
           const int64_t off = S.dq_row[r];
           if (off >= 0) bulk_add_row(p.dq_acc + off, &S.dq[r][0], C::kHeadDim * sizeof(float));
         }
         asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
-        asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+        asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");  // the engine has read the tile
       }
-#else
-#pragma unroll 4
-      for (int r = 0; r < C::kRows; ++r) {
-        const int64_t off = S.dq_row[r];
-        if (off < 0) continue;
-        const float4 v = *reinterpret_cast<const float4*>(&S.dq[r][4 * lane]);
-        atomicAdd(reinterpret_cast<float4*>(p.dq_acc + off + 4 * lane), v);
-      }
-#endif
       __syncwarp();
       sync.dq_empty.arrive();
       ++state;
     }
-#if FLASHMSA_BWD_DQ_WRITER == 2
     if (lane == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");  // the adds done before the range ends
-#endif
     return;
   }
-#endif
   if (tid == 0) {  // K_j (and V_j), by TMA
     sync.kv_bar.arrive_and_expect_tx((P.teacher_only ? 1 : 2) * C::kBlockN * C::kHeadDim * sizeof(Element));
     tma_load_block(P.tma_k, P.tma_shape, m.kvh, b, s0, P.batched, m.j, sK, sync.kv_bar);
@@ -319,7 +290,7 @@ __device__ __forceinline__ void main_produce(const Params& P, typename MainConfi
     const int st = state.index();
     if (tid < NTc) S.slot[st][tid] = next;
     if (c + 1 < nchunks) next = slot_token(c + 1);  // in flight meanwhile
-    barrier_sync(NamedBarrier::kProducer, C::kProducers);
+    barrier_sync(NamedBarrier::kGatherers, C::kProducers);
     // rows of this chunk: row r = slot r / Rp, head h0 + r % Rp (padding heads >= R: zero rows)
     for (int x = tid; x < C::kRows * 16; x += C::kProducers) {
       const int r = x / 16, col = (x % 16) * 8;
@@ -512,24 +483,17 @@ __device__ __forceinline__ void main_consume(const Params& P, typename MainConfi
           add_fixed(p.dq_fix + quad + 8 * i + dB, B, u, bad);
         }
       } else {
-#if FLASHMSA_BWD_DQ_WRITER
+        // to the dQ tile, whose rows the writer warp has added (main_produce)
         if (e1 == 0 && state.count() > 0) sync.dq_empty.wait((state.count() - 1) & 1);  // the tile is free
 #pragma unroll
         for (int i = 0; i < 8; ++i)
           *reinterpret_cast<float2*>(&S.dq[rq0 + 8 * e1][dq0 + 8 * i]) =
               make_float2(accdQ(4 * i + 2 * e1), accdQ(4 * i + 2 * e1 + 1));
         if (w == 0 && (wtid & 3) == 0) S.dq_row[rq0 + 8 * e1] = t < 0 ? int64_t(-1) : row - dq0;
-#if FLASHMSA_BWD_DQ_WRITER == 2
-        if (e1 == 1) ptx::fence_proxy_async_smem();  // the tile is read by the TMA engine (async proxy)
-#endif
-        if (e1 == 1) sync.dq_full.arrive();
-        continue;
-#endif
-        if (t < 0) continue;
-        float* dst = p.dq_acc + row;
-#pragma unroll
-        for (int i = 0; i < 8; ++i)
-          atomicAdd(reinterpret_cast<float2*>(dst + 8 * i), make_float2(accdQ(4 * i + 2 * e1), accdQ(4 * i + 2 * e1 + 1)));
+        if (e1 == 1) {
+          ptx::fence_proxy_async_smem();  // the tile is read by the TMA engine (async proxy)
+          sync.dq_full.arrive();
+        }
       }
     }
     if (kDet && bad) atomicOr(reinterpret_cast<int32_t*>(p.fix) + kBad + 0, 1);
@@ -565,9 +529,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) bwd_main_kernel(const __grid_c
   MainItem m;
   if (!main_item(p, cta.gb, cta.unit, m)) return;
   const int role_wg = threadIdx.x / kWarpGroupThreads;
-#if FLASHMSA_BWD_DQ_WRITER
   init_dq_writer(S.s);
-#endif
   Pipeline pipeline = make_chunk_pipeline<Pipeline>(S.s.pipe, role_wg, C::kProducers, C::kConsumers, S.s.kv_bar);
   if (role_wg == 0) {  // ---- producer ----
     cutlass::arch::warpgroup_reg_dealloc<kBwdRegs.producer>();

@@ -73,10 +73,14 @@ __global__ void __launch_bounds__(kCtaThreads, 1) bwd_fused_kernel(const __grid_
   extern __shared__ char smem_raw[];
   auto& S = smem_struct<typename F::Plan>(smem_raw);
   const int tid = threadIdx.x, role_wg = tid / kWarpGroupThreads;
+  // The CTA-wide barrier between the roles, which reach it from their own copies of the loop below:
+  // a named barrier with the CTA's thread count, as FlashAttention-3's tile scheduler syncs its
+  // producer and consumers. (compute-sanitizer synccheck calls an aligned barrier reached from two
+  // code locations divergent; the unaligned barrier.sync that it accepts made the backward 18%
+  // slower: docs/kernels/bwd.md, "Session 15".)
+  auto cta_sync = [] { barrier_sync(NamedBarrier::kCta, kCtaThreads); };
   const bool producer = role_wg == 0;
-#if FLASHMSA_BWD_DQ_WRITER
   init_dq_writer(S.ms);
-#endif
   PM pm = make_chunk_pipeline<PM>(S.ms.pipe, role_wg, F::CM::kProducers, F::CM::kConsumers, S.ms.kv_bar);
   PK pk = make_chunk_pipeline<PK>(S.ks.pipe, role_wg, F::CK::kProducers, F::CK::kConsumers, S.ks.kp_bar);
   float* const scratch = P.scratch + int64_t(blockIdx.x) * P.seg * kBlockKeys;
@@ -85,7 +89,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) bwd_fused_kernel(const __grid_
   // own copy of the loop below: setmaxnreg holds only where the two roles' code is apart.
   auto next_item = [&](int it, MainItem& m, KlItem& k, bool& live) {
     if (tid == 0) S.item[it & 1] = atomicAdd(P.next_item, 1);
-    __syncthreads();
+    cta_sync();
     const int item = S.item[it & 1];
     if (item >= items) return false;
     const int gb = item / p.Hp, grp = item % p.Hp;
@@ -95,9 +99,9 @@ __global__ void __launch_bounds__(kCtaThreads, 1) bwd_fused_kernel(const __grid_
   };
   // after each walk: its global stores (the teacher rows) and shared-memory writes (generic and
   // async proxy) ordered before the other walk's loads overwrite or read them
-  auto walk_done = [] {
+  auto walk_done = [&] {
     ptx::fence_proxy_async_smem();
-    __syncthreads();
+    cta_sync();
   };
   uint32_t loads = 0;  // block loads so far (both barriers: one per segment); parity = the phase
   MainItem m;
