@@ -121,10 +121,18 @@ __device__ __forceinline__ void kl_produce(const Params& P, typename KlConfig<El
     const int st = state.index();
     if (tid < C::kTok) S.tok[st][tid] = next;
     if (c + 1 < nchunks) next = row_token(c + 1);
+#if FLASHMSA_BWD_GATHER_FROM_LIST  // (bwd_kernel.cuh): each thread reads its rows' tokens from the list
+    auto tok_of = [&](int r) -> int32_t {
+      const int li = c * C::kTok + r;
+      return li < count ? k.list[first + li] : -1;
+    };
+#else
     barrier_sync(NamedBarrier::kProducer, kWarpGroupThreads);
+    auto tok_of = [&](int r) { return S.tok[st][r]; };
+#endif
     for (int x = tid; x < C::kTok * 16; x += kWarpGroupThreads) {  // Qp rows, zero past the range
       const int r = x / 16, col = (x % 16) * 8;
-      const int32_t t = S.tok[st][r];
+      const int32_t t = tok_of(r);
       const int64_t tt = t >= 0 ? t : s0;
       ptx::cp_async_16(&sQp(r, col, st), qpptr + b * p.qp.batch_corr + tt * p.qp.tok + grp * p.qp.head + col,
                        t >= 0 ? 16 : 0);
@@ -136,7 +144,7 @@ __device__ __forceinline__ void kl_produce(const Params& P, typename KlConfig<El
       ptx::cp_async_16(&S.teach[st][r][col], src, valid ? 16 : 0);
     }
     if (tid < C::kTok) {
-      const int32_t t = S.tok[st][tid];
+      const int32_t t = tok_of(tid);
       ptx::cp_async_4(&S.plse[st][tid], p.plse.at(grp, t >= 0 ? t : s0), t >= 0 ? 4 : 0);
     }
     pipeline.producer_commit(state, cutlass::arch::cpasync_barrier_arrive);
