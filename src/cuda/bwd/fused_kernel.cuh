@@ -81,6 +81,9 @@ __global__ void __launch_bounds__(kCtaThreads, 1) bwd_fused_kernel(const __grid_
   auto cta_sync = [] { barrier_sync(NamedBarrier::kCta, kCtaThreads); };
   const bool producer = role_wg == 0;
   init_dq_writer(S.ms);
+#if FLASHMSA_KL_DQ_WRITER
+  init_dq_writer(S.ks);
+#endif
   PM pm = make_chunk_pipeline<PM>(S.ms.pipe, role_wg, F::CM::kProducers, F::CM::kConsumers, S.ms.kv_bar);
   PK pk = make_chunk_pipeline<PK>(S.ks.pipe, role_wg, F::CK::kProducers, F::CK::kConsumers, S.ks.kp_bar);
   float* const scratch = P.scratch + int64_t(blockIdx.x) * P.seg * kBlockKeys;
@@ -120,7 +123,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) bwd_fused_kernel(const __grid_
         const int count = min(P.seg, m.n - first);
         main_produce<Element>(P, S.u.m, pm, sm, S.ms, m, first, count);
         walk_done();
-        kl_produce<Element>(P, S.u.k, pk, sk, S.ks.kp_bar, k, first, count, scratch);
+        kl_produce<Element>(P, S.u.k, pk, sk, S.ks, k, first, count, scratch);
         walk_done();
       }
     }
@@ -136,7 +139,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) bwd_fused_kernel(const __grid_
       const int count = min(P.seg, m.n - first);
       main_consume<Element>(P, S.u.m, pm, sm, S.ms, loads & 1, m, count, scratch);
       walk_done();
-      kl_consume<Element>(P, S.u.k, pk, sk, S.ks.kp_bar, loads & 1, k, count, kl_sum);
+      kl_consume<Element>(P, S.u.k, pk, sk, S.ks, loads & 1, k, count, kl_sum);
       ++loads;
       walk_done();
     }

@@ -21,16 +21,29 @@
 #include "cuda/bwd/bwd.h"
 #include "cuda/bwd/bwd_common.cuh"
 #include "cuda/bwd/kl_rule.cuh"
+#if FLASHMSA_KL_DQ_WRITER
+#include "cuda/bwd/bwd_kernel.cuh"  // bulk_add_row, init_dq_writer
+#endif
 #include "cuda/ptx/cp_async.cuh"
 #include "cuda/ptx/order.cuh"
+
+// FLASHMSA_KL_DQ_WRITER (a build knob for measurements, default off; docs/kernels/bwd.md, "Session
+// 15"): the kl walk's dQp goes the main walk's way, a tile in shared memory that the producer
+// warpgroup's last warp has the TMA engine add row by row, instead of the consumers' float2
+// reductions. Non-deterministic mode only.
+#ifndef FLASHMSA_KL_DQ_WRITER
+#define FLASHMSA_KL_DQ_WRITER 0
+#endif
 
 namespace flashmsa::cuda::attn_bwd {
 
 template <class Element>
 struct KlConfig {
   static constexpr int kBlockN = kBlockKeys, kTok = 64, kHeadDim = kHeadDimInst, kTeachStride = 132;  // 132: no bank conflicts
+  static constexpr bool kDqWriter = FLASHMSA_KL_DQ_WRITER;
+  // with the dQp writer the producer warpgroup's last warp adds dQp instead of gathering rows
   static constexpr int kThreads = kCtaThreads, kStages = 2, kConsumers = kConsumerThreads,
-                       kProducers = kWarpGroupThreads;
+                       kProducers = kDqWriter ? kWarpGroupThreads - 32 : kWarpGroupThreads;
   using Pipeline = cutlass::PipelineAsync<kStages>;
   using Major = cute::GMMA::Major;
   // Kp (keys, dp), and its (dp, keys) view: the B operand of dQp = dz Kp
@@ -56,11 +69,18 @@ struct KlConfig {
     alignas(16) float teach[kStages][kTok][kTeachStride];
     float plse[kStages][kTok];
     int32_t tok[kStages][kTok];  // global token of each row; -1: past the list
+#if FLASHMSA_KL_DQ_WRITER
+    alignas(16) float dq[kTok][kTeachStride];  // the chunk's dQp tile (tokens x dp)
+    int64_t dq_row[kTok];                      // dqp_acc offset of each row; -1: nothing to add
+#endif
   };
   // the barriers (outside Smem: the fused kernel overlays the two walks' Smem)
   struct Sync {
     typename Pipeline::SharedStorage pipe;
     cutlass::arch::ClusterTransactionBarrier kp_bar;
+#if FLASHMSA_KL_DQ_WRITER
+    cutlass::arch::ClusterBarrier dq_full, dq_empty;  // the dQp tile written by the consumers / added
+#endif
   };
   static constexpr size_t kSmemBytes = sizeof(Smem) + sizeof(Sync) + 1024;
   static_assert(kSmemBytes <= kMaxSmemBytes, "shared-memory plan over the SM's 227 KB");
@@ -95,7 +115,7 @@ template <class Element, class Params>
 __device__ __forceinline__ void kl_produce(const Params& P, typename KlConfig<Element>::Smem& S_in,
                                            typename KlConfig<Element>::Pipeline& pipeline,
                                            cutlass::PipelineState<KlConfig<Element>::kStages>& state,
-                                           cutlass::arch::ClusterTransactionBarrier& kp_bar, const KlItem& k,
+                                           typename KlConfig<Element>::Sync& sync, const KlItem& k,
                                            int first, int count, const float* teach) {
   auto& S = opaque_ref(S_in);
   using namespace cute;
@@ -106,9 +126,31 @@ __device__ __forceinline__ void kl_produce(const Params& P, typename KlConfig<El
   const int nchunks = (count + C::kTok - 1) / C::kTok;
   Tensor sKp = make_tensor(make_smem_ptr(S.kp.data()), typename C::SmemLayoutKp{});
   Tensor sQp = make_tensor(make_smem_ptr(S.qp.data()), typename C::SmemLayoutQp{});
+#if FLASHMSA_KL_DQ_WRITER
+  if (tid >= C::kProducers) {  // the dQp writer warp (as main_produce's dQ writer)
+    if (Params::kDetMode || !P.grads) return;
+    const int lane = tid % 32;
+    for (int c = 0; c < nchunks; ++c) {
+      sync.dq_full.wait(state.count() & 1);
+      if (lane == 0) {
+        for (int r = 0; r < C::kTok; ++r) {
+          const int64_t off = S.dq_row[r];
+          if (off >= 0) bulk_add_row(p.dqp_acc + off, &S.dq[r][0], C::kHeadDim * sizeof(float));
+        }
+        asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+        asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+      }
+      __syncwarp();
+      sync.dq_empty.arrive();
+      ++state;
+    }
+    if (lane == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+    return;
+  }
+#endif
   if (tid == 0) {  // Kp_j, by TMA
-    kp_bar.arrive_and_expect_tx(C::kBlockN * C::kHeadDim * sizeof(Element));
-    tma_load_block(P.tma_kp, P.tma_shape_kp, k.pk, b, s0, P.batched, k.j, sKp, kp_bar);
+    sync.kp_bar.arrive_and_expect_tx(C::kBlockN * C::kHeadDim * sizeof(Element));
+    tma_load_block(P.tma_kp, P.tma_shape_kp, k.pk, b, s0, P.batched, k.j, sKp, sync.kp_bar);
   }
   const Element* qpptr = static_cast<const Element*>(p.qp.ptr);
   auto row_token = [&](int c) -> int32_t {  // token of row `tid` of chunk c (threads < 64)
@@ -127,17 +169,17 @@ __device__ __forceinline__ void kl_produce(const Params& P, typename KlConfig<El
       return li < count ? k.list[first + li] : -1;
     };
 #else
-    barrier_sync(NamedBarrier::kProducer, kWarpGroupThreads);
+    barrier_sync(C::kDqWriter ? NamedBarrier::kGatherers : NamedBarrier::kProducer, C::kProducers);
     auto tok_of = [&](int r) { return S.tok[st][r]; };
 #endif
-    for (int x = tid; x < C::kTok * 16; x += kWarpGroupThreads) {  // Qp rows, zero past the range
+    for (int x = tid; x < C::kTok * 16; x += C::kProducers) {  // Qp rows, zero past the range
       const int r = x / 16, col = (x % 16) * 8;
       const int32_t t = tok_of(r);
       const int64_t tt = t >= 0 ? t : s0;
       ptx::cp_async_16(&sQp(r, col, st), qpptr + b * p.qp.batch_corr + tt * p.qp.tok + grp * p.qp.head + col,
                        t >= 0 ? 16 : 0);
     }
-    for (int x = tid; x < C::kTok * 32; x += kWarpGroupThreads) {  // teacher rows (contiguous entries)
+    for (int x = tid; x < C::kTok * 32; x += C::kProducers) {  // teacher rows (contiguous entries)
       const int r = x / 32, col = (x % 32) * 4;
       const bool valid = c * C::kTok + r < count;
       const float* src = teach + (valid ? int64_t(c) * C::kTok + r : 0) * C::kBlockN + col;
@@ -159,7 +201,7 @@ template <class Element, class Params>
 __device__ __forceinline__ void kl_consume(const Params& P, typename KlConfig<Element>::Smem& S_in,
                                            typename KlConfig<Element>::Pipeline& pipeline,
                                            cutlass::PipelineState<KlConfig<Element>::kStages>& state,
-                                           cutlass::arch::ClusterTransactionBarrier& kp_bar, uint32_t kp_phase,
+                                           typename KlConfig<Element>::Sync& sync, uint32_t kp_phase,
                                            const KlItem& k, int count, float& kl_sum) {
   auto& S = opaque_ref(S_in);
   using namespace cute;
@@ -212,7 +254,7 @@ __device__ __forceinline__ void kl_consume(const Params& P, typename KlConfig<El
   const int key0 = get<0>(cZ(0)), row0 = get<1>(cZ(0));
   if (get<0>(cZ(2)) != key0 + 8 || get<1>(cZ(5)) != row0 + 9) __trap();
   const int kpos0 = int(key_base) + key0;  // in-sequence position of this thread's first key
-  kp_bar.wait(kp_phase);
+  sync.kp_bar.wait(kp_phase);
 
   for (int c = 0; c < nchunks; ++c) {
     pipeline.consumer_wait(state);  // (no proxy fence: see bwd_kernel.cuh)
@@ -267,10 +309,23 @@ __device__ __forceinline__ void kl_consume(const Params& P, typename KlConfig<El
           add_fixed(p.dqp_fix + quad + dA, A, unit, bad);
           add_fixed(p.dqp_fix + quad + dB, B, unit, bad);
         } else {
+#if FLASHMSA_KL_DQ_WRITER
+          if (x == 0 && state.count() > 0) sync.dq_empty.wait((state.count() - 1) & 1);  // the tile is free
+          *reinterpret_cast<float2*>(&S.dq[r][d]) = make_float2(accdQp(x), accdQp(x + 1));
+          if (w == 0 && (wtid & 3) == 0 && get<1>(cQp(x)) == get<1>(cQp(0)))  // each row's offset, once
+            S.dq_row[r] = t < 0 ? int64_t(-1) : at - d;
+#else
           if (t < 0) continue;
           atomicAdd(reinterpret_cast<float2*>(p.dqp_acc + at), make_float2(accdQp(x), accdQp(x + 1)));
+#endif
         }
       }
+#if FLASHMSA_KL_DQ_WRITER
+      if constexpr (!kDet) {
+        ptx::fence_proxy_async_smem();  // the tile is read by the TMA engine (async proxy)
+        sync.dq_full.arrive();
+      }
+#endif
       // dz^T is rewritten next chunk: both warpgroups must be past their dQp GEMM
       barrier_sync(NamedBarrier::kConsumers, kConsumerThreads);
     }
