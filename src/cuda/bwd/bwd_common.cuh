@@ -1,7 +1,7 @@
 // Device pieces shared by the backward's wgmma kernels (main walk: bwd_kernel.cuh, kl walk:
 // kl_kernel.cuh, recomputing proxy: proxy_kernel.cuh): the resident key block's layout and TMA
 // load, the chunk pipeline, the CTA's coordinates over (key block, unit), deterministic turns,
-// the key-side gradient adds and the kl partials.
+// the dQ writer's bulk row add, the key-side gradient adds and the kl partials.
 #pragma once
 
 #include <cutlass/arch/barrier.h>
@@ -33,6 +33,25 @@ __device__ __forceinline__ int opaque_tid() {
   int t = int(threadIdx.x);
   asm volatile("" : "+r"(t));
   return t;
+}
+
+// The dQ writer's add of one row: the TMA engine reads the row from shared memory and adds it to
+// global memory (PTX ISA: cp.reduce.async.bulk, bulk_group); the tile is reused after the engine
+// has read it (cp.async.bulk.wait_group.read).
+__device__ __forceinline__ void bulk_add_row(float* gdst, const float* ssrc, uint32_t bytes) {
+  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(ssrc));
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(gdst), "r"(s),
+               "r"(bytes)
+               : "memory");
+}
+// The dQ writer's barriers (Sync: dq_full, dq_empty), before make_chunk_pipeline (its fence and
+// CTA barrier publish the initialisation)
+template <class Sync>
+__device__ __forceinline__ void init_dq_writer(Sync& s) {
+  if (threadIdx.x == 0) {
+    s.dq_full.init(kConsumerThreads);
+    s.dq_empty.init(32);
+  }
 }
 
 // A resident key block (128 keys x 128 dims, dims contiguous) in shared memory: K_j, V_j, Kp_j.

@@ -107,24 +107,6 @@ struct MainConfig {
   static_assert(kSmemBytes <= kMaxSmemBytes, "shared-memory plan over the SM's 227 KB");
 };
 
-// The dQ writer's add of one row: the TMA engine reads the row from shared memory and adds it to
-// global memory (PTX ISA: cp.reduce.async.bulk, bulk_group); the tile is reused after the engine
-// has read it (cp.async.bulk.wait_group.read).
-__device__ __forceinline__ void bulk_add_row(float* gdst, const float* ssrc, uint32_t bytes) {
-  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(ssrc));
-  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(gdst), "r"(s),
-               "r"(bytes)
-               : "memory");
-}
-// before make_chunk_pipeline (its fence and CTA barrier publish the initialisation)
-template <class Sync>
-__device__ __forceinline__ void init_dq_writer(Sync& s) {
-  if (threadIdx.x == 0) {
-    s.dq_full.init(kConsumerThreads);
-    s.dq_empty.init(32);
-  }
-}
-
 // The kernel's parameters: the dispatcher's plain arguments plus the TMA descriptors of K_j, V_j;
 // kDetMode: the deterministic instantiation.
 template <class Element, bool kDet = false>

@@ -21,16 +21,15 @@
 #include "cuda/bwd/bwd.h"
 #include "cuda/bwd/bwd_common.cuh"
 #include "cuda/bwd/kl_rule.cuh"
-#if FLASHMSA_KL_DQ_WRITER
-#include "cuda/bwd/bwd_kernel.cuh"  // bulk_add_row, init_dq_writer
-#endif
 #include "cuda/ptx/cp_async.cuh"
 #include "cuda/ptx/order.cuh"
 
 // FLASHMSA_KL_DQ_WRITER (a build knob for measurements, default off; docs/kernels/bwd.md, "Session
 // 15"): the kl walk's dQp goes the main walk's way, a tile in shared memory that the producer
 // warpgroup's last warp has the TMA engine add row by row, instead of the consumers' float2
-// reductions. Non-deterministic mode only.
+// reductions. Non-deterministic mode only. Its writer loop mirrors main_produce's; the two become
+// one helper if the knob ships (as a helper the main kernel's SASS changes: the row loop unrolls
+// 4x instead of 64x and the registers are allocated anew, which wants a GPU run first).
 #ifndef FLASHMSA_KL_DQ_WRITER
 #define FLASHMSA_KL_DQ_WRITER 0
 #endif

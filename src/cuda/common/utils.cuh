@@ -87,8 +87,8 @@ enum class NamedBarrier : int {
   kConsumerWg1,  // consumer warpgroup 1 alone
   kConsumers,    // both consumer warpgroups (kConsumerThreads): staged tiles they share
   kProducer,     // the producer warpgroup (kWarpGroupThreads): its gathered row ids
-  kGatherers,    // the backward main walk's gathering producer warps (its dQ writer warp apart)
-  kCta,          // every thread of the CTA, reached from the roles' own code (kCtaThreads; see below)
+  kGatherers,    // the backward walks' gathering producer warps (the dQ writer warp apart)
+  kCta,          // every thread of the CTA, reached from each role's own code (bwd/fused_kernel.cuh)
 };
 static_assert(int(NamedBarrier::kCta) < 16, "sm_90 has 16 named barriers");
 // The barrier of consumer warpgroup w (0 or 1) alone.
