@@ -4,7 +4,9 @@
 The default (non-deterministic, kDet = false) backward kernels must add their gradients with
 REDG (a reduction that does not wait for a reply), never ATOMG; the main and fused kernels add dQ
 through their dQ writer warp's bulk reductions (cp.reduce.async.bulk: UBLKRED ... ADD.F32, the
-TMA engine adding a row of the shared-memory dQ tile), which must be there. The deterministic main and kl
+TMA engine adding a row of the shared-memory dQ tile), which must be there; the fused kernel's kl
+walk adds its dQp the same way, so the fused kernel holds at least twice the main kernel's bulk adds
+(two writer loops). The deterministic main and kl
 kernels (kDet = true) add 64-bit fixed-point integers (bwd_params.cuh), whose sum does not depend
 on the order: they must hold 64-bit REDG adds, and no GPU-scope fence and no ATOMG. The
 deterministic recomputing proxy kernel (DENSE mode) orders fp32 adds by turn counters and must
@@ -89,6 +91,7 @@ def main(argv: list[str]) -> int:
         return 2
     seen = {(k, det): 0 for k in KERNELS for det in (0, 1)}
     failures, wgmma_kernels = [], 0
+    bulk_default = {}  # (kernel, element type) -> bulk fp32 adds of the default instantiation
     for obj in argv:
         if not obj.endswith(".cu.o"):
             continue
@@ -117,6 +120,8 @@ def main(argv: list[str]) -> int:
             if det == 0 and (atomics or not reds or fixed):
                 failures.append(f"{kname}: {atomics} ATOMG/ATOM, {reds} REDG, {fixed} 64-bit (the default kernel "
                                 f"must add fp32 with REDG only)")
+            if det == 0 and kernel in FIXED_KERNELS:
+                bulk_default[(kernel, "half" if "half_t" in kname else "bfloat16")] = (bulk, kname)
             if kernel in FIXED_KERNELS and (det == 0) != (bulk > 0):
                 failures.append(f"{kname}: {bulk} bulk fp32 adds (the default kernel's dQ writer must add the dQ "
                                 f"tile with cp.reduce.async.bulk, the deterministic kernel not at all)")
@@ -125,6 +130,12 @@ def main(argv: list[str]) -> int:
                                 f"fixed-point deterministic kernel must add 64-bit integers with REDG, fence-free)")
             if det == 1 and kernel not in FIXED_KERNELS and not fences:
                 failures.append(f"{kname}: no GPU-scope fence (is the deterministic code compiled in?)")
+    # the fused kernel's two walks each have a dQ writer loop (main: dQ, kl: dQp)
+    for (kernel, elem), (bulk, kname) in bulk_default.items():
+        main = bulk_default.get(("bwd_main_kernel", elem))
+        if kernel == "bwd_fused_kernel" and main and bulk < 2 * main[0]:
+            failures.append(f"{kname}: {bulk} bulk fp32 adds, the main kernel {main[0]} (the fused kernel's main "
+                            f"and kl walks must both add through a dQ writer: at least twice as many)")
     for (kernel, det), n in seen.items():
         if n != KERNELS[kernel]:
             failures.append(f"{kernel} kDet={det}: {n} instantiations found, expected {KERNELS[kernel]}")

@@ -13,6 +13,17 @@
 #include "cuda/ptx/cp_async.cuh"
 #include "cuda/ptx/order.cuh"
 
+// FLASHMSA_BWD_SLOT_MBARRIER (a build knob for measurements, default off; docs/kernels/bwd.md,
+// "Session 16"): the gathering warps learn that the chunk's token slots are written from a
+// per-stage mbarrier (warps 0-1 arrive, the three gathering warps wait) instead of the named
+// barrier kGatherers, in the main and the kl walk. compute-sanitizer racecheck reports hazards
+// when the producer warps have executed different named-barrier sequences (the writer warp takes
+// no part in the gathers); with no named barrier left in the producer's chunk loop it has none.
+// Measured in session 16: racecheck clean, the backward 1-1.5% slower (m3 32k, fmsa 16k).
+#ifndef FLASHMSA_BWD_SLOT_MBARRIER
+#define FLASHMSA_BWD_SLOT_MBARRIER 0
+#endif
+
 namespace flashmsa::cuda::attn_bwd {
 
 // The same object, through a reference the compiler cannot see through: what is derived from it
@@ -46,11 +57,23 @@ __device__ __forceinline__ void bulk_add_row(float* gdst, const float* ssrc, uin
 }
 // The dQ writer's barriers (Sync: dq_full, dq_empty), before make_chunk_pipeline (its fence and
 // CTA barrier publish the initialisation)
+// (FLASHMSA_BWD_SLOT_MBARRIER: and the slot barriers)
+constexpr int kSlotWriters = 64;  // producer threads 0..63 write a chunk's token slots (at most 64)
+// The slot writers' hand-off of a chunk's token slots (FLASHMSA_BWD_SLOT_MBARRIER): each writer
+// thread arrives (one elected lane per warp after __syncwarp is as fast at m3 and racecheck then
+// reports the slots: docs/kernels/bwd.md, "Session 16")
+template <class Barrier>
+__device__ __forceinline__ void slot_arrive(Barrier& b, int tid) {
+  if (tid < kSlotWriters) b.arrive();
+}
 template <class Sync>
 __device__ __forceinline__ void init_dq_writer(Sync& s) {
   if (threadIdx.x == 0) {
     s.dq_full.init(kConsumerThreads);
     s.dq_empty.init(32);
+#if FLASHMSA_BWD_SLOT_MBARRIER
+    for (auto& b : s.slot_ready) b.init(kSlotWriters);
+#endif
   }
 }
 

@@ -41,15 +41,6 @@
 // row (cp.reduce.async.bulk), so no consumer waits for its reductions to drain; the tile takes the
 // room of a third pipeline stage (two stages: session 11 measured the third worth nothing). The
 // deterministic mode keeps its fixed-point adds in the consumers.
-// FLASHMSA_BWD_GATHER_FROM_LIST (a build knob for measurements, default off; docs/kernels/bwd.md,
-// "Session 15"): the gathering producer threads read each row's token from the inverted list
-// (L1-cached global loads) instead of from the chunk's token slots in shared memory, so the main
-// and kl walks' producers need no named barrier per chunk (the slots are still stored for the
-// consumers). compute-sanitizer racecheck reports hazards on those slots when the producer warps
-// have executed different barrier sequences (the dQ writer warp takes no part in the gathers).
-#ifndef FLASHMSA_BWD_GATHER_FROM_LIST
-#define FLASHMSA_BWD_GATHER_FROM_LIST 0
-#endif
 
 namespace flashmsa::cuda::attn_bwd {
 
@@ -98,6 +89,9 @@ struct MainConfig {
     typename Pipeline::SharedStorage pipe;
     cutlass::arch::ClusterTransactionBarrier kv_bar;
     cutlass::arch::ClusterBarrier dq_full, dq_empty;  // the dQ tile written by the consumers / added
+#if FLASHMSA_BWD_SLOT_MBARRIER
+    cutlass::arch::ClusterBarrier slot_ready[kStages];  // the stage's token slots written (warps 0-1)
+#endif
   };
   struct Plan {
     Smem d;
@@ -281,16 +275,13 @@ __device__ __forceinline__ void main_produce(const Params& P, typename MainConfi
     const int st = state.index();
     if (tid < NTc) S.slot[st][tid] = next;
     if (c + 1 < nchunks) next = slot_token(c + 1);  // in flight meanwhile
-#if FLASHMSA_BWD_GATHER_FROM_LIST
-    auto row_slot = [&](int r) -> int32_t {  // token of row r's slot, from the list
-      const int li = c * NTc + (r >> lrp);
-      if (li >= count) return -1;
-      return p.dense ? int32_t(m.dense_first + first + li) : m.list[first + li];
-    };
+#if FLASHMSA_BWD_SLOT_MBARRIER
+    slot_arrive(sync.slot_ready[st], tid);
+    sync.slot_ready[st].wait((state.count() / C::kStages) & 1);  // this stage's use count's parity
 #else
     barrier_sync(NamedBarrier::kGatherers, C::kProducers);
-    auto row_slot = [&](int r) { return S.slot[st][r >> lrp]; };
 #endif
+    auto row_slot = [&](int r) { return S.slot[st][r >> lrp]; };
     // rows of this chunk: row r = slot r / Rp, head h0 + r % Rp (padding heads >= R: zero rows)
     for (int x = tid; x < C::kRows * 16; x += C::kProducers) {
       const int r = x / 16, col = (x % 16) * 8;

@@ -24,25 +24,16 @@
 #include "cuda/ptx/cp_async.cuh"
 #include "cuda/ptx/order.cuh"
 
-// FLASHMSA_KL_DQ_WRITER (a build knob for measurements, default off; docs/kernels/bwd.md, "Session
-// 15"): the kl walk's dQp goes the main walk's way, a tile in shared memory that the producer
-// warpgroup's last warp has the TMA engine add row by row, instead of the consumers' float2
-// reductions. Non-deterministic mode only. Its writer loop mirrors main_produce's; the two become
-// one helper if the knob ships (as a helper the main kernel's SASS changes: the row loop unrolls
-// 4x instead of 64x and the registers are allocated anew, which wants a GPU run first).
-#ifndef FLASHMSA_KL_DQ_WRITER
-#define FLASHMSA_KL_DQ_WRITER 0
-#endif
 
 namespace flashmsa::cuda::attn_bwd {
 
 template <class Element>
 struct KlConfig {
   static constexpr int kBlockN = kBlockKeys, kTok = 64, kHeadDim = kHeadDimInst, kTeachStride = 132;  // 132: no bank conflicts
-  static constexpr bool kDqWriter = FLASHMSA_KL_DQ_WRITER;
-  // with the dQp writer the producer warpgroup's last warp adds dQp instead of gathering rows
+  // the producer warpgroup's last warp is the dQp writer (as the main walk's dQ writer); the other
+  // three gather the rows
   static constexpr int kThreads = kCtaThreads, kStages = 2, kConsumers = kConsumerThreads,
-                       kProducers = kDqWriter ? kWarpGroupThreads - 32 : kWarpGroupThreads;
+                       kProducers = kWarpGroupThreads - 32;
   using Pipeline = cutlass::PipelineAsync<kStages>;
   using Major = cute::GMMA::Major;
   // Kp (keys, dp), and its (dp, keys) view: the B operand of dQp = dz Kp
@@ -68,21 +59,21 @@ struct KlConfig {
     alignas(16) float teach[kStages][kTok][kTeachStride];
     float plse[kStages][kTok];
     int32_t tok[kStages][kTok];  // global token of each row; -1: past the list
-#if FLASHMSA_KL_DQ_WRITER
     alignas(16) float dq[kTok][kTeachStride];  // the chunk's dQp tile (tokens x dp)
     int64_t dq_row[kTok];                      // dqp_acc offset of each row; -1: nothing to add
-#endif
   };
   // the barriers (outside Smem: the fused kernel overlays the two walks' Smem)
   struct Sync {
     typename Pipeline::SharedStorage pipe;
     cutlass::arch::ClusterTransactionBarrier kp_bar;
-#if FLASHMSA_KL_DQ_WRITER
     cutlass::arch::ClusterBarrier dq_full, dq_empty;  // the dQp tile written by the consumers / added
+#if FLASHMSA_BWD_SLOT_MBARRIER
+    cutlass::arch::ClusterBarrier slot_ready[kStages];  // the stage's row tokens written (warps 0-1)
 #endif
   };
   static constexpr size_t kSmemBytes = sizeof(Smem) + sizeof(Sync) + 1024;
   static_assert(kSmemBytes <= kMaxSmemBytes, "shared-memory plan over the SM's 227 KB");
+  static_assert(kTok == kSlotWriters, "threads 0..kTok-1 write the row tokens and arrive on slot_ready");
 };
 
 // A kl-walk item: key block j of sequence b (global block gb) x proxy head grp, and its list.
@@ -125,8 +116,7 @@ __device__ __forceinline__ void kl_produce(const Params& P, typename KlConfig<El
   const int nchunks = (count + C::kTok - 1) / C::kTok;
   Tensor sKp = make_tensor(make_smem_ptr(S.kp.data()), typename C::SmemLayoutKp{});
   Tensor sQp = make_tensor(make_smem_ptr(S.qp.data()), typename C::SmemLayoutQp{});
-#if FLASHMSA_KL_DQ_WRITER
-  if (tid >= C::kProducers) {  // the dQp writer warp (as main_produce's dQ writer)
+  if (tid >= C::kProducers) {  // the dQp writer warp (main_produce's dQ writer loop, twin of it)
     if (Params::kDetMode || !P.grads) return;
     const int lane = tid % 32;
     for (int c = 0; c < nchunks; ++c) {
@@ -146,7 +136,6 @@ __device__ __forceinline__ void kl_produce(const Params& P, typename KlConfig<El
     if (lane == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
     return;
   }
-#endif
   if (tid == 0) {  // Kp_j, by TMA
     sync.kp_bar.arrive_and_expect_tx(C::kBlockN * C::kHeadDim * sizeof(Element));
     tma_load_block(P.tma_kp, P.tma_shape_kp, k.pk, b, s0, P.batched, k.j, sKp, sync.kp_bar);
@@ -162,15 +151,13 @@ __device__ __forceinline__ void kl_produce(const Params& P, typename KlConfig<El
     const int st = state.index();
     if (tid < C::kTok) S.tok[st][tid] = next;
     if (c + 1 < nchunks) next = row_token(c + 1);
-#if FLASHMSA_BWD_GATHER_FROM_LIST  // (bwd_kernel.cuh): each thread reads its rows' tokens from the list
-    auto tok_of = [&](int r) -> int32_t {
-      const int li = c * C::kTok + r;
-      return li < count ? k.list[first + li] : -1;
-    };
+#if FLASHMSA_BWD_SLOT_MBARRIER  // (bwd_common.cuh)
+    slot_arrive(sync.slot_ready[st], tid);
+    sync.slot_ready[st].wait((state.count() / C::kStages) & 1);
 #else
-    barrier_sync(C::kDqWriter ? NamedBarrier::kGatherers : NamedBarrier::kProducer, C::kProducers);
-    auto tok_of = [&](int r) { return S.tok[st][r]; };
+    barrier_sync(NamedBarrier::kGatherers, C::kProducers);
 #endif
+    auto tok_of = [&](int r) { return S.tok[st][r]; };
     for (int x = tid; x < C::kTok * 16; x += C::kProducers) {  // Qp rows, zero past the range
       const int r = x / 16, col = (x % 16) * 8;
       const int32_t t = tok_of(r);
@@ -308,23 +295,16 @@ __device__ __forceinline__ void kl_consume(const Params& P, typename KlConfig<El
           add_fixed(p.dqp_fix + quad + dA, A, unit, bad);
           add_fixed(p.dqp_fix + quad + dB, B, unit, bad);
         } else {
-#if FLASHMSA_KL_DQ_WRITER
           if (x == 0 && state.count() > 0) sync.dq_empty.wait((state.count() - 1) & 1);  // the tile is free
           *reinterpret_cast<float2*>(&S.dq[r][d]) = make_float2(accdQp(x), accdQp(x + 1));
           if (w == 0 && (wtid & 3) == 0 && get<1>(cQp(x)) == get<1>(cQp(0)))  // each row's offset, once
             S.dq_row[r] = t < 0 ? int64_t(-1) : at - d;
-#else
-          if (t < 0) continue;
-          atomicAdd(reinterpret_cast<float2*>(p.dqp_acc + at), make_float2(accdQp(x), accdQp(x + 1)));
-#endif
         }
       }
-#if FLASHMSA_KL_DQ_WRITER
       if constexpr (!kDet) {
         ptx::fence_proxy_async_smem();  // the tile is read by the TMA engine (async proxy)
         sync.dq_full.arrive();
       }
-#endif
       // dz^T is rewritten next chunk: both warpgroups must be past their dQp GEMM
       barrier_sync(NamedBarrier::kConsumers, kConsumerThreads);
     }

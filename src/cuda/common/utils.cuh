@@ -86,7 +86,6 @@ enum class NamedBarrier : int {
   kConsumerWg0 = int(cutlass::arch::ReservedNamedBarriers::FirstUserBarrier),  // consumer warpgroup 0 alone
   kConsumerWg1,  // consumer warpgroup 1 alone
   kConsumers,    // both consumer warpgroups (kConsumerThreads): staged tiles they share
-  kProducer,     // the producer warpgroup (kWarpGroupThreads): its gathered row ids
   kGatherers,    // the backward walks' gathering producer warps (the dQ writer warp apart)
   kCta,          // every thread of the CTA, reached from each role's own code (bwd/fused_kernel.cuh)
 };
