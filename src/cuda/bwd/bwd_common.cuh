@@ -23,6 +23,27 @@
 #ifndef FLASHMSA_BWD_SLOT_MBARRIER
 #define FLASHMSA_BWD_SLOT_MBARRIER 0
 #endif
+// FLASHMSA_BWD_SLOT_SHFL (a build knob for measurements, default off; takes precedence over the
+// above): no hand-off at all. Every gathering warp loads the chunk's (at most 64) slot tokens
+// itself, two per lane (slots lane and lane + 32, coalesced, one chunk ahead like the slot
+// writers' load), and each gathering thread takes its rows' tokens by __shfl_sync; warps 0-1
+// still store the slots for the consumers. No barrier in the producers' chunk loops (racecheck's
+// condition) and, unlike session 15's gathers from the list, no global load per gathered row.
+#ifndef FLASHMSA_BWD_SLOT_SHFL
+#define FLASHMSA_BWD_SLOT_SHFL 0
+#endif
+// FLASHMSA_BWD_DQ_PARTIAL (a build knob for measurements, default off; docs/kernels/bwd.md,
+// "Session 16"): in the main walk's default (non-deterministic) mode each consumer warpgroup
+// computes the partial dQ of its own 64 keys over all 128 dims (dS_w K_w: 64 x 128 x 64) instead
+// of its 64-dim half over all 128 keys, so neither waits for the other's dS^T half: no
+// cross-warpgroup barrier per chunk. Warpgroup 0 stores its partial into the dQ tile and
+// bar.arrives; warpgroup 1 bar.syncs, adds its own, and hands the tile to the writer warp.
+// FLASHMSA_BWD_DQ_PARTIAL=2: and the two warpgroups take turns to issue their GEMMs
+// (FlashAttention-3's ping-pong: each waits for its turn, issues, gives the other its turn), so
+// that one's exp math runs under the other's GEMMs.
+#ifndef FLASHMSA_BWD_DQ_PARTIAL
+#define FLASHMSA_BWD_DQ_PARTIAL 0
+#endif
 
 namespace flashmsa::cuda::attn_bwd {
 
@@ -66,10 +87,12 @@ template <class Barrier>
 __device__ __forceinline__ void slot_arrive(Barrier& b, int tid) {
   if (tid < kSlotWriters) b.arrive();
 }
+// full_arrivals: the consumer threads that hand each tile over (both warpgroups; the main walk's
+// partial dQ: warpgroup 1 alone)
 template <class Sync>
-__device__ __forceinline__ void init_dq_writer(Sync& s) {
+__device__ __forceinline__ void init_dq_writer(Sync& s, int full_arrivals = kConsumerThreads) {
   if (threadIdx.x == 0) {
-    s.dq_full.init(kConsumerThreads);
+    s.dq_full.init(full_arrivals);
     s.dq_empty.init(32);
 #if FLASHMSA_BWD_SLOT_MBARRIER
     for (auto& b : s.slot_ready) b.init(kSlotWriters);

@@ -67,6 +67,9 @@ struct MainConfig {
   using MmadKV = RsMma<Element, 64, kHeadDim, kRows, Major::K, Major::MN>;
   // dQ = dS K: (64 rows) x (64 d, one half per warpgroup) x (128 keys)
   using MmadQ = SsMma<Element, 64, 64, kBlockN, Major::MN, Major::MN>;
+  // FLASHMSA_BWD_DQ_PARTIAL: dQ_w = dS_w K_w: (64 rows) x (128 d) x (64 keys of warpgroup w)
+  using MmadQw = SsMma<Element, 64, kHeadDim, 64, Major::MN, Major::MN>;
+  static constexpr int kDqFullArrivals = FLASHMSA_BWD_DQ_PARTIAL ? kWarpGroupThreads : kConsumerThreads;
 
   struct Smem {
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>, 1024> k;
@@ -263,25 +266,52 @@ __device__ __forceinline__ void main_produce(const Params& P, typename MainConfi
   const Element* doptr = static_cast<const Element*>(p.dout.ptr);
   const int64_t pad0 = padded_offset(s0, b, kPadTile) - s0;  // padded index = pad0 + global token
   const int R = p.R, lrp = P.log_rp, rmask = P.Rp - 1, h0 = m.h0;
+#if !FLASHMSA_BWD_SLOT_SHFL
   // token of slot `tid` of chunk c (threads < NTc), -1 past the range
   auto slot_token = [&](int c) -> int32_t {
     const int li = c * NTc + tid;
     if (tid >= NTc || li >= count) return -1;
     return p.dense ? int32_t(m.dense_first + first + li) : m.list[first + li];
   };
+#endif
+#if FLASHMSA_BWD_SLOT_SHFL
+  // tokens of slots `lane` and `lane + 32` of chunk c, in every gathering warp
+  const int lane = tid % 32;
+  auto slot_of = [&](int c, int s) -> int32_t {
+    const int li = c * NTc + s;
+    if (s >= NTc || li >= count) return -1;
+    return p.dense ? int32_t(m.dense_first + first + li) : m.list[first + li];
+  };
+  int32_t next_a = slot_of(0, lane), next_b = slot_of(0, lane + 32);
+#else
   int32_t next = slot_token(0);
+#endif
   for (int c = 0; c < nchunks; ++c) {
     pipeline.producer_acquire(state);
     const int st = state.index();
+#if FLASHMSA_BWD_SLOT_SHFL
+    const int32_t cur_a = next_a, cur_b = next_b;
+    if (tid < NTc) S.slot[st][tid] = tid < 32 ? cur_a : cur_b;  // for the consumers (warp 0: slots 0-31, warp 1: 32-63)
+    if (c + 1 < nchunks) next_a = slot_of(c + 1, lane), next_b = slot_of(c + 1, lane + 32);  // in flight meanwhile
+    auto row_slot = [&](int r) {  // (called by whole warps)
+      const int s = r >> lrp;
+      const int32_t a = __shfl_sync(0xffffffffu, cur_a, s & 31), bb = __shfl_sync(0xffffffffu, cur_b, s & 31);
+      return s < 32 ? a : bb;
+    };
+#else
     if (tid < NTc) S.slot[st][tid] = next;
     if (c + 1 < nchunks) next = slot_token(c + 1);  // in flight meanwhile
-#if FLASHMSA_BWD_SLOT_MBARRIER
+#endif
+#if FLASHMSA_BWD_SLOT_SHFL
+#elif FLASHMSA_BWD_SLOT_MBARRIER
     slot_arrive(sync.slot_ready[st], tid);
     sync.slot_ready[st].wait((state.count() / C::kStages) & 1);  // this stage's use count's parity
 #else
     barrier_sync(NamedBarrier::kGatherers, C::kProducers);
 #endif
+#if !FLASHMSA_BWD_SLOT_SHFL
     auto row_slot = [&](int r) { return S.slot[st][r >> lrp]; };
+#endif
     // rows of this chunk: row r = slot r / Rp, head h0 + r % Rp (padding heads >= R: zero rows)
     for (int x = tid; x < C::kRows * 16; x += C::kProducers) {
       const int r = x / 16, col = (x % 16) * 8;
@@ -361,6 +391,32 @@ __device__ __forceinline__ void main_consume(const Params& P, typename MainConfi
   Tensor tQrdS = thr_dq.partition_fragment_A(sdSt);   // (MMA, M=rows, K=keys, buf)
   Tensor sKtw = local_tile(sKt, Shape<_64, Int<C::kBlockN>>{}, make_coord(w, _0{}));  // d half w
   Tensor tQrK = thr_dq.partition_fragment_B(sKtw);
+  // FLASHMSA_BWD_DQ_PARTIAL (default mode): dQ_w over this warpgroup's 64 keys, all 128 dims
+  constexpr bool kPartialDq = FLASHMSA_BWD_DQ_PARTIAL && !kDet;
+  constexpr bool kPingPong = FLASHMSA_BWD_DQ_PARTIAL == 2 && !kDet;
+  // ping-pong: a GEMM issue waits for this warpgroup's turn and then gives the other its turn.
+  // Per range warpgroup 1 gives warpgroup 0 the first turn and warpgroup 0 takes the last one
+  // back at the end, so both barriers are balanced at every range's end.
+  auto turn_begin = [&] {
+    if constexpr (kPingPong) barrier_sync(w == 0 ? NamedBarrier::kTurn0 : NamedBarrier::kTurn1, kConsumerThreads);
+  };
+  auto turn_end = [&] {
+    if constexpr (kPingPong) barrier_arrive(w == 0 ? NamedBarrier::kTurn1 : NamedBarrier::kTurn0, kConsumerThreads);
+  };
+  // a GEMM issued in this warpgroup's turn and waited for
+  auto turn_gemm = [&](auto& mma, auto const& a, auto const& b, auto& acc) {
+    turn_begin();
+    wg_gemm_issue<true>(mma, a, b, acc);
+    turn_end();
+    warpgroup_wait<0>();
+    wg_gemm_done(mma, a, acc);
+  };
+  typename C::MmadQw mma_dqw;
+  auto thr_dqw = mma_dqw.get_thread_slice(wtid);
+  Tensor tQwrdS = thr_dqw.partition_fragment_A(
+      local_tile(sdSt, Shape<Int<C::kRows>, _64, Int<2>>{}, make_coord(_0{}, w, _0{})));  // (MMA, rows, keys of w, buf)
+  Tensor tQwrK = thr_dqw.partition_fragment_B(
+      local_tile(sKt, Shape<Int<C::kHeadDim>, _64>{}, make_coord(_0{}, w)));  // (MMA, d, keys of w)
 
   // dS^T to shared memory with stmatrix (8x8 tiles, 16 bytes per lane and instruction); the
   // element-wise store it replaces compiled to 32 generic 2-byte stores and ~220 address
@@ -372,10 +428,12 @@ __device__ __forceinline__ void main_consume(const Params& P, typename MainConfi
   Tensor accdV = partition_fragment_C(mma_dkv, Shape<_64, Int<C::kHeadDim>>{});
   Tensor accdK = partition_fragment_C(mma_dkv, Shape<_64, Int<C::kHeadDim>>{});
   Tensor accdQ = partition_fragment_C(mma_dq, Shape<_64, _64>{});
+  Tensor accdQw = partition_fragment_C(mma_dqw, Shape<_64, Int<C::kHeadDim>>{});
   clear(accdV);
   clear(accdK);
   Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<_64, Int<C::kRows>>{}));  // (key, row)
   Tensor cdQ = thr_dq.partition_C(make_identity_tensor(Shape<_64, _64>{}));           // (row, d)
+  Tensor cdQw = thr_dqw.partition_C(make_identity_tensor(Shape<_64, Int<C::kHeadDim>>{}));
 
   const float sl2 = p.scale * kLog2e;
   const int64_t key_base = int64_t(m.j) * C::kBlockN + 64 * w;  // in-sequence position of key 0 of this half
@@ -386,9 +444,15 @@ __device__ __forceinline__ void main_consume(const Params& P, typename MainConfi
   if (get<0>(cS(2)) != key0 + 8 || get<1>(cS(5)) != row0 + 9 || get<0>(cdQ(2)) != rq0 + 8 ||
       get<1>(cdQ(5)) != get<1>(cdQ(0)) + 9)
     __trap();
+  if constexpr (kPartialDq) {
+    if (get<0>(cdQw(0)) != rq0 || get<0>(cdQw(2)) != rq0 + 8 || get<1>(cdQw(5)) != get<1>(cdQw(0)) + 9 ||
+        get<1>(cdQw(60)) != get<1>(cdQw(0)) + 120)
+      __trap();
+  }
   const int kpos0 = int(key_base) + key0;  // in-sequence position of this thread's first key
   const float inv_g = 1.f / float(p.R);
   sync.kv_bar.wait(kv_phase);
+  if (kPingPong && w == 1) barrier_arrive(NamedBarrier::kTurn0, kConsumerThreads);  // warpgroup 0 first
 
   for (int c = 0; c < nchunks; ++c) {
     // no proxy fence here: cp.async writes completed through the mbarrier are visible to wgmma
@@ -396,7 +460,8 @@ __device__ __forceinline__ void main_consume(const Params& P, typename MainConfi
     // a fence.proxy.async at this point cost ~1.8x (measured: 47 vs 26 ms at m3 32k)
     pipeline.consumer_wait(state);
     const int st = state.index();
-    wg_gemm<true>(mma_sdp, tSrK, tSrQ(_, _, _, st), accS);
+    if constexpr (kPingPong) turn_gemm(mma_sdp, tSrK, tSrQ(_, _, _, st), accS);
+    else wg_gemm<true>(mma_sdp, tSrK, tSrQ(_, _, _, st), accS);
 #pragma unroll
     for (int i = 0; i < 8; ++i) {  // P^T (0 where masked: padding rows, keys after the token)
       const int2 pos = *reinterpret_cast<const int2*>(&S.pos[st][row0 + 8 * i]);
@@ -414,7 +479,8 @@ __device__ __forceinline__ void main_consume(const Params& P, typename MainConfi
       ++state;
       continue;
     }
-    wg_gemm<true>(mma_sdp, tSrV, tSrdO(_, _, _, st), accdP);
+    if constexpr (kPingPong) turn_gemm(mma_sdp, tSrV, tSrdO(_, _, _, st), accdP);
+    else wg_gemm<true>(mma_sdp, tSrV, tSrdO(_, _, _, st), accdP);
 #pragma unroll
     for (int i = 0; i < 8; ++i) {  // dS^T
       const float2 ds = *reinterpret_cast<const float2*>(&S.dsum[st][row0 + 8 * i]);
@@ -432,8 +498,20 @@ __device__ __forceinline__ void main_consume(const Params& P, typename MainConfi
       rP(x) = Element(accS(x));
       rdS(x) = Element(accdP(x));
     }
-    wg_gemm<false>(mma_dkv, make_tensor(rP.data(), acc_to_a_regs(rP.layout())), tKVrdOt(_, _, _, st), accdV);
-    wg_gemm<false>(mma_dkv, make_tensor(rdS.data(), acc_to_a_regs(rdS.layout())), tKVrQt(_, _, _, st), accdK);
+    if constexpr (kPingPong) {  // both issued in one turn, then waited for
+      auto aP = make_tensor(rP.data(), acc_to_a_regs(rP.layout()));
+      auto adS = make_tensor(rdS.data(), acc_to_a_regs(rdS.layout()));
+      turn_begin();
+      wg_gemm_issue<false>(mma_dkv, aP, tKVrdOt(_, _, _, st), accdV);
+      wg_gemm_issue<false>(mma_dkv, adS, tKVrQt(_, _, _, st), accdK);
+      turn_end();
+      warpgroup_wait<0>();
+      wg_gemm_done(mma_dkv, aP, accdV);
+      wg_gemm_done(mma_dkv, adS, accdK);
+    } else {
+      wg_gemm<false>(mma_dkv, make_tensor(rP.data(), acc_to_a_regs(rP.layout())), tKVrdOt(_, _, _, st), accdV);
+      wg_gemm<false>(mma_dkv, make_tensor(rdS.data(), acc_to_a_regs(rdS.layout())), tKVrQt(_, _, _, st), accdK);
+    }
     // stage dS^T (this warpgroup's 64 keys) for dQ = dS K over all 128 keys
     const int buf = c & 1;
     copy(stsm_ds, thr_stsm.retile_S(rdS), thr_stsm.partition_D(local_tile(sdS(_, _, buf), Shape<_64, Int<C::kRows>>{},
@@ -445,6 +523,42 @@ __device__ __forceinline__ void main_consume(const Params& P, typename MainConfi
     if constexpr (kDet) unit_a = S.unit[st][rq0], unit_b = S.unit[st][rq0 + 8];
     pipeline.consumer_release(state);
     ptx::fence_proxy_async_smem();
+    if constexpr (kPartialDq) {
+      barrier_sync(consumer_wg_barrier(w), kWarpGroupThreads);  // this warpgroup's dS^T half staged
+      if constexpr (kPingPong) turn_gemm(mma_dqw, tQwrdS(_, _, _, buf), tQwrK, accdQw);
+      else wg_gemm<true>(mma_dqw, tQwrdS(_, _, _, buf), tQwrK, accdQw);
+      // warpgroup 0 stores its partial, warpgroup 1 adds its own to it and hands the tile over
+      const int d0 = get<1>(cdQw(0));
+      if (w == 0) {
+        if (state.count() > 0) sync.dq_empty.wait((state.count() - 1) & 1);  // the tile is free
+#pragma unroll
+        for (int e1 = 0; e1 < 2; ++e1)
+#pragma unroll
+          for (int i = 0; i < 16; ++i)
+            *reinterpret_cast<float2*>(&S.dq[rq0 + 8 * e1][d0 + 8 * i]) =
+                make_float2(accdQw(4 * i + 2 * e1), accdQw(4 * i + 2 * e1 + 1));
+        barrier_arrive(NamedBarrier::kDqHalf, kConsumerThreads);
+      } else {
+        barrier_sync(NamedBarrier::kDqHalf, kConsumerThreads);  // warpgroup 0's partial is in the tile
+#pragma unroll
+        for (int e1 = 0; e1 < 2; ++e1) {
+#pragma unroll
+          for (int i = 0; i < 16; ++i) {
+            float2& t = *reinterpret_cast<float2*>(&S.dq[rq0 + 8 * e1][d0 + 8 * i]);
+            const float2 a = t;
+            t = make_float2(a.x + accdQw(4 * i + 2 * e1), a.y + accdQw(4 * i + 2 * e1 + 1));
+          }
+          const int32_t tk = e1 ? tok_b : tok_a;
+          if ((wtid & 3) == 0)
+            S.dq_row[rq0 + 8 * e1] =
+                tk < 0 ? int64_t(-1) : (int64_t(tk) * p.Hq + h0 + ((rq0 + 8 * e1) & (P.Rp - 1))) * C::kHeadDim;
+        }
+        ptx::fence_proxy_async_smem();  // the tile is read by the TMA engine (async proxy)
+        sync.dq_full.arrive();
+      }
+      ++state;
+      continue;
+    }
     barrier_sync(NamedBarrier::kConsumers, kConsumerThreads);  // dS^T staged by both
     wg_gemm<true>(mma_dq, tQrdS(_, _, _, buf), tQrK, accdQ);
     // dQ rows of this chunk (unscaled: the convert kernel applies the softmax scale)
@@ -490,6 +604,7 @@ __device__ __forceinline__ void main_consume(const Params& P, typename MainConfi
     if (kDet && bad) atomicOr(reinterpret_cast<int32_t*>(p.fix) + kBad + 0, 1);
     ++state;
   }
+  if (kPingPong && w == 0) barrier_sync(NamedBarrier::kTurn0, kConsumerThreads);  // warpgroup 1's last turn
 
   if (P.teacher_only) return;
   // dK_j, dV_j of this unit and range: fp32 atomics (several units may share a kv head), in fixed
@@ -520,7 +635,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) bwd_main_kernel(const __grid_c
   MainItem m;
   if (!main_item(p, cta.gb, cta.unit, m)) return;
   const int role_wg = threadIdx.x / kWarpGroupThreads;
-  init_dq_writer(S.s);
+  init_dq_writer(S.s, C::kDqFullArrivals);
   Pipeline pipeline = make_chunk_pipeline<Pipeline>(S.s.pipe, role_wg, C::kProducers, C::kConsumers, S.s.kv_bar);
   if (role_wg == 0) {  // ---- producer ----
     cutlass::arch::warpgroup_reg_dealloc<kBwdRegs.producer>();
