@@ -4,6 +4,8 @@
 #              binary of .gpu/, e.g. a variant's flashmsa_gpu_tests_<name>; SUITE_S: the time limit, default
 #              400 s, which the whole suite exceeds since session 13: run it in two parts)
 #   sanitize   compute-sanitizer memcheck + racecheck on the small cases
+#   race       compute-sanitizer racecheck of each binary of RACE_BINS (default flashmsa_gpu_tests; variants:
+#              flashmsa_gpu_tests_<name>) on RACE_FILTER (default the small fused cases), a log and a summary each
 #   pytest     the Python tests against the CUDA build (tests/python, GPU ones included)
 #   run        the main job on the GPU
 #   wheel      the wheel of .whl/ (pip wheel . -w .whl) installed without an index; the GPU pytest
@@ -58,6 +60,15 @@ if has sanitize; then
   stamp "sanitizers"
   timeout ${MEMCHECK_S:-200} compute-sanitizer --tool memcheck --error-exitcode 1 ./.gpu/flashmsa_gpu_tests --gtest_filter='*Small*' > "$OUT/memcheck.log" 2>&1; echo "memcheck rc=$?"; tail -1 "$OUT/memcheck.log"
   timeout ${RACECHECK_S:-300} compute-sanitizer --tool racecheck --error-exitcode 1 ./.gpu/flashmsa_gpu_tests --gtest_filter='*Small*' > "$OUT/racecheck.log" 2>&1; echo "racecheck rc=$?"; tail -1 "$OUT/racecheck.log"
+fi
+if has race; then
+  stamp "racecheck"
+  for bin in ${RACE_BINS:-flashmsa_gpu_tests}; do
+    timeout ${RACE_S:-150} compute-sanitizer --tool racecheck "./.gpu/$bin" \
+      --gtest_filter="${RACE_FILTER:-Kl.SmallSparseG1:Bwd.Small*:Proxy.SmallSparse:Deterministic.SmallSparse}" \
+      > "$OUT/racecheck-$bin.log" 2>&1
+    echo "racecheck $bin rc=$?"; grep -E "RACECHECK SUMMARY|^\[  (PASSED|FAILED)" "$OUT/racecheck-$bin.log"
+  done
 fi
 if has metadata; then
   stamp "metadata guard (memcheck)"
