@@ -27,7 +27,7 @@
 // above): no hand-off at all. Every gathering warp loads the chunk's (at most 64) slot tokens
 // itself, two per lane (slots lane and lane + 32, coalesced, one chunk ahead like the slot
 // writers' load), and each gathering thread takes its rows' tokens by __shfl_sync; warps 0-1
-// still store the slots for the consumers. No barrier in the producers' chunk loops (racecheck's
+// still store the slots for the consumers. The fused kernel's walks only (main_produce). No barrier in the producers' chunk loops (racecheck's
 // condition) and, unlike session 15's gathers from the list, no global load per gathered row.
 #ifndef FLASHMSA_BWD_SLOT_SHFL
 #define FLASHMSA_BWD_SLOT_SHFL 0

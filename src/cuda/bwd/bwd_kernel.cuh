@@ -110,6 +110,7 @@ template <class Element, bool kDet = false>
 struct MainParams : MainArgs {
   static constexpr bool kDetMode = kDet;
   static constexpr bool teacher_only = false;  // (the fused kernel's forward kl only)
+  static constexpr bool kFusedWalk = false;    // (the fused kernel's walks: FLASHMSA_BWD_SLOT_SHFL)
   using ElementType = Element;
   using StageLayout = typename MainConfig<Element>::SmemLayoutKV;
   TmaBlockLoad<Element, StageLayout> tma_k, tma_v;
@@ -266,52 +267,52 @@ __device__ __forceinline__ void main_produce(const Params& P, typename MainConfi
   const Element* doptr = static_cast<const Element*>(p.dout.ptr);
   const int64_t pad0 = padded_offset(s0, b, kPadTile) - s0;  // padded index = pad0 + global token
   const int R = p.R, lrp = P.log_rp, rmask = P.Rp - 1, h0 = m.h0;
-#if !FLASHMSA_BWD_SLOT_SHFL
   // token of slot `tid` of chunk c (threads < NTc), -1 past the range
   auto slot_token = [&](int c) -> int32_t {
     const int li = c * NTc + tid;
     if (tid >= NTc || li >= count) return -1;
     return p.dense ? int32_t(m.dense_first + first + li) : m.list[first + li];
   };
-#endif
-#if FLASHMSA_BWD_SLOT_SHFL
-  // tokens of slots `lane` and `lane + 32` of chunk c, in every gathering warp
+  // FLASHMSA_BWD_SLOT_SHFL, the fused kernel's walk only (the standalone kernel's 24-register
+  // producers would spill; its barrier sequence draws no racecheck report): the tokens of slots
+  // `lane` and `lane + 32` of chunk c, in every gathering warp
+  constexpr bool kShfl = FLASHMSA_BWD_SLOT_SHFL && Params::kFusedWalk;
   const int lane = tid % 32;
   auto slot_of = [&](int c, int s) -> int32_t {
     const int li = c * NTc + s;
     if (s >= NTc || li >= count) return -1;
     return p.dense ? int32_t(m.dense_first + first + li) : m.list[first + li];
   };
-  int32_t next_a = slot_of(0, lane), next_b = slot_of(0, lane + 32);
-#else
-  int32_t next = slot_token(0);
-#endif
+  int32_t next = 0, next_a = 0, next_b = 0;
+  if constexpr (kShfl) next_a = slot_of(0, lane), next_b = slot_of(0, lane + 32);
+  else next = slot_token(0);
   for (int c = 0; c < nchunks; ++c) {
     pipeline.producer_acquire(state);
     const int st = state.index();
-#if FLASHMSA_BWD_SLOT_SHFL
-    const int32_t cur_a = next_a, cur_b = next_b;
-    if (tid < NTc) S.slot[st][tid] = tid < 32 ? cur_a : cur_b;  // for the consumers (warp 0: slots 0-31, warp 1: 32-63)
-    if (c + 1 < nchunks) next_a = slot_of(c + 1, lane), next_b = slot_of(c + 1, lane + 32);  // in flight meanwhile
-    auto row_slot = [&](int r) {  // (called by whole warps)
-      const int s = r >> lrp;
-      const int32_t a = __shfl_sync(0xffffffffu, cur_a, s & 31), bb = __shfl_sync(0xffffffffu, cur_b, s & 31);
-      return s < 32 ? a : bb;
+    int32_t cur_a = 0, cur_b = 0;
+    if constexpr (kShfl) {
+      cur_a = next_a, cur_b = next_b;
+      if (tid < NTc) S.slot[st][tid] = tid < 32 ? cur_a : cur_b;  // for the consumers (warp 0: slots 0-31, warp 1: 32-63)
+      if (c + 1 < nchunks) next_a = slot_of(c + 1, lane), next_b = slot_of(c + 1, lane + 32);  // in flight meanwhile
+    } else {
+      if (tid < NTc) S.slot[st][tid] = next;
+      if (c + 1 < nchunks) next = slot_token(c + 1);  // in flight meanwhile
+#if FLASHMSA_BWD_SLOT_MBARRIER
+      slot_arrive(sync.slot_ready[st], tid);
+      sync.slot_ready[st].wait((state.count() / C::kStages) & 1);  // this stage's use count's parity
+#else
+      barrier_sync(NamedBarrier::kGatherers, C::kProducers);
+#endif
+    }
+    auto row_slot = [&](int r) -> int32_t {
+      if constexpr (kShfl) {  // (called by whole warps)
+        const int s = r >> lrp;
+        const int32_t a = __shfl_sync(0xffffffffu, cur_a, s & 31), bb = __shfl_sync(0xffffffffu, cur_b, s & 31);
+        return s < 32 ? a : bb;
+      } else {
+        return S.slot[st][r >> lrp];
+      }
     };
-#else
-    if (tid < NTc) S.slot[st][tid] = next;
-    if (c + 1 < nchunks) next = slot_token(c + 1);  // in flight meanwhile
-#endif
-#if FLASHMSA_BWD_SLOT_SHFL
-#elif FLASHMSA_BWD_SLOT_MBARRIER
-    slot_arrive(sync.slot_ready[st], tid);
-    sync.slot_ready[st].wait((state.count() / C::kStages) & 1);  // this stage's use count's parity
-#else
-    barrier_sync(NamedBarrier::kGatherers, C::kProducers);
-#endif
-#if !FLASHMSA_BWD_SLOT_SHFL
-    auto row_slot = [&](int r) { return S.slot[st][r >> lrp]; };
-#endif
     // rows of this chunk: row r = slot r / Rp, head h0 + r % Rp (padding heads >= R: zero rows)
     for (int x = tid; x < C::kRows * 16; x += C::kProducers) {
       const int r = x / 16, col = (x % 16) * 8;

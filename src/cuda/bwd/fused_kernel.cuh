@@ -27,6 +27,7 @@ namespace flashmsa::cuda::attn_bwd {
 template <class Element, bool kDet>
 struct FusedParams : FusedArgs {
   static constexpr bool kDetMode = kDet;
+  static constexpr bool kFusedWalk = true;
   using ElementType = Element;
   using StageLayout = BlockLayout<Element>;
   TmaBlockLoad<Element, StageLayout> tma_k, tma_v, tma_kp;
