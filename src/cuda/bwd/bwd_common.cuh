@@ -24,11 +24,12 @@
 #define FLASHMSA_BWD_SLOT_MBARRIER 0
 #endif
 // FLASHMSA_BWD_SLOT_SHFL (a build knob for measurements, default off; takes precedence over the
-// above): no hand-off at all. Every gathering warp loads the chunk's (at most 64) slot tokens
-// itself, two per lane (slots lane and lane + 32, coalesced, one chunk ahead like the slot
-// writers' load), and each gathering thread takes its rows' tokens by __shfl_sync; warps 0-1
-// still store the slots for the consumers. The fused kernel's walks only (main_produce). No barrier in the producers' chunk loops (racecheck's
-// condition) and, unlike session 15's gathers from the list, no global load per gathered row.
+// above; the fused kernel's walks only): no hand-off at all. Every gathering warp loads the
+// chunk's (at most 64) slot tokens itself, two per lane (slots lane and lane + 32, coalesced, one
+// chunk ahead like the slot writers' load), and each gathering thread takes its rows' tokens by
+// __shfl_sync; warps 0-1 still store the slots for the consumers. No barrier in the producers'
+// chunk loops (racecheck's condition) and, unlike session 15's gathers from the list, no global
+// load per gathered row.
 #ifndef FLASHMSA_BWD_SLOT_SHFL
 #define FLASHMSA_BWD_SLOT_SHFL 0
 #endif
@@ -76,9 +77,6 @@ __device__ __forceinline__ void bulk_add_row(float* gdst, const float* ssrc, uin
                "r"(bytes)
                : "memory");
 }
-// The dQ writer's barriers (Sync: dq_full, dq_empty), before make_chunk_pipeline (its fence and
-// CTA barrier publish the initialisation)
-// (FLASHMSA_BWD_SLOT_MBARRIER: and the slot barriers)
 constexpr int kSlotWriters = 64;  // producer threads 0..63 write a chunk's token slots (at most 64)
 // The slot writers' hand-off of a chunk's token slots (FLASHMSA_BWD_SLOT_MBARRIER): each writer
 // thread arrives (one elected lane per warp after __syncwarp is as fast at m3 and racecheck then
@@ -87,6 +85,8 @@ template <class Barrier>
 __device__ __forceinline__ void slot_arrive(Barrier& b, int tid) {
   if (tid < kSlotWriters) b.arrive();
 }
+// The dQ writer's barriers (Sync: dq_full, dq_empty; FLASHMSA_BWD_SLOT_MBARRIER: and the slot
+// barriers), before make_chunk_pipeline (its fence and CTA barrier publish the initialisation).
 // full_arrivals: the consumer threads that hand each tile over (both warpgroups; the main walk's
 // partial dQ: warpgroup 1 alone)
 template <class Sync>

@@ -267,25 +267,20 @@ __device__ __forceinline__ void main_produce(const Params& P, typename MainConfi
   const Element* doptr = static_cast<const Element*>(p.dout.ptr);
   const int64_t pad0 = padded_offset(s0, b, kPadTile) - s0;  // padded index = pad0 + global token
   const int R = p.R, lrp = P.log_rp, rmask = P.Rp - 1, h0 = m.h0;
-  // token of slot `tid` of chunk c (threads < NTc), -1 past the range
-  auto slot_token = [&](int c) -> int32_t {
-    const int li = c * NTc + tid;
-    if (tid >= NTc || li >= count) return -1;
-    return p.dense ? int32_t(m.dense_first + first + li) : m.list[first + li];
-  };
-  // FLASHMSA_BWD_SLOT_SHFL, the fused kernel's walk only (the standalone kernel's 24-register
-  // producers would spill; its barrier sequence draws no racecheck report): the tokens of slots
-  // `lane` and `lane + 32` of chunk c, in every gathering warp
+  // token of slot s of chunk c, -1 past the range. FLASHMSA_BWD_SLOT_SHFL, the fused kernel's
+  // walk only (the standalone kernel's 24-register producers would spill; its barrier sequence
+  // draws no racecheck report): every gathering warp holds slots lane and lane + 32 and shuffles
+  // them; else threads < NTc load their slot one chunk ahead and hand it over through S.slot
   constexpr bool kShfl = FLASHMSA_BWD_SLOT_SHFL && Params::kFusedWalk;
-  const int lane = tid % 32;
   auto slot_of = [&](int c, int s) -> int32_t {
     const int li = c * NTc + s;
     if (s >= NTc || li >= count) return -1;
     return p.dense ? int32_t(m.dense_first + first + li) : m.list[first + li];
   };
+  const int lane = tid % 32;
   int32_t next = 0, next_a = 0, next_b = 0;
   if constexpr (kShfl) next_a = slot_of(0, lane), next_b = slot_of(0, lane + 32);
-  else next = slot_token(0);
+  else next = slot_of(0, tid);
   for (int c = 0; c < nchunks; ++c) {
     pipeline.producer_acquire(state);
     const int st = state.index();
@@ -296,7 +291,7 @@ __device__ __forceinline__ void main_produce(const Params& P, typename MainConfi
       if (c + 1 < nchunks) next_a = slot_of(c + 1, lane), next_b = slot_of(c + 1, lane + 32);  // in flight meanwhile
     } else {
       if (tid < NTc) S.slot[st][tid] = next;
-      if (c + 1 < nchunks) next = slot_token(c + 1);  // in flight meanwhile
+      if (c + 1 < nchunks) next = slot_of(c + 1, tid);  // in flight meanwhile
 #if FLASHMSA_BWD_SLOT_MBARRIER
       slot_arrive(sync.slot_ready[st], tid);
       sync.slot_ready[st].wait((state.count() / C::kStages) & 1);  // this stage's use count's parity

@@ -24,7 +24,6 @@
 #include "cuda/ptx/cp_async.cuh"
 #include "cuda/ptx/order.cuh"
 
-
 namespace flashmsa::cuda::attn_bwd {
 
 template <class Element>
@@ -141,47 +140,44 @@ __device__ __forceinline__ void kl_produce(const Params& P, typename KlConfig<El
     tma_load_block(P.tma_kp, P.tma_shape_kp, k.pk, b, s0, P.batched, k.j, sKp, sync.kp_bar);
   }
   const Element* qpptr = static_cast<const Element*>(p.qp.ptr);
-#if !FLASHMSA_BWD_SLOT_SHFL
-  auto row_token = [&](int c) -> int32_t {  // token of row `tid` of chunk c (threads < 64)
-    const int li = c * C::kTok + tid;
-    return (tid < C::kTok && li < count) ? k.list[first + li] : -1;
-  };
-#endif
-#if FLASHMSA_BWD_SLOT_SHFL  // (bwd_common.cuh): rows lane and lane + 32 of chunk c in every gathering warp
-  const int lane = tid % 32;
+  // token of row r of chunk c (-1 past the range or the chunk). FLASHMSA_BWD_SLOT_SHFL
+  // (bwd_common.cuh): every gathering warp holds rows lane and lane + 32 and shuffles them;
+  // else threads < 64 load their row one chunk ahead and hand it over through S.tok
+  constexpr bool kShfl = FLASHMSA_BWD_SLOT_SHFL;
   auto tok_at = [&](int c, int r) -> int32_t {
     const int li = c * C::kTok + r;
-    return li < count ? k.list[first + li] : -1;
+    return (r < C::kTok && li < count) ? k.list[first + li] : -1;
   };
-  int32_t next_a = tok_at(0, lane), next_b = tok_at(0, lane + 32);
-#else
-  int32_t next = row_token(0);
-#endif
+  const int lane = tid % 32;
+  int32_t next = 0, next_a = 0, next_b = 0;
+  if constexpr (kShfl) next_a = tok_at(0, lane), next_b = tok_at(0, lane + 32);
+  else next = tok_at(0, tid);
   for (int c = 0; c < nchunks; ++c) {
     pipeline.producer_acquire(state);
     const int st = state.index();
-#if FLASHMSA_BWD_SLOT_SHFL
-    const int32_t cur_a = next_a, cur_b = next_b;
-    if (tid < C::kTok) S.tok[st][tid] = tid < 32 ? cur_a : cur_b;
-    if (c + 1 < nchunks) next_a = tok_at(c + 1, lane), next_b = tok_at(c + 1, lane + 32);
-    auto tok_of = [&](int r) {  // (called by whole warps)
-      const int32_t a = __shfl_sync(0xffffffffu, cur_a, r & 31), bb = __shfl_sync(0xffffffffu, cur_b, r & 31);
-      return r < 32 ? a : bb;
+    int32_t cur_a = 0, cur_b = 0;
+    if constexpr (kShfl) {
+      cur_a = next_a, cur_b = next_b;
+      if (tid < C::kTok) S.tok[st][tid] = tid < 32 ? cur_a : cur_b;  // for the consumers
+      if (c + 1 < nchunks) next_a = tok_at(c + 1, lane), next_b = tok_at(c + 1, lane + 32);
+    } else {
+      if (tid < C::kTok) S.tok[st][tid] = next;
+      if (c + 1 < nchunks) next = tok_at(c + 1, tid);
+#if FLASHMSA_BWD_SLOT_MBARRIER  // (bwd_common.cuh)
+      slot_arrive(sync.slot_ready[st], tid);
+      sync.slot_ready[st].wait((state.count() / C::kStages) & 1);
+#else
+      barrier_sync(NamedBarrier::kGatherers, C::kProducers);
+#endif
+    }
+    auto tok_of = [&](int r) -> int32_t {
+      if constexpr (kShfl) {  // (called by whole warps)
+        const int32_t a = __shfl_sync(0xffffffffu, cur_a, r & 31), bb = __shfl_sync(0xffffffffu, cur_b, r & 31);
+        return r < 32 ? a : bb;
+      } else {
+        return S.tok[st][r];
+      }
     };
-#else
-    if (tid < C::kTok) S.tok[st][tid] = next;
-    if (c + 1 < nchunks) next = row_token(c + 1);
-#endif
-#if FLASHMSA_BWD_SLOT_SHFL
-#elif FLASHMSA_BWD_SLOT_MBARRIER  // (bwd_common.cuh)
-    slot_arrive(sync.slot_ready[st], tid);
-    sync.slot_ready[st].wait((state.count() / C::kStages) & 1);
-#else
-    barrier_sync(NamedBarrier::kGatherers, C::kProducers);
-#endif
-#if !FLASHMSA_BWD_SLOT_SHFL
-    auto tok_of = [&](int r) { return S.tok[st][r]; };
-#endif
     for (int x = tid; x < C::kTok * 16; x += C::kProducers) {  // Qp rows, zero past the range
       const int r = x / 16, col = (x % 16) * 8;
       const int32_t t = tok_of(r);
