@@ -122,7 +122,8 @@ void run_bwd(const flashmsa_bwd_args_t& a, const Geometry& g, char* ws, const Bw
     r.plse_ws = reinterpret_cast<float*>(ws + l.plse);
     r.dqp_acc = reinterpret_cast<float*>(ws + l.dqp);
     r.dkp_acc = reinterpret_cast<float*>(ws + l.dkp);
-    r.kl_acc = reinterpret_cast<float*>(ws + l.kl);
+    // the kl terms only when the caller asks for the kl value (the kl walk skips them otherwise)
+    r.kl_acc = present(a.kl) ? reinterpret_cast<float*>(ws + l.kl) : nullptr;
     r.dkl = static_cast<const float*>(a.dkl.data);
     r.grads = present(a.dkl);  // without dkl the accumulators stay zero
     if (l.deterministic && l.has_teacher) {  // the fused kernel's kl walk: dqp, dkp in fixed point

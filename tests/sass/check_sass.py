@@ -6,7 +6,10 @@ REDG (a reduction that does not wait for a reply), never ATOMG; the main and fus
 through their dQ writer warp's bulk reductions (cp.reduce.async.bulk: UBLKRED ... ADD.F32, the
 TMA engine adding a row of the shared-memory dQ tile), which must be there; the fused kernel's kl
 walk adds its dQp the same way, so the fused kernel holds at least twice the main kernel's bulk adds
-(two writer loops). The deterministic main and kl
+(two writer loops). The fused kernel's producer chunk loops hand the token slots to the
+gathering warps by shuffles, with no named barrier of the 96 gathering threads (compute-sanitizer
+racecheck reported the item broadcast while they had one); the standalone main kernel keeps that
+barrier, which shows the pattern matches. The deterministic main and kl
 kernels (kDet = true) add 64-bit fixed-point integers (bwd_params.cuh), whose sum does not depend
 on the order: they must hold 64-bit REDG adds, and no GPU-scope fence and no ATOMG. The
 deterministic recomputing proxy kernel (DENSE mode) orders fp32 adds by turn counters and must
@@ -78,6 +81,8 @@ ITEM_COUNTER = re.compile(r"\bATOMG\.E\.ADD\.STRONG\.GPU\s")
 ITEM_COUNTERS = {"bwd_fused_kernel": 2}
 HGMMA = re.compile(r"\bHGMMA\.")
 DEPBAR = re.compile(r"\bWARPGROUP\.DEPBAR\b")
+# a named barrier of the 96 gathering producer threads (NamedBarrier::kGatherers, bar.sync id, 0x60)
+GATHER_BARRIER = re.compile(r"\bBAR\.SYNC(?:\.DEFER_BLOCKING)?\s+(?:0x[0-9a-f]+|R\d+),\s*0x60\b")
 
 
 def main(argv: list[str]) -> int:
@@ -111,6 +116,10 @@ def main(argv: list[str]) -> int:
             seen[(kernel, det)] += 1
             atomics, reds, fences, fixed, bulk = (len(r.findall(text))
                                                   for r in (ATOMIC, REDUCTION, GPU_FENCE, FIXED_ADD, BULK_ADD))
+            gathers = len(GATHER_BARRIER.findall(text))
+            if (kernel == "bwd_fused_kernel") == (gathers > 0) and kernel != "bwd_proxy_kernel":
+                failures.append(f"{kname}: {gathers} named barriers of the 96 gathering threads (the fused kernel "
+                                f"must hand its token slots over by shuffles, the main kernel by the barrier)")
             counters = len(ITEM_COUNTER.findall(text))
             if counters != ITEM_COUNTERS.get(kernel, 0):
                 failures.append(f"{kname}: {counters} item-counter ATOMG, expected {ITEM_COUNTERS.get(kernel, 0)}")

@@ -13,38 +13,16 @@
 #include "cuda/ptx/cp_async.cuh"
 #include "cuda/ptx/order.cuh"
 
-// FLASHMSA_BWD_SLOT_MBARRIER (a build knob for measurements, default off; docs/kernels/bwd.md,
-// "Session 16"): the gathering warps learn that the chunk's token slots are written from a
-// per-stage mbarrier (warps 0-1 arrive, the three gathering warps wait) instead of the named
-// barrier kGatherers, in the main and the kl walk. compute-sanitizer racecheck reports hazards
-// when the producer warps have executed different named-barrier sequences (the writer warp takes
-// no part in the gathers); with no named barrier left in the producer's chunk loop it has none.
-// Measured in session 16: racecheck clean, the backward 1-1.5% slower (m3 32k, fmsa 16k).
-#ifndef FLASHMSA_BWD_SLOT_MBARRIER
-#define FLASHMSA_BWD_SLOT_MBARRIER 0
-#endif
-// FLASHMSA_BWD_SLOT_SHFL (a build knob for measurements, default off; takes precedence over the
-// above; the fused kernel's walks only): no hand-off at all. Every gathering warp loads the
-// chunk's (at most 64) slot tokens itself, two per lane (slots lane and lane + 32, coalesced, one
-// chunk ahead like the slot writers' load), and each gathering thread takes its rows' tokens by
-// __shfl_sync; warps 0-1 still store the slots for the consumers. No barrier in the producers'
-// chunk loops (racecheck's condition) and, unlike session 15's gathers from the list, no global
-// load per gathered row.
-#ifndef FLASHMSA_BWD_SLOT_SHFL
-#define FLASHMSA_BWD_SLOT_SHFL 0
-#endif
-// FLASHMSA_BWD_DQ_PARTIAL (a build knob for measurements, default off; docs/kernels/bwd.md,
-// "Session 16"): in the main walk's default (non-deterministic) mode each consumer warpgroup
-// computes the partial dQ of its own 64 keys over all 128 dims (dS_w K_w: 64 x 128 x 64) instead
-// of its 64-dim half over all 128 keys, so neither waits for the other's dS^T half: no
-// cross-warpgroup barrier per chunk. Warpgroup 0 stores its partial into the dQ tile and
-// bar.arrives; warpgroup 1 bar.syncs, adds its own, and hands the tile to the writer warp.
-// FLASHMSA_BWD_DQ_PARTIAL=2: and the two warpgroups take turns to issue their GEMMs
-// (FlashAttention-3's ping-pong: each waits for its turn, issues, gives the other its turn), so
-// that one's exp math runs under the other's GEMMs.
-#ifndef FLASHMSA_BWD_DQ_PARTIAL
-#define FLASHMSA_BWD_DQ_PARTIAL 0
-#endif
+// The slot hand-off of the producer's chunk loop. The fused kernel's walks (Params::kFusedWalk):
+// every gathering warp loads the chunk's (at most 64) slot tokens itself, two per lane (slots
+// lane and lane + 32, coalesced, one chunk ahead), and each gathering thread takes its rows'
+// tokens by __shfl_sync; warps 0-1 still store the slots for the consumers. No named barrier in
+// the producers' chunk loops, so compute-sanitizer racecheck sees every producer warp execute the
+// same barrier sequence (with the kGatherers hand-off it reported the item broadcast; measured
+// session 17: 0 hazards, the speed of the barrier within 0.3% at m3 32k and 1% at fmsa 16k; the
+// per-stage mbarrier hand-off cost 1-1.5%, the gathers reading the list 7-12%: docs/kernels/bwd.md).
+// The standalone main kernel keeps the kGatherers barrier: its 24-register producers spill with
+// the shuffles, and its barrier sequence draws no racecheck report.
 
 namespace flashmsa::cuda::attn_bwd {
 
@@ -77,26 +55,13 @@ __device__ __forceinline__ void bulk_add_row(float* gdst, const float* ssrc, uin
                "r"(bytes)
                : "memory");
 }
-constexpr int kSlotWriters = 64;  // producer threads 0..63 write a chunk's token slots (at most 64)
-// The slot writers' hand-off of a chunk's token slots (FLASHMSA_BWD_SLOT_MBARRIER): each writer
-// thread arrives (one elected lane per warp after __syncwarp is as fast at m3 and racecheck then
-// reports the slots: docs/kernels/bwd.md, "Session 16")
-template <class Barrier>
-__device__ __forceinline__ void slot_arrive(Barrier& b, int tid) {
-  if (tid < kSlotWriters) b.arrive();
-}
-// The dQ writer's barriers (Sync: dq_full, dq_empty; FLASHMSA_BWD_SLOT_MBARRIER: and the slot
-// barriers), before make_chunk_pipeline (its fence and CTA barrier publish the initialisation).
-// full_arrivals: the consumer threads that hand each tile over (both warpgroups; the main walk's
-// partial dQ: warpgroup 1 alone)
+// The dQ writer's barriers (Sync: dq_full, dq_empty), before make_chunk_pipeline (its fence and
+// CTA barrier publish the initialisation); dq_full: the consumer threads that hand each tile over.
 template <class Sync>
-__device__ __forceinline__ void init_dq_writer(Sync& s, int full_arrivals = kConsumerThreads) {
+__device__ __forceinline__ void init_dq_writer(Sync& s) {
   if (threadIdx.x == 0) {
-    s.dq_full.init(full_arrivals);
+    s.dq_full.init(kConsumerThreads);
     s.dq_empty.init(32);
-#if FLASHMSA_BWD_SLOT_MBARRIER
-    for (auto& b : s.slot_ready) b.init(kSlotWriters);
-#endif
   }
 }
 

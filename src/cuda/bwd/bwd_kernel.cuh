@@ -67,9 +67,6 @@ struct MainConfig {
   using MmadKV = RsMma<Element, 64, kHeadDim, kRows, Major::K, Major::MN>;
   // dQ = dS K: (64 rows) x (64 d, one half per warpgroup) x (128 keys)
   using MmadQ = SsMma<Element, 64, 64, kBlockN, Major::MN, Major::MN>;
-  // FLASHMSA_BWD_DQ_PARTIAL: dQ_w = dS_w K_w: (64 rows) x (128 d) x (64 keys of warpgroup w)
-  using MmadQw = SsMma<Element, 64, kHeadDim, 64, Major::MN, Major::MN>;
-  static constexpr int kDqFullArrivals = FLASHMSA_BWD_DQ_PARTIAL ? kWarpGroupThreads : kConsumerThreads;
 
   struct Smem {
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>, 1024> k;
@@ -92,9 +89,6 @@ struct MainConfig {
     typename Pipeline::SharedStorage pipe;
     cutlass::arch::ClusterTransactionBarrier kv_bar;
     cutlass::arch::ClusterBarrier dq_full, dq_empty;  // the dQ tile written by the consumers / added
-#if FLASHMSA_BWD_SLOT_MBARRIER
-    cutlass::arch::ClusterBarrier slot_ready[kStages];  // the stage's token slots written (warps 0-1)
-#endif
   };
   struct Plan {
     Smem d;
@@ -110,7 +104,7 @@ template <class Element, bool kDet = false>
 struct MainParams : MainArgs {
   static constexpr bool kDetMode = kDet;
   static constexpr bool teacher_only = false;  // (the fused kernel's forward kl only)
-  static constexpr bool kFusedWalk = false;    // (the fused kernel's walks: FLASHMSA_BWD_SLOT_SHFL)
+  static constexpr bool kFusedWalk = false;    // (the fused kernel's walks: the slot shuffle, bwd_common.cuh)
   using ElementType = Element;
   using StageLayout = typename MainConfig<Element>::SmemLayoutKV;
   TmaBlockLoad<Element, StageLayout> tma_k, tma_v;
@@ -267,11 +261,11 @@ __device__ __forceinline__ void main_produce(const Params& P, typename MainConfi
   const Element* doptr = static_cast<const Element*>(p.dout.ptr);
   const int64_t pad0 = padded_offset(s0, b, kPadTile) - s0;  // padded index = pad0 + global token
   const int R = p.R, lrp = P.log_rp, rmask = P.Rp - 1, h0 = m.h0;
-  // token of slot s of chunk c, -1 past the range. FLASHMSA_BWD_SLOT_SHFL, the fused kernel's
-  // walk only (the standalone kernel's 24-register producers would spill; its barrier sequence
-  // draws no racecheck report): every gathering warp holds slots lane and lane + 32 and shuffles
-  // them; else threads < NTc load their slot one chunk ahead and hand it over through S.slot
-  constexpr bool kShfl = FLASHMSA_BWD_SLOT_SHFL && Params::kFusedWalk;
+  // token of slot s of chunk c, -1 past the range. The fused kernel's walk (bwd_common.cuh: the
+  // slot hand-off): every gathering warp holds slots lane and lane + 32 and shuffles them; the
+  // standalone kernel's threads < NTc load their slot one chunk ahead and hand it over through
+  // S.slot and the kGatherers barrier
+  constexpr bool kShfl = Params::kFusedWalk;
   auto slot_of = [&](int c, int s) -> int32_t {
     const int li = c * NTc + s;
     if (s >= NTc || li >= count) return -1;
@@ -292,12 +286,7 @@ __device__ __forceinline__ void main_produce(const Params& P, typename MainConfi
     } else {
       if (tid < NTc) S.slot[st][tid] = next;
       if (c + 1 < nchunks) next = slot_of(c + 1, tid);  // in flight meanwhile
-#if FLASHMSA_BWD_SLOT_MBARRIER
-      slot_arrive(sync.slot_ready[st], tid);
-      sync.slot_ready[st].wait((state.count() / C::kStages) & 1);  // this stage's use count's parity
-#else
       barrier_sync(NamedBarrier::kGatherers, C::kProducers);
-#endif
     }
     auto row_slot = [&](int r) -> int32_t {
       if constexpr (kShfl) {  // (called by whole warps)
@@ -387,33 +376,6 @@ __device__ __forceinline__ void main_consume(const Params& P, typename MainConfi
   Tensor tQrdS = thr_dq.partition_fragment_A(sdSt);   // (MMA, M=rows, K=keys, buf)
   Tensor sKtw = local_tile(sKt, Shape<_64, Int<C::kBlockN>>{}, make_coord(w, _0{}));  // d half w
   Tensor tQrK = thr_dq.partition_fragment_B(sKtw);
-  // FLASHMSA_BWD_DQ_PARTIAL (default mode): dQ_w over this warpgroup's 64 keys, all 128 dims
-  constexpr bool kPartialDq = FLASHMSA_BWD_DQ_PARTIAL && !kDet;
-  constexpr bool kPingPong = FLASHMSA_BWD_DQ_PARTIAL == 2 && !kDet;
-  // ping-pong: a GEMM issue waits for this warpgroup's turn and then gives the other its turn.
-  // Per range warpgroup 1 gives warpgroup 0 the first turn and warpgroup 0 takes the last one
-  // back at the end, so both barriers are balanced at every range's end.
-  auto turn_begin = [&] {
-    if constexpr (kPingPong) barrier_sync(w == 0 ? NamedBarrier::kTurn0 : NamedBarrier::kTurn1, kConsumerThreads);
-  };
-  auto turn_end = [&] {
-    if constexpr (kPingPong) barrier_arrive(w == 0 ? NamedBarrier::kTurn1 : NamedBarrier::kTurn0, kConsumerThreads);
-  };
-  // a GEMM issued in this warpgroup's turn and waited for
-  auto turn_gemm = [&](auto& mma, auto const& a, auto const& b, auto& acc) {
-    turn_begin();
-    wg_gemm_issue<true>(mma, a, b, acc);
-    turn_end();
-    warpgroup_wait<0>();
-    wg_gemm_done(mma, a, acc);
-  };
-  typename C::MmadQw mma_dqw;
-  auto thr_dqw = mma_dqw.get_thread_slice(wtid);
-  Tensor tQwrdS = thr_dqw.partition_fragment_A(
-      local_tile(sdSt, Shape<Int<C::kRows>, _64, Int<2>>{}, make_coord(_0{}, w, _0{})));  // (MMA, rows, keys of w, buf)
-  Tensor tQwrK = thr_dqw.partition_fragment_B(
-      local_tile(sKt, Shape<Int<C::kHeadDim>, _64>{}, make_coord(_0{}, w)));  // (MMA, d, keys of w)
-
   // dS^T to shared memory with stmatrix (8x8 tiles, 16 bytes per lane and instruction); the
   // element-wise store it replaces compiled to 32 generic 2-byte stores and ~220 address
   // instructions per thread and chunk (ncu, session 8: 16% of the consumers' stall samples)
@@ -424,12 +386,10 @@ __device__ __forceinline__ void main_consume(const Params& P, typename MainConfi
   Tensor accdV = partition_fragment_C(mma_dkv, Shape<_64, Int<C::kHeadDim>>{});
   Tensor accdK = partition_fragment_C(mma_dkv, Shape<_64, Int<C::kHeadDim>>{});
   Tensor accdQ = partition_fragment_C(mma_dq, Shape<_64, _64>{});
-  Tensor accdQw = partition_fragment_C(mma_dqw, Shape<_64, Int<C::kHeadDim>>{});
   clear(accdV);
   clear(accdK);
   Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<_64, Int<C::kRows>>{}));  // (key, row)
   Tensor cdQ = thr_dq.partition_C(make_identity_tensor(Shape<_64, _64>{}));           // (row, d)
-  Tensor cdQw = thr_dqw.partition_C(make_identity_tensor(Shape<_64, Int<C::kHeadDim>>{}));
 
   const float sl2 = p.scale * kLog2e;
   const int64_t key_base = int64_t(m.j) * C::kBlockN + 64 * w;  // in-sequence position of key 0 of this half
@@ -440,15 +400,9 @@ __device__ __forceinline__ void main_consume(const Params& P, typename MainConfi
   if (get<0>(cS(2)) != key0 + 8 || get<1>(cS(5)) != row0 + 9 || get<0>(cdQ(2)) != rq0 + 8 ||
       get<1>(cdQ(5)) != get<1>(cdQ(0)) + 9)
     __trap();
-  if constexpr (kPartialDq) {
-    if (get<0>(cdQw(0)) != rq0 || get<0>(cdQw(2)) != rq0 + 8 || get<1>(cdQw(5)) != get<1>(cdQw(0)) + 9 ||
-        get<1>(cdQw(60)) != get<1>(cdQw(0)) + 120)
-      __trap();
-  }
   const int kpos0 = int(key_base) + key0;  // in-sequence position of this thread's first key
   const float inv_g = 1.f / float(p.R);
   sync.kv_bar.wait(kv_phase);
-  if (kPingPong && w == 1) barrier_arrive(NamedBarrier::kTurn0, kConsumerThreads);  // warpgroup 0 first
 
   for (int c = 0; c < nchunks; ++c) {
     // no proxy fence here: cp.async writes completed through the mbarrier are visible to wgmma
@@ -456,8 +410,7 @@ __device__ __forceinline__ void main_consume(const Params& P, typename MainConfi
     // a fence.proxy.async at this point cost ~1.8x (measured: 47 vs 26 ms at m3 32k)
     pipeline.consumer_wait(state);
     const int st = state.index();
-    if constexpr (kPingPong) turn_gemm(mma_sdp, tSrK, tSrQ(_, _, _, st), accS);
-    else wg_gemm<true>(mma_sdp, tSrK, tSrQ(_, _, _, st), accS);
+    wg_gemm<true>(mma_sdp, tSrK, tSrQ(_, _, _, st), accS);
 #pragma unroll
     for (int i = 0; i < 8; ++i) {  // P^T (0 where masked: padding rows, keys after the token)
       const int2 pos = *reinterpret_cast<const int2*>(&S.pos[st][row0 + 8 * i]);
@@ -475,8 +428,7 @@ __device__ __forceinline__ void main_consume(const Params& P, typename MainConfi
       ++state;
       continue;
     }
-    if constexpr (kPingPong) turn_gemm(mma_sdp, tSrV, tSrdO(_, _, _, st), accdP);
-    else wg_gemm<true>(mma_sdp, tSrV, tSrdO(_, _, _, st), accdP);
+    wg_gemm<true>(mma_sdp, tSrV, tSrdO(_, _, _, st), accdP);
 #pragma unroll
     for (int i = 0; i < 8; ++i) {  // dS^T
       const float2 ds = *reinterpret_cast<const float2*>(&S.dsum[st][row0 + 8 * i]);
@@ -494,20 +446,8 @@ __device__ __forceinline__ void main_consume(const Params& P, typename MainConfi
       rP(x) = Element(accS(x));
       rdS(x) = Element(accdP(x));
     }
-    if constexpr (kPingPong) {  // both issued in one turn, then waited for
-      auto aP = make_tensor(rP.data(), acc_to_a_regs(rP.layout()));
-      auto adS = make_tensor(rdS.data(), acc_to_a_regs(rdS.layout()));
-      turn_begin();
-      wg_gemm_issue<false>(mma_dkv, aP, tKVrdOt(_, _, _, st), accdV);
-      wg_gemm_issue<false>(mma_dkv, adS, tKVrQt(_, _, _, st), accdK);
-      turn_end();
-      warpgroup_wait<0>();
-      wg_gemm_done(mma_dkv, aP, accdV);
-      wg_gemm_done(mma_dkv, adS, accdK);
-    } else {
-      wg_gemm<false>(mma_dkv, make_tensor(rP.data(), acc_to_a_regs(rP.layout())), tKVrdOt(_, _, _, st), accdV);
-      wg_gemm<false>(mma_dkv, make_tensor(rdS.data(), acc_to_a_regs(rdS.layout())), tKVrQt(_, _, _, st), accdK);
-    }
+    wg_gemm<false>(mma_dkv, make_tensor(rP.data(), acc_to_a_regs(rP.layout())), tKVrdOt(_, _, _, st), accdV);
+    wg_gemm<false>(mma_dkv, make_tensor(rdS.data(), acc_to_a_regs(rdS.layout())), tKVrQt(_, _, _, st), accdK);
     // stage dS^T (this warpgroup's 64 keys) for dQ = dS K over all 128 keys
     const int buf = c & 1;
     copy(stsm_ds, thr_stsm.retile_S(rdS), thr_stsm.partition_D(local_tile(sdS(_, _, buf), Shape<_64, Int<C::kRows>>{},
@@ -519,42 +459,6 @@ __device__ __forceinline__ void main_consume(const Params& P, typename MainConfi
     if constexpr (kDet) unit_a = S.unit[st][rq0], unit_b = S.unit[st][rq0 + 8];
     pipeline.consumer_release(state);
     ptx::fence_proxy_async_smem();
-    if constexpr (kPartialDq) {
-      barrier_sync(consumer_wg_barrier(w), kWarpGroupThreads);  // this warpgroup's dS^T half staged
-      if constexpr (kPingPong) turn_gemm(mma_dqw, tQwrdS(_, _, _, buf), tQwrK, accdQw);
-      else wg_gemm<true>(mma_dqw, tQwrdS(_, _, _, buf), tQwrK, accdQw);
-      // warpgroup 0 stores its partial, warpgroup 1 adds its own to it and hands the tile over
-      const int d0 = get<1>(cdQw(0));
-      if (w == 0) {
-        if (state.count() > 0) sync.dq_empty.wait((state.count() - 1) & 1);  // the tile is free
-#pragma unroll
-        for (int e1 = 0; e1 < 2; ++e1)
-#pragma unroll
-          for (int i = 0; i < 16; ++i)
-            *reinterpret_cast<float2*>(&S.dq[rq0 + 8 * e1][d0 + 8 * i]) =
-                make_float2(accdQw(4 * i + 2 * e1), accdQw(4 * i + 2 * e1 + 1));
-        barrier_arrive(NamedBarrier::kDqHalf, kConsumerThreads);
-      } else {
-        barrier_sync(NamedBarrier::kDqHalf, kConsumerThreads);  // warpgroup 0's partial is in the tile
-#pragma unroll
-        for (int e1 = 0; e1 < 2; ++e1) {
-#pragma unroll
-          for (int i = 0; i < 16; ++i) {
-            float2& t = *reinterpret_cast<float2*>(&S.dq[rq0 + 8 * e1][d0 + 8 * i]);
-            const float2 a = t;
-            t = make_float2(a.x + accdQw(4 * i + 2 * e1), a.y + accdQw(4 * i + 2 * e1 + 1));
-          }
-          const int32_t tk = e1 ? tok_b : tok_a;
-          if ((wtid & 3) == 0)
-            S.dq_row[rq0 + 8 * e1] =
-                tk < 0 ? int64_t(-1) : (int64_t(tk) * p.Hq + h0 + ((rq0 + 8 * e1) & (P.Rp - 1))) * C::kHeadDim;
-        }
-        ptx::fence_proxy_async_smem();  // the tile is read by the TMA engine (async proxy)
-        sync.dq_full.arrive();
-      }
-      ++state;
-      continue;
-    }
     barrier_sync(NamedBarrier::kConsumers, kConsumerThreads);  // dS^T staged by both
     wg_gemm<true>(mma_dq, tQrdS(_, _, _, buf), tQrK, accdQ);
     // dQ rows of this chunk (unscaled: the convert kernel applies the softmax scale)
@@ -600,7 +504,6 @@ __device__ __forceinline__ void main_consume(const Params& P, typename MainConfi
     if (kDet && bad) atomicOr(reinterpret_cast<int32_t*>(p.fix) + kBad + 0, 1);
     ++state;
   }
-  if (kPingPong && w == 0) barrier_sync(NamedBarrier::kTurn0, kConsumerThreads);  // warpgroup 1's last turn
 
   if (P.teacher_only) return;
   // dK_j, dV_j of this unit and range: fp32 atomics (several units may share a kv head), in fixed
@@ -631,7 +534,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) bwd_main_kernel(const __grid_c
   MainItem m;
   if (!main_item(p, cta.gb, cta.unit, m)) return;
   const int role_wg = threadIdx.x / kWarpGroupThreads;
-  init_dq_writer(S.s, C::kDqFullArrivals);
+  init_dq_writer(S.s);
   Pipeline pipeline = make_chunk_pipeline<Pipeline>(S.s.pipe, role_wg, C::kProducers, C::kConsumers, S.s.kv_bar);
   if (role_wg == 0) {  // ---- producer ----
     cutlass::arch::warpgroup_reg_dealloc<kBwdRegs.producer>();

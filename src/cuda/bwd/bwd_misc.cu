@@ -16,43 +16,77 @@ namespace {
 template <class T>
 __device__ __forceinline__ float to_f(T x) { return float(x); }
 
-// one warp per (token, head): dsum = <dout, out> - dlse, lse2 = lse * log2(e)
+// Per (token, head): dsum = <dout, out> - dlse, lse2 = lse * log2(e), and in deterministic mode
+// the dq row's fixed-point unit. A block covers kPreTokens tokens of one head: each half-warp owns
+// one token's 128-element rows (16 lanes x 8 elements, 16-byte loads; support.cpp checks the
+// alignment), and a warp has all of its kPreSteps x 2 tokens' loads in flight before it reduces:
+// one 256-byte row per warp and step (the kernel before session 17) reached ~2 TB/s, half the HBM.
+constexpr int kPreSteps = 4;                         // tokens per half-warp
+constexpr int kPreTokens = 8 * 2 * kPreSteps;        // per block of 8 warps
+template <class Element>
+__device__ __forceinline__ void load_row8(const Element* row, int part, float (&x)[8]) {
+  static_assert(sizeof(Element) == 2, "16-bit elements: 8 per 16-byte load");
+  const uint4 v = *reinterpret_cast<const uint4*>(row + part * 8);
+  const Element* e = reinterpret_cast<const Element*>(&v);
+#pragma unroll
+  for (int k = 0; k < 8; ++k) x[k] = to_f(e[k]);
+}
 template <class Element>
 __global__ void preprocess_kernel(const PreprocessArgs a) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t i = int64_t(blockIdx.x) * (blockDim.x / 32) + warp;
+  static_assert(kHeadDimInst == 16 * 8, "a half-warp's 16 lanes x 8 elements cover a row");
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, half = lane / 16, part = lane % 16;
   const int h = blockIdx.y, b = blockIdx.z;
   int64_t s0, L;
   a.seqs.get(b, s0, L);
-  if (i >= L) return;
-  const int64_t t = s0 + i;
-  float acc = 0.f, g2 = 0.f;
-  if (a.dout.ptr) {  // without dout (the forward's kl), only lse2
-    const Element* o = a.out.template row<const Element>(b, t, h);
-    const Element* g = a.dout.template row<const Element>(b, t, h);
-    if (a.out_lo.ptr) {
-      const Element* lo = a.out_lo.template row<const Element>(b, t, h);
-      for (int e = 0; e < 4; ++e) acc += (to_f(o[lane * 4 + e]) + to_f(lo[lane * 4 + e])) * to_f(g[lane * 4 + e]);
-    } else {
-      for (int e = 0; e < 4; ++e) acc += to_f(o[lane * 4 + e]) * to_f(g[lane * 4 + e]);
-    }
-    if (a.dq_unit)
-      for (int e = 0; e < 4; ++e) g2 += to_f(g[lane * 4 + e]) * to_f(g[lane * 4 + e]);
-  }
+  const int64_t i0 = int64_t(blockIdx.x) * kPreTokens + warp * 2 * kPreSteps;  // the warp's first token
+  if (i0 >= L) return;
+  float acc[kPreSteps], g2[kPreSteps];
 #pragma unroll
-  for (int off = 16; off > 0; off >>= 1) {
-    acc += __shfl_xor_sync(0xffffffff, acc, off);
-    g2 += __shfl_xor_sync(0xffffffff, g2, off);
+  for (int s = 0; s < kPreSteps; ++s) acc[s] = 0.f, g2[s] = 0.f;
+  if (a.dout.ptr) {  // without dout (the forward's kl), only lse2
+    float o[kPreSteps][8], g[kPreSteps][8];
+#pragma unroll
+    for (int s = 0; s < kPreSteps; ++s) {  // every load first
+      const int64_t i = i0 + 2 * s + half;
+      const int64_t t = s0 + (i < L ? i : 0);  // a readable row past the end (not stored)
+      load_row8(a.out.template row<const Element>(b, t, h), part, o[s]);
+      load_row8(a.dout.template row<const Element>(b, t, h), part, g[s]);
+      if (a.out_lo.ptr) {
+        float lo[8];
+        load_row8(a.out_lo.template row<const Element>(b, t, h), part, lo);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) o[s][k] += lo[k];
+      }
+    }
+#pragma unroll
+    for (int s = 0; s < kPreSteps; ++s)
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        acc[s] += o[s][k] * g[s][k];
+        g2[s] += g[s][k] * g[s][k];
+      }
+#pragma unroll
+    for (int s = 0; s < kPreSteps; ++s)
+#pragma unroll
+      for (int off = 8; off > 0; off >>= 1) {  // within the half-warp
+        acc[s] += __shfl_xor_sync(0xffffffff, acc[s], off);
+        g2[s] += __shfl_xor_sync(0xffffffff, g2[s], off);
+      }
   }
-  if (lane == 0) {
-    const int64_t pi = padded_offset(s0, b, kPadTile) + i;
+  if (part != 0) return;
+  const int64_t pad = padded_offset(s0, b, kPadTile);
+#pragma unroll
+  for (int s = 0; s < kPreSteps; ++s) {
+    const int64_t i = i0 + 2 * s + half;
+    if (i >= L) break;
+    const int64_t t = s0 + i, pi = pad + i;
     const float dl = a.dlse.ptr ? *a.dlse.at(h, t) : 0.f;
-    if (a.dsum) a.dsum[h * a.padded_stride + pi] = acc - dl;
+    if (a.dsum) a.dsum[h * a.padded_stride + pi] = acc[s] - dl;
     a.lse2[h * a.padded_stride + pi] = *a.lse.at(h, t) * kLog2e;
     // deterministic mode: a dq row adds sum_u dS_tu K_u with dS_tu = P_tu (dP_tu - D_t),
     // |dP_tu| <= |dO_t| |V_u| and sum_u P_tu <= 1, so |dq_t| <= max|K| (|dO_t| max|V_u| + |D_t|)
     if (a.dq_unit) {
-      const float bound = a.fix[kMaxK] * (sqrtf(g2) * a.fix[kMaxV] + fabsf(acc - dl));
+      const float bound = a.fix[kMaxK] * (sqrtf(g2[s]) * a.fix[kMaxV] + fabsf(acc[s] - dl));
       a.dq_unit[h * a.padded_stride + pi] = a.dq_unit32 ? fixed_unit32(bound) : fixed_unit(bound);
     }
   }
@@ -288,7 +322,7 @@ InvLayout inv_layout(const InversionArgs& a) {
 template <Dtype D>
 void launch_preprocess(const PreprocessArgs& a, cudaStream_t st) {
   if (a.seqs.batch == 0 || a.max_seqlen == 0) return;
-  dim3 grid(unsigned((a.max_seqlen + 7) / 8), a.Hq, a.seqs.batch);
+  dim3 grid(unsigned((a.max_seqlen + kPreTokens - 1) / kPreTokens), a.Hq, a.seqs.batch);
   preprocess_kernel<typename ElementOf<D>::type><<<grid, 256, 0, st>>>(a);
   FLASHMSA_CUDA_CHECK(cudaGetLastError());
 }

@@ -14,6 +14,8 @@
 // item's kl partial. DENSE (warmup) mode keeps the recomputing proxy kernel (proxy_kernel.cuh).
 #pragma once
 
+#include <type_traits>
+
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/pipeline/sm90_pipeline.hpp>
@@ -66,13 +68,10 @@ struct KlConfig {
     typename Pipeline::SharedStorage pipe;
     cutlass::arch::ClusterTransactionBarrier kp_bar;
     cutlass::arch::ClusterBarrier dq_full, dq_empty;  // the dQp tile written by the consumers / added
-#if FLASHMSA_BWD_SLOT_MBARRIER
-    cutlass::arch::ClusterBarrier slot_ready[kStages];  // the stage's row tokens written (warps 0-1)
-#endif
   };
   static constexpr size_t kSmemBytes = sizeof(Smem) + sizeof(Sync) + 1024;
   static_assert(kSmemBytes <= kMaxSmemBytes, "shared-memory plan over the SM's 227 KB");
-  static_assert(kTok == kSlotWriters, "threads 0..kTok-1 write the row tokens and arrive on slot_ready");
+  static_assert(kTok == 64, "each gathering lane holds rows lane and lane + 32 (kl_produce)");
 };
 
 // A kl-walk item: key block j of sequence b (global block gb) x proxy head grp, and its list.
@@ -140,43 +139,23 @@ __device__ __forceinline__ void kl_produce(const Params& P, typename KlConfig<El
     tma_load_block(P.tma_kp, P.tma_shape_kp, k.pk, b, s0, P.batched, k.j, sKp, sync.kp_bar);
   }
   const Element* qpptr = static_cast<const Element*>(p.qp.ptr);
-  // token of row r of chunk c (-1 past the range or the chunk). FLASHMSA_BWD_SLOT_SHFL
-  // (bwd_common.cuh): every gathering warp holds rows lane and lane + 32 and shuffles them;
-  // else threads < 64 load their row one chunk ahead and hand it over through S.tok
-  constexpr bool kShfl = FLASHMSA_BWD_SLOT_SHFL;
+  // token of row r of chunk c (-1 past the range or the chunk): every gathering warp holds rows
+  // lane and lane + 32, loaded one chunk ahead, and shuffles them (bwd_common.cuh: the slot hand-off)
   auto tok_at = [&](int c, int r) -> int32_t {
     const int li = c * C::kTok + r;
     return (r < C::kTok && li < count) ? k.list[first + li] : -1;
   };
   const int lane = tid % 32;
-  int32_t next = 0, next_a = 0, next_b = 0;
-  if constexpr (kShfl) next_a = tok_at(0, lane), next_b = tok_at(0, lane + 32);
-  else next = tok_at(0, tid);
+  int32_t next_a = tok_at(0, lane), next_b = tok_at(0, lane + 32);
   for (int c = 0; c < nchunks; ++c) {
     pipeline.producer_acquire(state);
     const int st = state.index();
-    int32_t cur_a = 0, cur_b = 0;
-    if constexpr (kShfl) {
-      cur_a = next_a, cur_b = next_b;
-      if (tid < C::kTok) S.tok[st][tid] = tid < 32 ? cur_a : cur_b;  // for the consumers
-      if (c + 1 < nchunks) next_a = tok_at(c + 1, lane), next_b = tok_at(c + 1, lane + 32);
-    } else {
-      if (tid < C::kTok) S.tok[st][tid] = next;
-      if (c + 1 < nchunks) next = tok_at(c + 1, tid);
-#if FLASHMSA_BWD_SLOT_MBARRIER  // (bwd_common.cuh)
-      slot_arrive(sync.slot_ready[st], tid);
-      sync.slot_ready[st].wait((state.count() / C::kStages) & 1);
-#else
-      barrier_sync(NamedBarrier::kGatherers, C::kProducers);
-#endif
-    }
-    auto tok_of = [&](int r) -> int32_t {
-      if constexpr (kShfl) {  // (called by whole warps)
-        const int32_t a = __shfl_sync(0xffffffffu, cur_a, r & 31), bb = __shfl_sync(0xffffffffu, cur_b, r & 31);
-        return r < 32 ? a : bb;
-      } else {
-        return S.tok[st][r];
-      }
+    const int32_t cur_a = next_a, cur_b = next_b;
+    if (tid < C::kTok) S.tok[st][tid] = tid < 32 ? cur_a : cur_b;  // for the consumers
+    if (c + 1 < nchunks) next_a = tok_at(c + 1, lane), next_b = tok_at(c + 1, lane + 32);  // in flight meanwhile
+    auto tok_of = [&](int r) -> int32_t {  // (called by whole warps)
+      const int32_t a = __shfl_sync(0xffffffffu, cur_a, r & 31), bb = __shfl_sync(0xffffffffu, cur_b, r & 31);
+      return r < 32 ? a : bb;
     };
     for (int x = tid; x < C::kTok * 16; x += C::kProducers) {  // Qp rows, zero past the range
       const int r = x / 16, col = (x % 16) * 8;
@@ -251,6 +230,7 @@ __device__ __forceinline__ void kl_consume(const Params& P, typename KlConfig<El
 
   const float psl2 = p.proxy_scale * kLog2e;
   const float coef = (P.grads && p.dkl) ? *p.dkl : 0.f;
+  const bool want_kl = p.kl_acc != nullptr;  // the caller asked for the kl value (uniform)
   const float unit = kDet ? p.fix[kUnitDqp] : 0.f;  // deterministic mode: dQp's fixed-point unit
   bool bad = false;
   const int64_t key_base = int64_t(k.j) * C::kBlockN + 64 * w;
@@ -267,27 +247,34 @@ __device__ __forceinline__ void kl_consume(const Params& P, typename KlConfig<El
     const int st = state.index();
     wg_gemm<true>(mma_z, tZrKp, tZrQp(_, _, _, st), accZ);
     const float* teach = &S.teach[st][row0][64 * w + key0];
+    // dz per element, and the kl terms only where the kl value is wanted (a log per element)
+    auto elements = [&](auto want_kl) {
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const int2 tk = *reinterpret_cast<const int2*>(&S.tok[st][row0 + 8 * i]);
-      const float2 pl = *reinterpret_cast<const float2*>(&S.plse[st][row0 + 8 * i]);
+      for (int i = 0; i < 8; ++i) {
+        const int2 tk = *reinterpret_cast<const int2*>(&S.tok[st][row0 + 8 * i]);
+        const float2 pl = *reinterpret_cast<const float2*>(&S.plse[st][row0 + 8 * i]);
 #pragma unroll
-      for (int e0 = 0; e0 < 2; ++e0) {
-        const int32_t t = e0 ? tk.y : tk.x;
-        const float pl2 = (e0 ? pl.y : pl.x) * kLog2e;
-        const int64_t pos = int64_t(t) - s0;
+        for (int e0 = 0; e0 < 2; ++e0) {
+          const int32_t t = e0 ? tk.y : tk.x;
+          const float pl2 = (e0 ? pl.y : pl.x) * kLog2e;
+          const int64_t pos = int64_t(t) - s0;
 #pragma unroll
-        for (int e1 = 0; e1 < 2; ++e1) {
-          const int x = 4 * i + 2 * e1 + e0;
-          float dz = 0.f;
-          if (t >= 0 && kpos0 + 8 * e1 <= pos) {
-            const float zl2 = accZ(x) * psl2 - pl2;  // log2 of the student
-            dz = kl_element(teach[(8 * i + e0) * C::kTeachStride + 8 * e1], zl2, coef, kl_sum);
+          for (int e1 = 0; e1 < 2; ++e1) {
+            const int x = 4 * i + 2 * e1 + e0;
+            float dz = 0.f;
+            if (t >= 0 && kpos0 + 8 * e1 <= pos) {
+              const float zl2 = accZ(x) * psl2 - pl2;  // log2 of the student
+              const float tv = teach[(8 * i + e0) * C::kTeachStride + 8 * e1];
+              if constexpr (decltype(want_kl)::value) dz = kl_element(tv, zl2, coef, kl_sum);
+              else dz = kl_gradient(tv, zl2, coef);
+            }
+            accZ(x) = dz;
           }
-          accZ(x) = dz;
         }
       }
-    }
+    };
+    if (want_kl) elements(std::true_type{});
+    else elements(std::false_type{});
     Tensor rDz = make_tensor_like<Element>(accZ);
 #pragma unroll
     for (int x = 0; x < size(accZ); ++x) rDz(x) = Element(accZ(x));

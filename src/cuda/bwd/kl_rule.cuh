@@ -14,9 +14,13 @@ namespace flashmsa::cuda::attn_bwd {
 
 // One (token, key) of a proxy head: the student s = 2^zl2 (zl2 = log2 s, from the proxy logit and
 // the proxy lse), the teacher t. Returns dz = g (s - t), kept N / proxy_scale times larger than
-// SPEC's dz; adds the kl term t (ln t - ln s) to kl_sum (a zero teacher adds nothing: t ln t -> 0).
+// SPEC's dz; kl_element also adds the kl term t (ln t - ln s) to kl_sum (a zero teacher adds
+// nothing: t ln t -> 0), kl_gradient does not (the kl value not asked for: no log per element).
+__device__ __forceinline__ float kl_gradient(float teacher, float zl2, float g) {
+  return g * (ptx::exp2f_approx(zl2) - teacher);
+}
 __device__ __forceinline__ float kl_element(float teacher, float zl2, float g, float& kl_sum) {
-  const float dz = g * (ptx::exp2f_approx(zl2) - teacher);
+  const float dz = kl_gradient(teacher, zl2, g);
   if (teacher > 0.f) kl_sum += teacher * (__logf(teacher) - zl2 * kLn2);
   return dz;
 }

@@ -86,22 +86,16 @@ enum class NamedBarrier : int {
   kConsumerWg0 = int(cutlass::arch::ReservedNamedBarriers::FirstUserBarrier),  // consumer warpgroup 0 alone
   kConsumerWg1,  // consumer warpgroup 1 alone
   kConsumers,    // both consumer warpgroups (kConsumerThreads): staged tiles they share
-  kGatherers,    // the backward walks' gathering producer warps (the dQ writer warp apart)
+  kGatherers,    // the standalone main backward's gathering producer warps (the dQ writer warp apart)
   kCta,          // every thread of the CTA, reached from each role's own code (bwd/fused_kernel.cuh)
-  kDqHalf,       // the backward's partial dQ: warpgroup 0's half in the tile, for warpgroup 1 (bar.arrive / bar.sync)
-  kTurn0,        // the backward's ping-pong (FLASHMSA_BWD_DQ_PARTIAL=2): consumer warpgroup 0's turn to issue
-  kTurn1,        // ... and warpgroup 1's
 };
-static_assert(int(NamedBarrier::kTurn1) < 16, "sm_90 has 16 named barriers");
+static_assert(int(NamedBarrier::kCta) < 16, "sm_90 has 16 named barriers");
 // The barrier of consumer warpgroup w (0 or 1) alone.
 __device__ __forceinline__ NamedBarrier consumer_wg_barrier(int w) {
   return w == 0 ? NamedBarrier::kConsumerWg0 : NamedBarrier::kConsumerWg1;
 }
 __device__ __forceinline__ void barrier_sync(NamedBarrier id, int threads) {
   ptx::named_barrier_sync(int(id), threads);
-}
-__device__ __forceinline__ void barrier_arrive(NamedBarrier id, int threads) {
-  ptx::named_barrier_arrive(int(id), threads);
 }
 
 // One warpgroup GEMM issued as one batch (committed, not waited for): C (+)= A * B over all K

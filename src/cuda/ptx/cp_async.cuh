@@ -35,11 +35,6 @@ __device__ __forceinline__ void fence_proxy_async_smem() {
 __device__ __forceinline__ void named_barrier_sync(int id, int nthreads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(nthreads) : "memory");
 }
-// bar.arrive id, nthreads — the arriving threads do not wait (a producer's half of a hand-off
-// whose consumers bar.sync on the same id and count; the barrier orders memory like bar.sync)
-__device__ __forceinline__ void named_barrier_arrive(int id, int nthreads) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(nthreads) : "memory");
-}
 
 __device__ __forceinline__ float exp2f_approx(float x) {
   float y;
