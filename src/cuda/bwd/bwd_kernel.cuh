@@ -140,11 +140,10 @@ template <class Element>
 TmaRows<Element> make_row_load(const TokenTensor<const void>& t, int heads, bool batched, int64_t seqlen, int batch,
                                int64_t total) {
   using namespace cute;
-  const int64_t tokens = batched ? seqlen : total;
-  const int64_t bstride = batched ? t.batch_corr + seqlen * t.tok : total * t.tok;  // unused when B = 1
-  TmaShape shape = make_shape(int32_t(heads), int32_t(kHeadDimInst), int32_t(tokens), int32_t(batched ? batch : 1));
-  TmaStride stride = make_stride(t.head, _1{}, t.tok, bstride);
-  Tensor g = make_tensor(make_gmem_ptr(static_cast<Element const*>(t.ptr)), shape, stride);
+  const TokenExtents e = token_extents(t, batched, seqlen, batch, total);
+  TmaShape shape = make_shape(int32_t(heads), int32_t(kHeadDimInst), e.tokens, e.batches);
+  Tensor g = make_tensor(make_gmem_ptr(static_cast<Element const*>(t.ptr)), shape,
+                         TmaStride(make_stride(t.head, _1{}, t.tok, e.bstride)));
   return {make_tma_copy(SM90_TMA_LOAD{}, g, RowBoxLayout<Element>{}, Shape<_8, _64>{}, _1{}), shape};
 }
 // mbarrier.expect_tx: the stage's full barrier also waits for `bytes` of TMA writes (no arrival

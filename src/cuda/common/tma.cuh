@@ -31,15 +31,26 @@ struct TmaBlock {
   TmaShape shape;
 };
 
+// The token and batch extents of a per-token tensor for the copy engine, and its batch stride:
+// batched (S tokens, B batches), element (b, s) at b * (batch_corr + S * tok) + s * tok; varlen
+// (total tokens, one batch, whose stride is never used).
+struct TokenExtents {
+  int32_t tokens, batches;
+  int64_t bstride;
+};
+inline TokenExtents token_extents(const TokenTensor<const void>& t, bool batched, int64_t seqlen, int batch,
+                                  int64_t total) {
+  return {int32_t(batched ? seqlen : total), batched ? batch : 1,
+          batched ? t.batch_corr + seqlen * t.tok : total * t.tok};
+}
+
 template <class Element, class SmemLayoutStage>
 TmaBlock<Element, SmemLayoutStage> make_block_load(const TokenTensor<const void>& t, int heads, bool batched,
                                                    int64_t seqlen, int batch, int64_t total) {
   using namespace cute;
-  const int64_t tokens = batched ? seqlen : total;
-  // batched: element (b, s) sits at b * (batch_corr + S * tok) + s * tok
-  const int64_t bstride = batched ? t.batch_corr + seqlen * t.tok : total * t.tok;  // unused when B = 1
-  TmaShape shape = make_shape(int32_t(tokens), int32_t(kHeadDimInst), int32_t(heads), int32_t(batched ? batch : 1));
-  TmaStride stride = make_stride(t.tok, _1{}, t.head, bstride);
+  const TokenExtents e = token_extents(t, batched, seqlen, batch, total);
+  TmaShape shape = make_shape(e.tokens, int32_t(kHeadDimInst), int32_t(heads), e.batches);
+  TmaStride stride = make_stride(t.tok, _1{}, t.head, e.bstride);
   Tensor m = make_tensor(make_gmem_ptr(static_cast<Element const*>(t.ptr)), shape, stride);
   return {make_tma_copy(SM90_TMA_LOAD{}, m, SmemLayoutStage{}, Shape<Int<kBlockKeys>, Int<kHeadDimInst>>{}, _1{}), shape};
 }
