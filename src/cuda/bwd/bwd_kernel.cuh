@@ -146,12 +146,6 @@ TmaRows<Element> make_row_load(const TokenTensor<const void>& t, int heads, bool
                          TmaStride(make_stride(t.head, _1{}, t.tok, e.bstride)));
   return {make_tma_copy(SM90_TMA_LOAD{}, g, RowBoxLayout<Element>{}, Shape<_8, _64>{}, _1{}), shape};
 }
-// mbarrier.expect_tx: the stage's full barrier also waits for `bytes` of TMA writes (no arrival
-// of its own: the issuing thread still arrives with its cp.async like the others)
-__device__ __forceinline__ void mbarrier_expect_tx(uint64_t* bar, uint32_t bytes) {
-  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(bar));
-  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(a), "r"(bytes) : "memory");
-}
 
 // The teacher of one chunk from this warpgroup's P^T accumulator (64 keys x 64 rows, rows =
 // Rp = 2^kLogRp head slots per token): sum over each token's head slots, scaled by 1/G, one store
@@ -347,8 +341,9 @@ __device__ __forceinline__ void main_produce(const Params& P, typename MainConfi
       if (rows_by_tma && tid < 32) {
         // 64 rows = 8 octets of heads x 2 halves of d: 16 boxes per tensor, lanes 0-15 Q, 16-31 dO
         uint64_t* full = pipeline.producer_get_barrier(state);
-        if (tid == 0)
-          mbarrier_expect_tx(full, (P.teacher_only ? 1u : 2u) * C::kRows * C::kHeadDim * uint32_t(sizeof(Element)));
+        if (tid == 0)  // the stage also waits for the boxes' bytes (no arrival: tid 0 arrives with its cp.async)
+          cutlass::arch::ClusterTransactionBarrier::expect_transaction(
+              full, (P.teacher_only ? 1u : 2u) * C::kRows * C::kHeadDim * uint32_t(sizeof(Element)));
         __syncwarp();
         const int box = tid % 16, o = box / 2, hh = box % 2;
         const int32_t t = row_slot(8 * o);  // (the whole warp: shuffles)
