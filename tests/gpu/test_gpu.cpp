@@ -617,8 +617,8 @@ TEST(Proxy, BatchedFp16) {
   run_bwd_case(fmsa().with_topk(16).batched(2, 700).fp16(), BwdCase().sparse().with_dkl(1.0).with_kl_value());
 }
 // a token's 16 heads fill its head slots (R == Rp = 16) in the batched layout: the fused kernel's
-// main walk with whole octets of heads (FLASHMSA_BWD_TMA_ROWS loads them by TMA boxes; the
-// batch coordinate and the slots past the list's end)
+// main walk with whole octets of heads, the batch coordinate and the slots past the list's end
+// (bench/probes/bwd-tma-rows.patch loads these rows by TMA boxes)
 TEST(Proxy, M3Batched) {
   run_bwd_case(m3().with_topk(8).batched(2, 600), BwdCase().sparse().with_dkl(1.0).with_kl_value());
 }

@@ -36,16 +36,6 @@
 #include "cuda/ptx/cp_async.cuh"
 #include "cuda/ptx/order.cuh"
 
-// FLASHMSA_BWD_TMA_ROWS (a build knob for measurements, default off; docs/kernels/bwd.md,
-// "Session 17"): in the fused kernel's main walk, when a token's head slots are exactly its group's
-// heads and at least 8 (R == Rp >= 8: m3's 16), the Q and dO rows of a chunk come by TMA, one box
-// of 8 heads x 64 dims (one 128-byte swizzle atom of the stage tile) per lane of the producer's
-// first warp, instead of 2048 cp.async of 16 bytes from 96 threads (108 instructions per pair in
-// the SASS). Slots past the list load a box past the tensor's end: zeros, counted like the rest.
-#ifndef FLASHMSA_BWD_TMA_ROWS
-#define FLASHMSA_BWD_TMA_ROWS 0
-#endif
-
 // The dQ path (docs/kernels/bwd.md, "Session 15"): the consumers stage each chunk's dQ tile in
 // shared memory and the producer warpgroup's last warp has the TMA engine add it to dq_acc row by
 // row (cp.reduce.async.bulk), so no consumer waits for its reductions to drain; the tile takes the
@@ -120,32 +110,6 @@ struct MainParams : MainArgs {
   TmaBlockLoad<Element, StageLayout> tma_k, tma_v;
   TmaShape tma_shape;
 };
-
-// FLASHMSA_BWD_TMA_ROWS: a per-token tensor [.., H, 128] as (heads, d, tokens, batch) for the
-// copy engine, boxes of 8 heads x 64 dims landing on one swizzle atom of a stage tile.
-template <class Element>
-using RowBoxLayout = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<Element>{},
-                                                  cute::Shape<cute::_8, cute::_64>{}));
-template <class Element>
-using TmaRowLoad = decltype(cute::make_tma_copy(
-    cute::SM90_TMA_LOAD{},
-    cute::make_tensor(cute::make_gmem_ptr(static_cast<Element const*>(nullptr)), TmaShape{}, TmaStride{}),
-    RowBoxLayout<Element>{}, cute::Shape<cute::_8, cute::_64>{}, cute::_1{}));
-template <class Element>
-struct TmaRows {
-  TmaRowLoad<Element> copy;
-  TmaShape shape;  // (heads, d, tokens, batch): varlen (H, 128, total, 1), batched (H, 128, S, B)
-};
-template <class Element>
-TmaRows<Element> make_row_load(const TokenTensor<const void>& t, int heads, bool batched, int64_t seqlen, int batch,
-                               int64_t total) {
-  using namespace cute;
-  const TokenExtents e = token_extents(t, batched, seqlen, batch, total);
-  TmaShape shape = make_shape(int32_t(heads), int32_t(kHeadDimInst), e.tokens, e.batches);
-  Tensor g = make_tensor(make_gmem_ptr(static_cast<Element const*>(t.ptr)), shape,
-                         TmaStride(make_stride(t.head, _1{}, t.tok, e.bstride)));
-  return {make_tma_copy(SM90_TMA_LOAD{}, g, RowBoxLayout<Element>{}, Shape<_8, _64>{}, _1{}), shape};
-}
 
 // The teacher of one chunk from this warpgroup's P^T accumulator (64 keys x 64 rows, rows =
 // Rp = 2^kLogRp head slots per token): sum over each token's head slots, scaled by 1/G, one store
@@ -334,35 +298,7 @@ __device__ __forceinline__ void main_produce(const Params& P, typename MainConfi
       }
     };
     // rows of this chunk: row r = slot r / Rp, head h0 + r % Rp (padding heads >= R: zero rows)
-    bool rows_by_tma = false;
-#if FLASHMSA_BWD_TMA_ROWS
-    if constexpr (Params::kFusedWalk) {
-      rows_by_tma = P.tma_rows;  // (R == Rp >= 8, run_fused)
-      if (rows_by_tma && tid < 32) {
-        // 64 rows = 8 octets of heads x 2 halves of d: 16 boxes per tensor, lanes 0-15 Q, 16-31 dO
-        uint64_t* full = pipeline.producer_get_barrier(state);
-        if (tid == 0)  // the stage also waits for the boxes' bytes (no arrival: tid 0 arrives with its cp.async)
-          cutlass::arch::ClusterTransactionBarrier::expect_transaction(
-              full, (P.teacher_only ? 1u : 2u) * C::kRows * C::kHeadDim * uint32_t(sizeof(Element)));
-        __syncwarp();
-        const int box = tid % 16, o = box / 2, hh = box % 2;
-        const int32_t t = row_slot(8 * o);  // (the whole warp: shuffles)
-        const int tensor = tid / 16;
-        if (tensor == 0 || !P.teacher_only) {
-          const auto& tma = tensor == 0 ? P.tma_qrows : P.tma_dorows;
-          const int32_t tokens = get<2>(P.rows_shape);
-          const int32_t tc = t < 0 ? tokens : int32_t(P.batched ? t - s0 : t);  // past the end: zeros
-          Tensor mr = tma.get_tma_tensor(P.rows_shape)(_, _, tc, P.batched ? b : 0);  // (heads, d)
-          Tensor g = local_tile(mr, Shape<_8, _64>{}, make_coord((h0 + ((8 * o) & rmask)) / 8, hh));
-          Element* dst = tensor == 0 ? &sQ(8 * o, 64 * hh, st) : &sdO(8 * o, 64 * hh, st);
-          Tensor sb = make_tensor(make_smem_ptr(dst), RowBoxLayout<Element>{});
-          auto cta = tma.get_slice(_0{});
-          copy(tma.with(*full), cta.partition_S(g), cta.partition_D(sb));
-        }
-      }
-    }
-#endif
-    for (int x = tid; x < (rows_by_tma ? 0 : C::kRows * 16); x += C::kProducers) {
+    for (int x = tid; x < C::kRows * 16; x += C::kProducers) {
       const int r = x / 16, col = (x % 16) * 8;
       const int32_t t = row_slot(r);
       const bool valid = t >= 0 && (r & rmask) < R;

@@ -32,11 +32,6 @@ struct FusedParams : FusedArgs {
   using StageLayout = BlockLayout<Element>;
   TmaBlockLoad<Element, StageLayout> tma_k, tma_v, tma_kp;
   TmaShape tma_shape, tma_shape_kp;
-#if FLASHMSA_BWD_TMA_ROWS
-  TmaRowLoad<Element> tma_qrows, tma_dorows;  // the main walk's Q and dO rows by TMA (bwd_kernel.cuh)
-  TmaShape rows_shape;
-  bool tma_rows = false;
-#endif
 };
 
 template <class Element>
@@ -175,17 +170,6 @@ void run_fused(const FusedArgs& a, cudaStream_t stream) {
                                                                 a.c.seqs.batch, a.total);
   p.tma_kp = t.copy;
   p.tma_shape_kp = t.shape;
-#if FLASHMSA_BWD_TMA_ROWS
-  p.tma_rows = a.Rp >= 8 && a.c.R == a.Rp;  // whole octets of a token's own group's heads
-  if (p.tma_rows) {
-    const auto q = make_row_load<Element>(a.c.q, a.c.Hq, a.batched, a.c.seqs.seqlen, a.c.seqs.batch, a.total);
-    p.tma_qrows = q.copy;
-    p.tma_dorows = a.teacher_only ? q.copy
-                                  : make_row_load<Element>(a.c.dout, a.c.Hq, a.batched, a.c.seqs.seqlen,
-                                                           a.c.seqs.batch, a.total).copy;
-    p.rows_shape = q.shape;
-  }
-#endif
   launch_fused<Element, kDet>(p, stream);
 }
 
