@@ -26,6 +26,21 @@
 #include "cuda/fwd/fwd.h"
 #include "cuda/ptx/cp_async.cuh"
 
+// FLASHMSA_FWD_WG_RINGS (a build knob for measurements, default 0; docs/kernels/fwd.md, "Session 18"):
+// each consumer warpgroup streams its own list, the union entries that one of its own tokens
+// selected (m3 random: 2.89 x topk blocks instead of the tile's 4.50), through its own K and V
+// rings of one stage each (stage w of the two-stage buffers), fed by two producer threads of its
+// own (K: warp 2w, V: warp 2w + 1, lane 0). No entry is skipped inside a stream, so no stage is
+// held across a skip (session 10's per-warpgroup lists over one stream paid for that). The
+// consumer loop is sequential per block (S, softmax, P V), FlashAttention-2's order: with one stage
+// per ring, K_{n+1} loads under softmax_n and P_n V_n, V_n under S_n and softmax_n, and the two
+// warpgroups run desynchronised. Each warpgroup loads its own copy of a shared block. Measured:
+// m3 32k random 15% faster (160 effective TF/s), clustered 8% and dense 17% slower, fmsa random
+// 12% slower; choosing per tile inside one kernel spilled (bench/probes/fwd-wg-rings-per-tile.patch).
+#ifndef FLASHMSA_FWD_WG_RINGS
+#define FLASHMSA_FWD_WG_RINGS 0
+#endif
+
 namespace flashmsa::cuda::attn_fwd {
 
 template <class Element>
@@ -45,6 +60,7 @@ struct Config {
   static constexpr int kThreads = kCtaThreads, kStages = 2;  // producer warpgroup + 2 consumer warpgroups
   static constexpr int kConsumers = kConsumerThreads;
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+  using Ring = cutlass::PipelineTmaAsync<1>;  // FLASHMSA_FWD_WG_RINGS: one stage per warpgroup
   using SmemLayoutQ = SwizzledTile<Element, kBlockM, kHeadDim>;
   using SmemLayoutKV = SwizzledTiles<Element, kBlockN, kHeadDim, kStages>;
   // V^T view (d, keys, stage) of the same memory, for the B operand of O += P V.
@@ -61,6 +77,11 @@ struct Config {
     uint32_t tokmask[kMaxUnion][kBlockM / 32];
     typename Pipeline::SharedStorage pipe_k, pipe_v;
     int ulen;
+#if FLASHMSA_FWD_WG_RINGS
+    int16_t wlist[kConsumerWarpGroups][kMaxUnion];  // per warpgroup: the union entries its tokens selected
+    int wlen[kConsumerWarpGroups];
+    typename Ring::SharedStorage ring_k[kConsumerWarpGroups], ring_v[kConsumerWarpGroups];
+#endif
   };
   static constexpr size_t kSmemBytes = sizeof(Smem) + 1024;
   static_assert(kSmemBytes <= kMaxSmemBytes, "shared-memory plan over the SM's 227 KB");
@@ -143,6 +164,37 @@ __global__ void __launch_bounds__(kCtaThreads, 1) fwd_kernel(const __grid_consta
   }
   __syncthreads();
   const int ulen = S.ulen;
+#if FLASHMSA_FWD_WG_RINGS
+  static_assert(kConsumerWarpGroups == 2 && C::kBlockM == 128, "two warpgroups of 64 rows");
+  // warp w (w < 2) lists the union entries that a token of warpgroup w's rows selected: rows
+  // 64 w .. 64 w + 63, tokens row / R (dense: every entry, not stored: entry k is block k)
+  if (tid < 64) {
+    const int w = tid / 32;
+    const int t_lo = (64 * w) / p.R, t_hi = min((64 * w + 63) / p.R, ntok - 1);
+    uint32_t wmask[C::kBlockM / 32];
+#pragma unroll
+    for (int x = 0; x < C::kBlockM / 32; ++x) {
+      const int lo = max(t_lo - 32 * x, 0), hi = min(t_hi - 32 * x, 31);  // bits lo..hi of word x
+      wmask[x] = hi < lo ? 0u : (hi - lo == 31 ? 0xffffffffu : ((1u << (hi - lo + 1)) - 1u) << lo);
+    }
+    int n = 0;
+    for (int q0 = 0; q0 < ulen; q0 += 32) {
+      const int qi = q0 + lane;
+      bool take = false;
+      if (qi < ulen) {
+        if (dense) take = true;
+        else {
+#pragma unroll
+          for (int x = 0; x < C::kBlockM / 32; ++x) take = take || (S.tokmask[qi][x] & wmask[x]) != 0u;
+        }
+      }
+      const uint32_t bal = __ballot_sync(0xffffffffu, take);
+      if (take && !dense) S.wlist[w][n + __popc(bal & ((1u << lane) - 1u))] = int16_t(qi);  // (dense: entry k is k)
+      n += __popc(bal);
+    }
+    if (lane == 0) S.wlen[w] = n;
+  }
+#endif
 
   // ---- pipelines (FlashAttention-3's): K and V separately, so that K_{n+1} streams in while V_n
   // is still read; warpgroup 0 produces, warpgroups 1 and 2 consume ----
@@ -153,9 +205,22 @@ __global__ void __launch_bounds__(kCtaThreads, 1) fwd_kernel(const __grid_consta
   pp.is_leader = tid == 0;
   pp.num_consumers = C::kConsumers;
   pp.transaction_bytes = C::kBlockN * C::kHeadDim * sizeof(Element);
+#if FLASHMSA_FWD_WG_RINGS
+  // ring w: K issued by warp 2w's lane 0, V by warp 2w + 1's; consumed by warpgroup w + 1. Warp 0
+  // initialises the four; the loops use their two barriers directly (a one-stage ring's phase is
+  // the block's parity)
+  typename C::Ring::Params rp;  // (for the barrier counts: one producer arrival, 128 consumer arrivals)
+  rp.num_consumers = kWarpGroupThreads;
+#pragma unroll
+  for (int w = 0; w < kConsumerWarpGroups; ++w) {
+    C::Ring::init_barriers(S.ring_k[w], rp, Shape<_1, _1, _1>{});
+    C::Ring::init_barriers(S.ring_v[w], rp, Shape<_1, _1, _1>{});
+  }
+#endif
   Pipeline pipe_k(S.pipe_k, pp, Shape<_1, _1, _1>{});
   Pipeline pipe_v(S.pipe_v, pp, Shape<_1, _1, _1>{});
   __syncthreads();  // barrier initialisation visible to every thread
+  constexpr bool rings = FLASHMSA_FWD_WG_RINGS != 0;
   auto block_of = [&](int qi) { return dense ? qi : S.ulist[qi]; };  // the qi-th block of the union
 
   Tensor sK = make_tensor(make_smem_ptr(S.k.data()), typename C::SmemLayoutKV{});
@@ -164,6 +229,26 @@ __global__ void __launch_bounds__(kCtaThreads, 1) fwd_kernel(const __grid_consta
 
   if (role_wg == 0) {  // ---- producer ----
     cutlass::arch::warpgroup_reg_dealloc<kFwdRegs.producer>();
+#if FLASHMSA_FWD_WG_RINGS
+    if (rings) {
+      if (lane == 0) {  // warp x: ring x / 2, K (even) or V (odd), into stage x / 2
+        const int x = tid / 32, w = x / 2;
+        const bool is_v = x % 2 == 1;
+        auto& ring = is_v ? S.ring_v[w] : S.ring_k[w];  // one stage: its barriers by phase parity
+        const auto& tma = is_v ? p.tma_v : p.tma_k;
+        Tensor tg = tma_blocks(tma, p.tma_shape_k, kvh, b, s0, p.batched);  // (TMA, block)
+        Tensor ts = tma_stages(tma, is_v ? sV : sK);                        // (TMA, stage)
+        const int n = S.wlen[w];
+        for (int k = 0; k < n; ++k) {
+          const int j = block_of(dense ? k : S.wlist[w][k]);
+          ring.empty_barrier_[0].wait(uint32_t(k & 1) ^ 1u);  // the stage released (k = 0: at once)
+          ring.full_barrier_[0].arrive_and_expect_tx(C::kBlockN * C::kHeadDim * uint32_t(sizeof(Element)));
+          copy(tma.with(*reinterpret_cast<uint64_t*>(&ring.full_barrier_[0])), tg(_, j), ts(_, w));
+        }
+      }
+      return;
+    }
+#endif
     if (tid == 0) {
       Tensor tKg = tma_blocks(p.tma_k, p.tma_shape_k, kvh, b, s0, p.batched);  // (TMA, block)
       Tensor tKs = tma_stages(p.tma_k, sK);                                      // (TMA, stage)
@@ -297,6 +382,26 @@ __global__ void __launch_bounds__(kCtaThreads, 1) fwd_kernel(const __grid_consta
   // Intra-warpgroup overlap (FlashAttention-3): S_n = Q K_n^T is issued before O += P_{n-1}
   // V_{n-1}, and the softmax of S_n runs while the P V GEMM does. (FlashAttention-3's ping-pong
   // of the two warpgroups measured slower here: docs/kernels/fwd.md.)
+#if FLASHMSA_FWD_WG_RINGS
+  if (rings) {
+    auto& rk = S.ring_k[wg];
+    auto& rv = S.ring_v[wg];
+    const int n = S.wlen[wg];
+    for (int k = 0; k < n; ++k) {
+      const int qi = dense ? k : S.wlist[wg][k];
+      const uint32_t phase = uint32_t(k & 1);
+      rk.full_barrier_[0].wait(phase);
+      wg_gemm<true>(mma_qk, tSrQ, tSrK(_, _, _, wg), accS);
+      rk.empty_barrier_[0].arrive();
+      softmax(qi);
+      rescale_o();
+      to_p();
+      rv.full_barrier_[0].wait(phase);
+      wg_gemm<false>(mma_pv, tOrP, tOrVt(_, _, _, wg), accO);
+      rv.empty_barrier_[0].arrive();
+    }
+  } else {
+#endif
   typename Pipeline::PipelineState sk, sv;  // consumer start: index 0, phase 0
   if (ulen > 0) {
     pipe_k.consumer_wait(sk);
@@ -333,6 +438,9 @@ __global__ void __launch_bounds__(kCtaThreads, 1) fwd_kernel(const __grid_consta
     wg_gemm_done(mma_pv, tOrP, accO);
     pipe_v.consumer_release(sv);
   }
+#if FLASHMSA_FWD_WG_RINGS
+  }
+#endif
 
   // ---- epilogue: normalise, stage O through smem (this warpgroup's Q rows), store ----
   float row_lse[2];
