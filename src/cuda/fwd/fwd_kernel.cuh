@@ -220,7 +220,9 @@ __global__ void __launch_bounds__(kCtaThreads, 1) fwd_kernel(const __grid_consta
   Pipeline pipe_k(S.pipe_k, pp, Shape<_1, _1, _1>{});
   Pipeline pipe_v(S.pipe_v, pp, Shape<_1, _1, _1>{});
   __syncthreads();  // barrier initialisation visible to every thread
-  constexpr bool rings = FLASHMSA_FWD_WG_RINGS != 0;
+#if FLASHMSA_FWD_WG_RINGS
+  constexpr bool rings = true;  // (bench/probes/fwd-wg-rings-per-tile.patch: a per-tile choice)
+#endif
   auto block_of = [&](int qi) { return dense ? qi : S.ulist[qi]; };  // the qi-th block of the union
 
   Tensor sK = make_tensor(make_smem_ptr(S.k.data()), typename C::SmemLayoutKV{});
