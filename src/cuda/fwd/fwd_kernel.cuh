@@ -37,6 +37,10 @@
 // warpgroups run desynchronised. Each warpgroup loads its own copy of a shared block. Measured:
 // m3 32k random 15% faster (160 effective TF/s), clustered 8% and dense 17% slower, fmsa random
 // 12% slower; choosing per tile inside one kernel spilled (bench/probes/fwd-wg-rings-per-tile.patch).
+// FLASHMSA_FWD_WG_RINGS=2 (prepared in session 18, not run yet): the same rings with two 64-key stages each
+// (the same 128 KB: the K and V buffers as four 64-key stages, 2w and 2w + 1 for warpgroup w), loaded as
+// half-blocks by 64-token TMA boxes, so that the consumer loop keeps FlashAttention-3's overlap per half-block
+// (S of half h issued before P V of half h - 1).
 #ifndef FLASHMSA_FWD_WG_RINGS
 #define FLASHMSA_FWD_WG_RINGS 0
 #endif
@@ -50,7 +54,7 @@ struct Config;
 template <class Element>
 struct Params : Args {
   using StageLayout = decltype(cute::take<0, 2>(typename Config<Element>::SmemLayoutKV{}));
-  TmaBlockLoad<Element, StageLayout> tma_k, tma_v;
+  TmaBlockLoad<Element, StageLayout, Config<Element>::kStageKeys> tma_k, tma_v;
   TmaShape tma_shape_k;
 };
 
@@ -58,15 +62,19 @@ template <class Element>
 struct Config {
   static constexpr int kBlockM = kConsumerWarpGroups * kWgmmaM, kBlockN = kBlockKeys, kHeadDim = kHeadDimInst;
   static constexpr int kThreads = kCtaThreads, kStages = 2;  // producer warpgroup + 2 consumer warpgroups
+  // the K and V buffers' stages: two of 128 keys, or (ring knob 2) four of 64 keys in the same bytes
+  static constexpr int kStageKeys = FLASHMSA_FWD_WG_RINGS == 2 ? kBlockN / 2 : kBlockN,
+                       kStagesKV = kStages * kBlockN / kStageKeys;
   static constexpr int kConsumers = kConsumerThreads;
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
-  using Ring = cutlass::PipelineTmaAsync<1>;  // FLASHMSA_FWD_WG_RINGS: one stage per warpgroup
+  // FLASHMSA_FWD_WG_RINGS: a ring per warpgroup, one 128-key stage (1) or two 64-key stages (2)
+  using Ring = cutlass::PipelineTmaAsync<kStagesKV / kConsumerWarpGroups>;
   using SmemLayoutQ = SwizzledTile<Element, kBlockM, kHeadDim>;
-  using SmemLayoutKV = SwizzledTiles<Element, kBlockN, kHeadDim, kStages>;
+  using SmemLayoutKV = SwizzledTiles<Element, kStageKeys, kHeadDim, kStagesKV>;
   // V^T view (d, keys, stage) of the same memory, for the B operand of O += P V.
-  using SmemLayoutVt = TransposedViews<SmemLayoutKV, kBlockN, kHeadDim, kStages>;
-  using MmaQK = SsMma<Element, 64, kBlockN, kHeadDim>;
-  using MmaPV = RsMma<Element, 64, kHeadDim, kBlockN, cute::GMMA::Major::K, cute::GMMA::Major::MN>;
+  using SmemLayoutVt = TransposedViews<SmemLayoutKV, kStageKeys, kHeadDim, kStagesKV>;
+  using MmaQK = SsMma<Element, 64, kStageKeys, kHeadDim>;
+  using MmaPV = RsMma<Element, 64, kHeadDim, kStageKeys, cute::GMMA::Major::K, cute::GMMA::Major::MN>;
   struct Smem {
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>, 1024> q;  // reused for O
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>, 1024> k;
@@ -233,6 +241,24 @@ __global__ void __launch_bounds__(kCtaThreads, 1) fwd_kernel(const __grid_consta
     cutlass::arch::warpgroup_reg_dealloc<kFwdRegs.producer>();
 #if FLASHMSA_FWD_WG_RINGS
     if (rings) {
+#if FLASHMSA_FWD_WG_RINGS == 2
+      if (lane == 0) {  // warp x: ring x / 2, K (even) or V (odd); half h into 64-key stage 2 (x / 2) + h % 2
+        const int x = tid / 32, w = x / 2;
+        const bool is_v = x % 2 == 1;
+        auto& ring = is_v ? S.ring_v[w] : S.ring_k[w];
+        const auto& tma = is_v ? p.tma_v : p.tma_k;
+        Tensor tg = tma_blocks<C::kStageKeys>(tma, p.tma_shape_k, kvh, b, s0, p.batched);  // (TMA, half-block)
+        Tensor ts = tma_stages(tma, is_v ? sV : sK);                                      // (TMA, 64-key stage)
+        const int n = S.wlen[w];
+        for (int h = 0; h < 2 * n; ++h) {
+          const int k = h / 2, st = h % 2;  // the ring's stage st, for the k-th time
+          const int j = block_of(dense ? k : S.wlist[w][k]);
+          ring.empty_barrier_[st].wait(uint32_t(k & 1) ^ 1u);  // released (first use: at once)
+          ring.full_barrier_[st].arrive_and_expect_tx(C::kStageKeys * C::kHeadDim * uint32_t(sizeof(Element)));
+          copy(tma.with(*reinterpret_cast<uint64_t*>(&ring.full_barrier_[st])), tg(_, 2 * j + st), ts(_, 2 * w + st));
+        }
+      }
+#else
       if (lane == 0) {  // warp x: ring x / 2, K (even) or V (odd), into stage x / 2
         const int x = tid / 32, w = x / 2;
         const bool is_v = x % 2 == 1;
@@ -248,9 +274,11 @@ __global__ void __launch_bounds__(kCtaThreads, 1) fwd_kernel(const __grid_consta
           copy(tma.with(*reinterpret_cast<uint64_t*>(&ring.full_barrier_[0])), tg(_, j), ts(_, w));
         }
       }
+#endif
       return;
     }
 #endif
+#if FLASHMSA_FWD_WG_RINGS != 2
     if (tid == 0) {
       Tensor tKg = tma_blocks(p.tma_k, p.tma_shape_k, kvh, b, s0, p.batched);  // (TMA, block)
       Tensor tKs = tma_stages(p.tma_k, sK);                                      // (TMA, stage)
@@ -268,6 +296,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) fwd_kernel(const __grid_consta
         ++sv;
       }
     }
+#endif
     return;
   }
 
@@ -300,12 +329,12 @@ __global__ void __launch_bounds__(kCtaThreads, 1) fwd_kernel(const __grid_consta
   Tensor tSrQ = thr_qk.partition_fragment_A(sQw);
   Tensor tSrK = thr_qk.partition_fragment_B(sK);
   Tensor tOrVt = thr_pv.partition_fragment_B(sVt);
-  Tensor accS = partition_fragment_C(mma_qk, Shape<_64, Int<C::kBlockN>>{});
+  Tensor accS = partition_fragment_C(mma_qk, Shape<_64, Int<C::kStageKeys>>{});
   Tensor accO = partition_fragment_C(mma_pv, Shape<_64, Int<C::kHeadDim>>{});
   clear(accO);
   Tensor sRC = make_tensor(accS.data(), acc_rowcol(accS.layout()));
   Tensor oRC = make_tensor(accO.data(), acc_rowcol(accO.layout()));
-  Tensor cS = thr_qk.partition_C(make_identity_tensor(Shape<_64, Int<C::kBlockN>>{}));
+  Tensor cS = thr_qk.partition_C(make_identity_tensor(Shape<_64, Int<C::kStageKeys>>{}));
   Tensor cRC = make_tensor(cS.data(), acc_rowcol(cS.layout()));
   Tensor rP = make_tensor_like<Element>(accS);  // P (bf16/fp16): the A operand of O += P V
   Tensor tOrP = make_tensor(rP.data(), acc_to_a_regs(rP.layout()));
@@ -327,17 +356,18 @@ __global__ void __launch_bounds__(kCtaThreads, 1) fwd_kernel(const __grid_consta
   // pays no exp; online softmax with the running max exact (Train) or lazily rescaled (Infer).
   // scale_o: the factor that brings O (accumulated against the previous max) to the new one,
   // applied before the next O += P V.
-  auto softmax = [&](int qi) {
-    const int64_t key0 = int64_t(block_of(qi)) * C::kBlockN;
+  // (generic over the block's width and its accumulator: the ring knob's 64-key halves use it too)
+  auto softmax_w = [&](auto& sRC, const auto& cRC, auto width, int qi, int64_t key0) {
+    constexpr int kW = decltype(width)::value;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       bool sel = row_tok[r] < ntok;  // rows past the tile see nothing
       if (sel && !dense) sel = ((S.tokmask[qi][row_tok[r] / 32] >> (row_tok[r] % 32)) & 1u) != 0u;
       const int64_t last = row_pos[r] - key0;  // the row's own position within the block
-      const int lim = !sel || last < 0 ? -1 : last >= C::kBlockN - 1 ? C::kBlockN - 1 : int(last);
+      const int lim = !sel || last < 0 ? -1 : last >= kW - 1 ? kW - 1 : int(last);
       float mx = -INFINITY;
       if (lim >= 0) {
-        if (lim < C::kBlockN - 1) {
+        if (lim < kW - 1) {
 #pragma unroll
           for (int c = 0; c < size<1>(sRC); ++c)
             if (get<1>(cRC(r, c)) > lim) sRC(r, c) = -INFINITY;
@@ -370,6 +400,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) fwd_kernel(const __grid_consta
       row_sum[r] = row_sum[r] * scale_o[r] + sum;  // partial per thread; reduced at the end
     }
   };
+  auto softmax = [&](int qi) { softmax_w(sRC, cRC, Int<C::kBlockN>{}, qi, int64_t(block_of(qi)) * C::kBlockN); };
   auto rescale_o = [&] {
     if (scale_o[0] == 1.f && scale_o[1] == 1.f) return;  // (the max did not move)
 #pragma unroll
@@ -384,7 +415,48 @@ __global__ void __launch_bounds__(kCtaThreads, 1) fwd_kernel(const __grid_consta
   // Intra-warpgroup overlap (FlashAttention-3): S_n = Q K_n^T is issued before O += P_{n-1}
   // V_{n-1}, and the softmax of S_n runs while the P V GEMM does. (FlashAttention-3's ping-pong
   // of the two warpgroups measured slower here: docs/kernels/fwd.md.)
-#if FLASHMSA_FWD_WG_RINGS
+#if FLASHMSA_FWD_WG_RINGS == 2
+  if (rings) {
+    // 64-key halves with FlashAttention-3's overlap: S of half h issued before P V of half h - 1
+    // (the kernel's S, P and stage tensors are the halves' here: C::kStageKeys = 64)
+    auto& rk = S.ring_k[wg];
+    auto& rv = S.ring_v[wg];
+    const int nh = 2 * S.wlen[wg];
+    auto full = [&](auto& ring, int h) { ring.full_barrier_[h % 2].wait(uint32_t((h / 2) & 1)); };
+    auto half_softmax = [&](int h) {
+      const int qi = dense ? h / 2 : S.wlist[wg][h / 2];
+      softmax_w(sRC, cRC, Int<C::kStageKeys>{}, qi, int64_t(block_of(qi)) * C::kBlockN + C::kStageKeys * (h % 2));
+    };
+    if (nh > 0) {
+      full(rk, 0);
+      wg_gemm<true>(mma_qk, tSrQ, tSrK(_, _, _, 2 * wg), accS);
+      rk.empty_barrier_[0].arrive();
+      half_softmax(0);
+      to_p();
+    }
+    for (int h = 1; h < nh; ++h) {
+      full(rk, h);
+      wg_gemm_issue<true>(mma_qk, tSrQ, tSrK(_, _, _, 2 * wg + h % 2), accS);
+      rescale_o();
+      full(rv, h - 1);
+      wg_gemm_issue<false>(mma_pv, tOrP, tOrVt(_, _, _, 2 * wg + (h - 1) % 2), accO);
+      warpgroup_wait<1>();  // S of half h is in; P V of half h - 1 may still run
+      wg_gemm_done(mma_qk, tSrQ, accS);
+      rk.empty_barrier_[h % 2].arrive();
+      half_softmax(h);
+      warpgroup_wait<0>();
+      wg_gemm_done(mma_pv, tOrP, accO);
+      rv.empty_barrier_[(h - 1) % 2].arrive();
+      to_p();
+    }
+    if (nh > 0) {
+      rescale_o();
+      full(rv, nh - 1);
+      wg_gemm<false>(mma_pv, tOrP, tOrVt(_, _, _, 2 * wg + (nh - 1) % 2), accO);
+      rv.empty_barrier_[(nh - 1) % 2].arrive();
+    }
+  }
+#elif FLASHMSA_FWD_WG_RINGS
   if (rings) {
     auto& rk = S.ring_k[wg];
     auto& rv = S.ring_v[wg];
@@ -404,6 +476,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) fwd_kernel(const __grid_consta
     }
   } else {
 #endif
+#if FLASHMSA_FWD_WG_RINGS != 2
   typename Pipeline::PipelineState sk, sv;  // consumer start: index 0, phase 0
   if (ulen > 0) {
     pipe_k.consumer_wait(sk);
@@ -440,7 +513,8 @@ __global__ void __launch_bounds__(kCtaThreads, 1) fwd_kernel(const __grid_consta
     wg_gemm_done(mma_pv, tOrP, accO);
     pipe_v.consumer_release(sv);
   }
-#if FLASHMSA_FWD_WG_RINGS
+#endif
+#if FLASHMSA_FWD_WG_RINGS == 1
   }
 #endif
 
@@ -519,8 +593,9 @@ void run(const Args& a, cudaStream_t stream) {
   using Stage = typename Params<Element>::StageLayout;
   Params<Element> p;
   static_cast<Args&>(p) = a;
-  const auto tk = make_block_load<Element, Stage>(a.k, a.Hkv, a.batched, a.seqs.seqlen, a.seqs.batch, a.total);
-  const auto tv = make_block_load<Element, Stage>(a.v, a.Hkv, a.batched, a.seqs.seqlen, a.seqs.batch, a.total);
+  constexpr int kRows = Config<Element>::kStageKeys;
+  const auto tk = make_block_load<Element, Stage, kRows>(a.k, a.Hkv, a.batched, a.seqs.seqlen, a.seqs.batch, a.total);
+  const auto tv = make_block_load<Element, Stage, kRows>(a.v, a.Hkv, a.batched, a.seqs.seqlen, a.seqs.batch, a.total);
   p.tma_k = tk.copy;
   p.tma_v = tv.copy;
   p.tma_shape_k = tk.shape;
