@@ -20,6 +20,7 @@
 #include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
+#include "cuda/common/exp2_poly.h"
 #include "cuda/common/seqlen.cuh"
 #include "cuda/common/tma.cuh"
 #include "cuda/common/utils.cuh"
@@ -29,34 +30,13 @@
 namespace flashmsa::cuda::selection {
 
 // FLASHMSA_SELECT_POLY = n (0..8, default 1): in the unmasked blocks' lse, n of every 8 columns of
-// a thread take exp2f_poly (the FMA pipe) instead of MUFU.EX2. Measured (docs/kernels/select.md,
-// session 18): n = 1 is 2-3.5% faster than n = 0 (MUFU only); n = 2 and 3 are slower than n = 0,
-// the polynomial's 11 issue slots per exp outweigh the MUFU time they save.
+// a thread take exp2f_poly (common/exp2_poly.h: the FMA pipe) instead of MUFU.EX2. Measured
+// (docs/kernels/select.md, session 18): n = 1 is 2-3.5% faster than n = 0 (MUFU only); n = 2 and 3
+// are slower than n = 0, the polynomial's 11 issue slots per exp outweigh the MUFU time they save.
 #ifndef FLASHMSA_SELECT_POLY
 #define FLASHMSA_SELECT_POLY 1
 #endif
 constexpr int kPolyCols = FLASHMSA_SELECT_POLY;
-
-// 2^x on the FMA pipe (FlashAttention-4 splits the softmax's exps between MUFU and the FMA
-// units), for x <= ~0: x rounded to the nearest integer j by the 1.5 * 2^23 shift (the sum's low
-// bits hold j + 127), 2^(x - j) by a degree-5 polynomial on [-0.5, 0.5] (max relative error
-// 2.0e-7 in fp32 Horner, as ex2.approx's), times 2^j made from those bits. x is clamped at -126
-// with max.NaN, so -inf gives 2^-126 (not 0) and NaN stays NaN (through the multiply). One FMNMX,
-// 3 FADD, 5 FFMA, an FMUL and a shift, where MUFU.EX2 runs at 16 per clock and SM (FMA: 128).
-__device__ __forceinline__ float exp2f_poly(float x) {
-  float xc;
-  asm("max.NaN.f32 %0, %1, %2;\n" : "=f"(xc) : "f"(x), "f"(-126.f));
-  constexpr float kShift = 12582912.f + 127.f;  // 1.5 * 2^23 + the exponent bias
-  const float t = xc + kShift;
-  const float f = xc - (t - kShift);
-  float p = 1.32823037e-3f;
-  p = fmaf(p, f, 9.67559032e-3f);
-  p = fmaf(p, f, 5.55069521e-2f);
-  p = fmaf(p, f, 2.40221187e-1f);
-  p = fmaf(p, f, 6.93147004e-1f);
-  p = fmaf(p, f, 1.00000012f);
-  return p * __int_as_float(__float_as_int(t) << 23);
-}
 
 template <class Element>
 struct Config;
