@@ -241,40 +241,23 @@ __global__ void __launch_bounds__(kCtaThreads, 1) fwd_kernel(const __grid_consta
     cutlass::arch::warpgroup_reg_dealloc<kFwdRegs.producer>();
 #if FLASHMSA_FWD_WG_RINGS
     if (rings) {
-#if FLASHMSA_FWD_WG_RINGS == 2
-      if (lane == 0) {  // warp x: ring x / 2, K (even) or V (odd); half h into 64-key stage 2 (x / 2) + h % 2
+      if (lane == 0) {  // warp x: ring x / 2, K (even) or V (odd); a block as kH stages of kStageKeys keys
+        constexpr int kH = C::kBlockN / C::kStageKeys;  // stages per block, and per ring (1, or 2 for knob 2)
         const int x = tid / 32, w = x / 2;
         const bool is_v = x % 2 == 1;
         auto& ring = is_v ? S.ring_v[w] : S.ring_k[w];
         const auto& tma = is_v ? p.tma_v : p.tma_k;
-        Tensor tg = tma_blocks<C::kStageKeys>(tma, p.tma_shape_k, kvh, b, s0, p.batched);  // (TMA, half-block)
-        Tensor ts = tma_stages(tma, is_v ? sV : sK);                                      // (TMA, 64-key stage)
+        Tensor tg = tma_blocks<C::kStageKeys>(tma, p.tma_shape_k, kvh, b, s0, p.batched);  // (TMA, stage-sized piece)
+        Tensor ts = tma_stages(tma, is_v ? sV : sK);                                      // (TMA, stage)
         const int n = S.wlen[w];
-        for (int h = 0; h < 2 * n; ++h) {
-          const int k = h / 2, st = h % 2;  // the ring's stage st, for the k-th time
+        for (int h = 0; h < kH * n; ++h) {
+          const int k = h / kH, st = h % kH;  // piece st of the k-th block, into the ring's stage st
           const int j = block_of(dense ? k : S.wlist[w][k]);
           ring.empty_barrier_[st].wait(uint32_t(k & 1) ^ 1u);  // released (first use: at once)
           ring.full_barrier_[st].arrive_and_expect_tx(C::kStageKeys * C::kHeadDim * uint32_t(sizeof(Element)));
-          copy(tma.with(*reinterpret_cast<uint64_t*>(&ring.full_barrier_[st])), tg(_, 2 * j + st), ts(_, 2 * w + st));
+          copy(tma.with(*reinterpret_cast<uint64_t*>(&ring.full_barrier_[st])), tg(_, kH * j + st), ts(_, kH * w + st));
         }
       }
-#else
-      if (lane == 0) {  // warp x: ring x / 2, K (even) or V (odd), into stage x / 2
-        const int x = tid / 32, w = x / 2;
-        const bool is_v = x % 2 == 1;
-        auto& ring = is_v ? S.ring_v[w] : S.ring_k[w];  // one stage: its barriers by phase parity
-        const auto& tma = is_v ? p.tma_v : p.tma_k;
-        Tensor tg = tma_blocks(tma, p.tma_shape_k, kvh, b, s0, p.batched);  // (TMA, block)
-        Tensor ts = tma_stages(tma, is_v ? sV : sK);                        // (TMA, stage)
-        const int n = S.wlen[w];
-        for (int k = 0; k < n; ++k) {
-          const int j = block_of(dense ? k : S.wlist[w][k]);
-          ring.empty_barrier_[0].wait(uint32_t(k & 1) ^ 1u);  // the stage released (k = 0: at once)
-          ring.full_barrier_[0].arrive_and_expect_tx(C::kBlockN * C::kHeadDim * uint32_t(sizeof(Element)));
-          copy(tma.with(*reinterpret_cast<uint64_t*>(&ring.full_barrier_[0])), tg(_, j), ts(_, w));
-        }
-      }
-#endif
       return;
     }
 #endif
@@ -357,7 +340,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) fwd_kernel(const __grid_consta
   // scale_o: the factor that brings O (accumulated against the previous max) to the new one,
   // applied before the next O += P V.
   // (generic over the block's width and its accumulator: the ring knob's 64-key halves use it too)
-  auto softmax_w = [&](auto& sRC, const auto& cRC, auto width, int qi, int64_t key0) {
+  auto softmax_w = [&](auto& acc, const auto& crd, auto width, int qi, int64_t key0) {
     constexpr int kW = decltype(width)::value;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -369,16 +352,16 @@ __global__ void __launch_bounds__(kCtaThreads, 1) fwd_kernel(const __grid_consta
       if (lim >= 0) {
         if (lim < kW - 1) {
 #pragma unroll
-          for (int c = 0; c < size<1>(sRC); ++c)
-            if (get<1>(cRC(r, c)) > lim) sRC(r, c) = -INFINITY;
+          for (int c = 0; c < size<1>(acc); ++c)
+            if (get<1>(crd(r, c)) > lim) acc(r, c) = -INFINITY;
         }
 #pragma unroll
-        for (int c = 0; c < size<1>(sRC); ++c) mx = fmaxf(mx, sRC(r, c));
+        for (int c = 0; c < size<1>(acc); ++c) mx = fmaxf(mx, acc(r, c));
       }
       mx = quad_max(mx);  // (all lanes: a quad shares its rows, so lim is quad-uniform)
       if (lim < 0) {  // nothing of this block: P = 0, max and sum unchanged
 #pragma unroll
-        for (int c = 0; c < size<1>(sRC); ++c) sRC(r, c) = 0.f;
+        for (int c = 0; c < size<1>(acc); ++c) acc(r, c) = 0.f;
         scale_o[r] = 1.f;
         continue;
       }
@@ -392,9 +375,9 @@ __global__ void __launch_bounds__(kCtaThreads, 1) fwd_kernel(const __grid_consta
       const float ms = (m_new == -INFINITY) ? 0.f : m_new * sl2;
       float sum = 0.f;
 #pragma unroll
-      for (int c = 0; c < size<1>(sRC); ++c) {
-        const float e = ptx::exp2f_approx(sRC(r, c) * sl2 - ms);
-        sRC(r, c) = e;
+      for (int c = 0; c < size<1>(acc); ++c) {
+        const float e = ptx::exp2f_approx(acc(r, c) * sl2 - ms);
+        acc(r, c) = e;
         sum += e;
       }
       row_sum[r] = row_sum[r] * scale_o[r] + sum;  // partial per thread; reduced at the end
