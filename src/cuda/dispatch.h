@@ -24,6 +24,7 @@
 #include "cuda/common/element.h"
 #include "cuda/common/error.cuh"
 #include "cuda/common/guard.cuh"
+#include "cuda/fwd/fwd.h"
 #include "cuda/select/select.h"
 
 namespace flashmsa::cuda {
@@ -126,6 +127,22 @@ size_t guard_bytes(const Geometry& g);
 constexpr int kKlSegment = 1024;
 int kl_ctas(const Geometry& g);
 int kl_segment(const Geometry& g);
+// The forward's kernel choice in SPARSE/GIVEN mode (FLASHMSA_FWD_RINGS, for tests and tuning;
+// docs/kernels/fwd.md): unset or "auto": the router decides per tile at its default ratio where a
+// warpgroup holds at most kRingsMaxTokens tokens (R >= 8), else the shared stream; a ratio "0.x"
+// (1 to 3 digits): the router at that ratio, whatever R; "0": the shared-stream kernel only; "1":
+// the per-warpgroup rings kernel only. Anything else: FLASHMSA_ERROR_INVALID_ARGUMENT.
+// kRingsMaxTokens (session 19, H200): with 16 tokens per warpgroup (fmsa, R = 4) a warpgroup's
+// list is nearly the tile's union even for random selections (the rings 12% slower on all tiles),
+// and the router's fixed cost (its kernel and a second launch, ~20 us) was +2.5% at fmsa 16k.
+constexpr int kRingsMaxTokens = 8;
+enum FwdRingsKind { kRingsAuto, kRingsNever, kRingsAlways };
+struct FwdRings {
+  FwdRingsKind kind = kRingsAuto;
+  int ratio_permille = attn_fwd::kRingRatioPermille;
+  bool ratio_given = false;  // a ratio in FLASHMSA_FWD_RINGS: route whatever R
+};
+FwdRings fwd_rings_policy();
 attn_bwd::InversionArgs inversion_args(const int32_t* idx, int64_t idx_head, int64_t idx_tok,
                                        const flashmsa_tensor_t& cu, const Geometry& g);
 
@@ -151,6 +168,7 @@ BwdLayout bwd_layout(const flashmsa_bwd_args_t& a, const Geometry& g);
 // then for compute_kl the padded lse2, the inversion, the proxy lse (when not an output), the kl
 // partials, the teacher scratch and the item counter.
 struct FwdLayout {
+  size_t route = 0;  // the forward router's per-tile bytes (SPARSE/GIVEN)
   size_t idx = 0, lse2 = 0, inv = 0, plse = 0, kl = 0, teach = 0, next_item = 0, total = 0;
   int kl_seg = 0, kl_ctas = 0;  // as in BwdLayout
   int64_t padded = 0;

@@ -8,8 +8,11 @@ namespace flashmsa::cuda {
 
 namespace {
 
+// The main forward. SPARSE/GIVEN: the shared-stream kernel, the per-warpgroup rings kernel, or (by
+// default where R >= 8, FLASHMSA_FWD_RINGS) both over one grid, each running the tiles that the
+// router gave it (fwd/fwd_route.cu; `route`: the workspace's byte per tile). DENSE: the shared stream.
 void run_fwd(const flashmsa_fwd_args_t& a, const Geometry& g, const int32_t* idx, int64_t idx_head,
-             int64_t idx_tok, cudaStream_t st) {
+             int64_t idx_tok, uint8_t* route, cudaStream_t st) {
   attn_fwd::Args p;
   p.q = token_tensor<const void>(a.q, g);
   p.k = token_tensor<const void>(a.k, g);
@@ -32,9 +35,19 @@ void run_fwd(const flashmsa_fwd_args_t& a, const Geometry& g, const int32_t* idx
   p.scale = float(g.scale);
   p.num_m_tiles = int((g.max_seqlen + p.NT - 1) / p.NT);
   p.total = g.total;
+  const FwdRings rings = fwd_rings_policy();
+  FwdRingsKind policy = idx == nullptr ? kRingsNever : rings.kind;
+  if (policy == kRingsAuto && !rings.ratio_given && attn_fwd::kRowsPerWarpGroup / p.R > kRingsMaxTokens)
+    policy = kRingsNever;
+  if (policy == kRingsAuto) {
+    attn_fwd::launch_route(p, rings.ratio_permille, route, st);
+    p.route = route;
+  }
   by_dtype(dtype_of(g), [&](auto D) {
-    if (a.numerics == FLASHMSA_NUMERICS_INFER) attn_fwd::run<decltype(D)::value, true>(p, st);
-    else attn_fwd::run<decltype(D)::value, false>(p, st);
+    constexpr Dtype d = decltype(D)::value;
+    const bool lazy = a.numerics == FLASHMSA_NUMERICS_INFER;
+    if (policy != kRingsAlways) lazy ? attn_fwd::run<d, true, false>(p, st) : attn_fwd::run<d, false, false>(p, st);
+    if (policy != kRingsNever) lazy ? attn_fwd::run<d, true, true>(p, st) : attn_fwd::run<d, false, true>(p, st);
   });
 }
 
@@ -132,7 +145,7 @@ void fwd(const flashmsa_fwd_args_t& user, const Geometry& g, void* ws_raw, size_
     }
   }
 
-  run_fwd(a, g, idx, idx_head, idx_tok, st);
+  run_fwd(a, g, idx, idx_head, idx_tok, reinterpret_cast<uint8_t*>(ws + l.route), st);
   if (a.compute_kl) run_fwd_kl(a, g, idx, idx_head, idx_tok, plse_t, ws, l, st);
   finish_guard(gd, st);
 }

@@ -38,6 +38,29 @@ int kl_segment(const Geometry& g) {
   return int((seg + 63) / 64 * 64);
 }
 
+FwdRings fwd_rings_policy() {
+  FwdRings r;
+  const char* e = std::getenv("FLASHMSA_FWD_RINGS");
+  if (e == nullptr || *e == 0) return r;
+  const std::string v(e);
+  if (v == "auto") return r;
+  if (v == "0" || v == "1") {
+    r.kind = v == "0" ? kRingsNever : kRingsAlways;
+    return r;
+  }
+  if (v.size() >= 3 && v.size() <= 5 && v.compare(0, 2, "0.") == 0 &&
+      v.find_first_not_of("0123456789", 2) == std::string::npos) {  // a ratio 0.x, 0.xy or 0.xyz
+    int permille = 0;
+    for (size_t c = 2; c < 5; ++c) permille = permille * 10 + (c < v.size() ? v[c] - '0' : 0);
+    r.ratio_permille = permille;
+    r.ratio_given = true;
+    return r;
+  }
+  fail(FLASHMSA_ERROR_INVALID_ARGUMENT,
+       "FLASHMSA_FWD_RINGS: expected 'auto', a ratio '0.x' (1 to 3 digits), '0' (the shared-stream kernel) or '1' "
+       "(the rings kernel), got '" + v + "'");
+}
+
 namespace {
 // The kl side of a layout (forward's kl value, backward's proxy gradient): the proxy lse when it
 // is recomputed, the kl partials, and in SPARSE/GIVEN mode the teacher.
@@ -112,6 +135,11 @@ FwdLayout fwd_layout(const flashmsa_fwd_args_t& a, const Geometry& g) {
   FwdLayout l;
   size_t off = 0;
   auto take = [&](size_t bytes) { const size_t o = off; off += align_up(bytes); return o; };
+  if (a.mode != FLASHMSA_MODE_DENSE) {  // the router's byte per forward tile (fwd.cpp's grid)
+    fwd_rings_policy();                 // (a bad FLASHMSA_FWD_RINGS fails the query too)
+    const tiles::FwdTile t = tiles::fwd_tile(g, g.topk);
+    l.route = take(size_t((g.max_seqlen + t.NT - 1) / t.NT) * size_t(g.Hq / t.R) * size_t(g.batch));
+  }
   if (a.mode == FLASHMSA_MODE_SPARSE && !present(a.indices)) l.idx = take(size_t(g.Hp) * g.total * g.topk * 4);
   if (a.compute_kl) {
     l.padded = padded_total(g.total, g.batch, attn_bwd::kPadTile);

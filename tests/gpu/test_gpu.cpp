@@ -5,7 +5,9 @@
 #include <climits>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <numeric>
+#include <set>
 
 #include "cuda/bwd/bwd_params.cuh"  // fixed_unit (host and device)
 #include "gpu_harness.hpp"
@@ -1517,6 +1519,140 @@ TEST(Errors, BadSegmentKnob) {
     EXPECT_EQ(flashmsa_bwd(&r.b, nullptr, 0), FLASHMSA_ERROR_INVALID_ARGUMENT) << bad;
   }
   r.expect_untouched();
+}
+
+// ---- the forward's two kernels (fwd_kernel.cuh) and its router (fwd_route.cu) -----------------
+// In SPARSE/GIVEN mode a tile runs in the shared-stream kernel or in the per-warpgroup rings
+// kernel; by default the router picks per tile. A row that did not select a block adds exactly
+// nothing to its max, sum and O in either kernel, and every row sees its blocks in the same
+// (ascending) order, so the four choices (FLASHMSA_FWD_RINGS = 0, 1, auto, 0.8) must agree bit for
+// bit; the first also meets the fp64 bar. The given sets alternate, every 48 tokens, between
+// segments whose tokens share one list (the union is one token's list: the shared stream's case)
+// and drifting segments, a new random list every 1, 2 or 7 tokens (the rings' case when the two
+// warpgroups' tokens hold different lists), with junk slots and blocks past the query as in
+// run_given; the test counts the router's two cases on the host (the rule of fwd.h) and requires
+// both.
+int64_t host_routed_to_rings(const Problem& pb, const std::vector<int32_t>& idx, int K, int64_t& tiles) {
+  int R = std::gcd(pb.Hq / pb.Hp, pb.Hq / pb.Hkv);
+  if (R > 128) for (int d = 128; d >= 1; --d) if (R % d == 0) { R = d; break; }
+  const int NT = std::min(128 / R, 2048 / K);
+  const auto cu = pb.offsets();
+  const int64_t T = pb.total();
+  int64_t rings = 0;
+  tiles = 0;
+  for (size_t b = 0; b + 1 < cu.size(); ++b)
+    for (int unit = 0; unit < pb.Hq / R; ++unit) {
+      const int grp = unit * R / (pb.Hq / pb.Hp);
+      for (int64_t i0 = 0; i0 < cu[b + 1] - cu[b]; i0 += NT) {
+        std::set<int32_t> w[2];
+        for (int64_t i = i0; i < std::min<int64_t>(i0 + NT, cu[b + 1] - cu[b]); ++i)
+          for (int s = 0; s < K; ++s) {
+            const int32_t j = idx[(size_t(grp) * T + size_t(cu[b] + i)) * K + s];
+            if (j < 0 || j > i / 128) continue;
+            const int tok = int(i - i0);
+            if (tok * R < 64) w[0].insert(j);
+            if ((tok + 1) * R > 64) w[1].insert(j);
+          }
+        std::set<int32_t> u = w[0];
+        u.insert(w[1].begin(), w[1].end());
+        rings += !u.empty() && 1000 * std::max(w[0].size(), w[1].size()) <= 800 * u.size();
+        ++tiles;
+      }
+    }
+  return rings;
+}
+
+void run_routes(const Problem& pb0, flashmsa_numerics_t num) {
+  PoolScope scope;
+  std::mt19937_64 rng(fresh_seed());
+  Problem pb = pb0;
+  Inputs in = make_inputs(pb, rng);
+  const auto cu = pb.offsets();
+  const int64_t T = pb.total();
+  const int K = pb.topk;
+  const int32_t junk[] = {INT_MIN, -123456, -1, INT_MAX};
+  std::vector<int32_t> idx(size_t(pb.Hp) * T * K, -1);
+  for (int p = 0; p < pb.Hp; ++p)
+    for (size_t b = 0; b + 1 < cu.size(); ++b) {
+      const int64_t n = cu[b + 1] - cu[b], nb = (n + 127) / 128;
+      std::vector<int32_t> shared_list;
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t seg = i / 48;
+        const int64_t period = seg % 2 == 0 ? 48 : seg % 6 == 1 ? 1 : seg % 6 == 3 ? 2 : 7;
+        if ((i % 48) % period == 0) {  // a new list
+          shared_list.resize(static_cast<size_t>(nb));
+          std::iota(shared_list.begin(), shared_list.end(), 0);
+          std::shuffle(shared_list.begin(), shared_list.end(), rng);
+        }
+        const std::vector<int32_t>& list = shared_list;
+        int32_t* row = &idx[(size_t(p) * T + size_t(cu[b] + i)) * K];
+        for (int s = 0; s < K; ++s) {
+          const uint64_t dice = rng() % 16;
+          if (dice == 0) row[s] = junk[rng() % 4];
+          else if (dice == 1) row[s] = int32_t(nb + int64_t(rng() % 3));  // out of range
+          else if (size_t(s) < list.size()) row[s] = list[size_t(s)];     // may lie after the query
+          else row[s] = -1;
+        }
+      }
+    }
+  int64_t tiles = 0;
+  const int64_t rings = host_routed_to_rings(pb, idx, K, tiles);
+  std::printf("    tiles the router (0.8) sends to the rings kernel: %lld of %lld\n", (long long)rings, (long long)tiles);
+  EXPECT_GT(rings, 0) << "the inputs exercise no rings tile";
+  EXPECT_LT(rings, tiles) << "the inputs exercise no shared-stream tile";
+  FwdRun r[4];
+  const char* policy[4] = {"0", "1", "auto", "0.8"};  // (0.8: the router at its default ratio, whatever R)
+  for (int x = 0; x < 4; ++x) {
+    ScopedEnv e("FLASHMSA_FWD_RINGS", policy[x]);
+    r[x] = run_fwd(pb, in, FwdCall().given(idx, K).with_numerics(num));
+    r[x].indices.host.assign(idx.begin(), idx.end());
+  }
+  check_forward(pb, in, r[0], FLASHMSA_MODE_GIVEN, K);
+  for (int x = 1; x < 4; ++x) {
+    int64_t diff_out = 0, diff_lse = 0;
+    for (size_t e = 0; e < r[0].out.host.size(); ++e)
+      diff_out += std::memcmp(&r[0].out.host[e], &r[x].out.host[e], sizeof(double)) != 0;
+    for (size_t e = 0; e < r[0].lse.host.size(); ++e)
+      diff_lse += std::memcmp(&r[0].lse.host[e], &r[x].lse.host[e], sizeof(double)) != 0;
+    EXPECT_EQ(diff_out, 0) << "FLASHMSA_FWD_RINGS=" << policy[x] << ": out differs from the shared stream's";
+    EXPECT_EQ(diff_lse, 0) << "FLASHMSA_FWD_RINGS=" << policy[x] << ": lse differs from the shared stream's";
+  }
+}
+// m3 (16 heads x 8 tokens per tile), fmsa (4 x 32, lazy numerics, fp16), 3 heads x 42 tokens (a
+// token's rows straddle the two warpgroups), odd lengths and an empty sequence
+TEST(Routes, M3Varlen) { run_routes(m3().with_topk(8).seqlens({1000, 0, 2333}), FLASHMSA_NUMERICS_TRAIN); }
+TEST(Routes, FmsaInferFp16) { run_routes(fmsa().with_topk(8).seqlens({1777, 129}).fp16(), FLASHMSA_NUMERICS_INFER); }
+TEST(Routes, Gcd3Straddle) {
+  run_routes(Problem().heads(12, 2).proxy_heads(4, 2).with_topk(4).seqlens({6001}), FLASHMSA_NUMERICS_TRAIN);
+}
+// A bad FLASHMSA_FWD_RINGS: the workspace query and the call refuse it, and nothing is written.
+TEST(Errors, BadRingsKnob) {
+  PoolScope scope;
+  std::mt19937_64 rng(fresh_seed());
+  const Problem pb = fmsa().with_topk(2).seqlens({300});
+  Inputs in = make_inputs(pb, rng);
+  const int64_t T = pb.total();
+  Tensor o = output(token_shape(pb, pb.Hq, pb.D), pb.dtype), l = output({pb.Hq, T}, FLASHMSA_DTYPE_FP32);
+  Tensor idx = output({pb.Hp, T, 2}, FLASHMSA_DTYPE_INT32);
+  cudaMemset(idx.dev, 0, idx.bytes());
+  flashmsa::FwdArgs a;
+  a.q = dev_view(in.q); a.k = dev_view(in.k); a.v = dev_view(in.v); a.qp = dev_view(in.qp); a.kp = dev_view(in.kp);
+  a.cu_seqlens = dev_view(in.cu);
+  a.max_seqlen = pb.max_len();
+  a.mode = FLASHMSA_MODE_GIVEN;
+  a.topk = 2;
+  a.indices = dev_view(idx); a.out = dev_view(o); a.lse = dev_view(l);
+  for (const char* bad : {"2", "yes", " 1", "auto ", "0.", "0.1234", "1.5", "0.5x"}) {
+    ScopedEnv e("FLASHMSA_FWD_RINGS", bad);
+    size_t bytes = 0;
+    EXPECT_EQ(flashmsa_fwd_workspace_size(&a, &bytes), FLASHMSA_ERROR_INVALID_ARGUMENT) << bad;
+    EXPECT_NE(std::string(flashmsa_last_error()).find("FLASHMSA_FWD_RINGS"), std::string::npos) << flashmsa_last_error();
+    EXPECT_EQ(flashmsa_fwd(&a, nullptr, 0), FLASHMSA_ERROR_INVALID_ARGUMENT) << bad;
+  }
+  for (Tensor* t : {&o, &l}) {
+    download(*t);
+    for (double x : t->host) ASSERT_TRUE(std::isnan(x)) << "output written by a refused call";
+  }
 }
 
 }  // namespace

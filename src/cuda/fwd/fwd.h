@@ -1,6 +1,8 @@
 // The main forward's launch interface as the dispatcher sees it (CuTe-free): plain arguments and
-// one run<Dtype, kLazyRescale>() per instantiation TU (fwd_{bf16,fp16}_{train,infer}.cu), which
-// builds the TMA descriptors of K and V and launches fwd_kernel (fwd_kernel.cuh).
+// one run<Dtype, kLazyRescale, kRings>() per instantiation TU (fwd_{bf16,fp16}_{train,infer}.cu: the
+// shared-stream kernel; fwd_*_rings.cu: the per-warpgroup rings kernel), which builds the TMA
+// descriptors of K and V and launches fwd_kernel (fwd_kernel.cuh); and the router (fwd_route.cu)
+// that, in sparse mode, sends each tile to one of the two kernels.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -30,9 +32,22 @@ struct Args {
   float scale = 0;
   int num_m_tiles = 0;
   int64_t total = 0;  // tokens of the per-token tensors (the TMA descriptors' extent)
+  // per tile (index (b * Hq / R + unit) * num_m_tiles + m_tile): 1 = the rings kernel's, 0 = the
+  // shared stream's; null: the launched kernel runs every tile
+  const uint8_t* route = nullptr;
 };
 
-template <Dtype, bool kLazyRescale>
+template <Dtype, bool kLazyRescale, bool kRings>
 void run(const Args& a, cudaStream_t stream);
+
+// Tiles of a launch (the route's entries).
+__host__ __device__ inline int64_t num_tiles(const Args& a) { return int64_t(a.num_m_tiles) * (a.Hq / a.R) * a.seqs.batch; }
+
+// The router (sparse mode): per tile, with n_w the blocks that warpgroup w's tokens selected and u
+// their union, the rings kernel when 1000 * max(n_0, n_1) <= ratio_permille * u. The default 0.8: a
+// ring block costs ~1.25x a shared-stream block (docs/kernels/fwd.md, sessions 18-19).
+constexpr int kRingRatioPermille = 800;
+constexpr int kRowsPerWarpGroup = 64;  // a consumer warpgroup's MMA rows (tokens row / R)
+void launch_route(const Args& a, int ratio_permille, uint8_t* route, cudaStream_t stream);
 
 }  // namespace flashmsa::cuda::attn_fwd

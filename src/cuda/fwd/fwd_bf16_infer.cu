@@ -1,4 +1,4 @@
 #include "cuda/fwd/fwd_kernel.cuh"
 namespace flashmsa::cuda::attn_fwd {
-template void run<Dtype::kBf16, true>(const Args&, cudaStream_t);
+template void run<Dtype::kBf16, true, false>(const Args&, cudaStream_t);
 }

@@ -26,24 +26,21 @@
 #include "cuda/fwd/fwd.h"
 #include "cuda/ptx/cp_async.cuh"
 
-// FLASHMSA_FWD_WG_RINGS (a build knob for measurements, default 0; docs/kernels/fwd.md, "Session 18"):
-// each consumer warpgroup streams its own list, the union entries that one of its own tokens
-// selected (m3 random: 2.89 x topk blocks instead of the tile's 4.50), through its own K and V
-// rings of one stage each (stage w of the two-stage buffers), fed by two producer threads of its
-// own (K: warp 2w, V: warp 2w + 1, lane 0). No entry is skipped inside a stream, so no stage is
-// held across a skip (session 10's per-warpgroup lists over one stream paid for that). The
-// consumer loop is sequential per block (S, softmax, P V), FlashAttention-2's order: with one stage
-// per ring, K_{n+1} loads under softmax_n and P_n V_n, V_n under S_n and softmax_n, and the two
-// warpgroups run desynchronised. Each warpgroup loads its own copy of a shared block. Measured:
-// m3 32k random 15% faster (160 effective TF/s), clustered 8% and dense 17% slower, fmsa random
-// 12% slower; choosing per tile inside one kernel spilled (bench/probes/fwd-wg-rings-per-tile.patch).
-// FLASHMSA_FWD_WG_RINGS=2 (prepared in session 18, not run yet): the same rings with two 64-key stages each
-// (the same 128 KB: the K and V buffers as four 64-key stages, 2w and 2w + 1 for warpgroup w), loaded as
-// half-blocks by 64-token TMA boxes, so that the consumer loop keeps FlashAttention-3's overlap per half-block
-// (S of half h issued before P V of half h - 1).
-#ifndef FLASHMSA_FWD_WG_RINGS
-#define FLASHMSA_FWD_WG_RINGS 0
-#endif
+// The rings kernel (kRings, the same template): each consumer warpgroup streams its own list, the
+// union entries that one of its own tokens selected (m3 random: 2.89 x topk blocks instead of the
+// tile's 4.50), through its own K and V rings of one stage each (stage w of the two-stage
+// buffers), fed by two producer threads of its own (K: warp 2w, V: warp 2w + 1, lane 0). No entry
+// is skipped inside a stream, so no stage is held across a skip (session 10's per-warpgroup lists
+// over one stream paid for that). The consumer loop is sequential per block (S, softmax, P V),
+// FlashAttention-2's order: with one stage per ring, K_{n+1} loads under softmax_n and P_n V_n,
+// V_n under S_n and softmax_n, and the two warpgroups run desynchronised. Each warpgroup loads its
+// own copy of a shared block. A ring block costs 1.2-1.3x a shared-stream block (the lost overlap),
+// so the rings pay where a warpgroup's list is well under the tile's union: fwd_route.cu decides
+// per tile (sparse mode), and each of the two kernels runs the tiles routed to it (docs/kernels/fwd.md,
+// sessions 18-19). Measured alone (session 18): m3 32k random 15% faster, clustered 8% and dense
+// 17% slower, fmsa random 12% slower. Rejected forms: one kernel choosing per tile (spilled), two
+// 64-key stages per ring with FlashAttention-3's overlap per half-block (slower everywhere);
+// both at commit 59f6503 (`FLASHMSA_FWD_WG_RINGS`), the measurements in docs/kernels/fwd.md.
 
 namespace flashmsa::cuda::attn_fwd {
 
@@ -54,7 +51,7 @@ struct Config;
 template <class Element>
 struct Params : Args {
   using StageLayout = decltype(cute::take<0, 2>(typename Config<Element>::SmemLayoutKV{}));
-  TmaBlockLoad<Element, StageLayout, Config<Element>::kStageKeys> tma_k, tma_v;
+  TmaBlockLoad<Element, StageLayout> tma_k, tma_v;
   TmaShape tma_shape_k;
 };
 
@@ -62,12 +59,10 @@ template <class Element>
 struct Config {
   static constexpr int kBlockM = kConsumerWarpGroups * kWgmmaM, kBlockN = kBlockKeys, kHeadDim = kHeadDimInst;
   static constexpr int kThreads = kCtaThreads, kStages = 2;  // producer warpgroup + 2 consumer warpgroups
-  // the K and V buffers' stages: two of 128 keys, or (ring knob 2) four of 64 keys in the same bytes
-  static constexpr int kStageKeys = FLASHMSA_FWD_WG_RINGS == 2 ? kBlockN / 2 : kBlockN,
-                       kStagesKV = kStages * kBlockN / kStageKeys;
+  static constexpr int kStageKeys = kBlockN, kStagesKV = kStages;  // the K and V buffers' stages
   static constexpr int kConsumers = kConsumerThreads;
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
-  // FLASHMSA_FWD_WG_RINGS: a ring per warpgroup, one 128-key stage (1) or two 64-key stages (2)
+  // the rings kernel: a ring per warpgroup, one 128-key stage (stage w of the buffers)
   using Ring = cutlass::PipelineTmaAsync<kStagesKV / kConsumerWarpGroups>;
   using SmemLayoutQ = SwizzledTile<Element, kBlockM, kHeadDim>;
   using SmemLayoutKV = SwizzledTiles<Element, kStageKeys, kHeadDim, kStagesKV>;
@@ -85,17 +80,16 @@ struct Config {
     uint32_t tokmask[kMaxUnion][kBlockM / 32];
     typename Pipeline::SharedStorage pipe_k, pipe_v;
     int ulen;
-#if FLASHMSA_FWD_WG_RINGS
+    // the rings kernel's
     int16_t wlist[kConsumerWarpGroups][kMaxUnion];  // per warpgroup: the union entries its tokens selected
     int wlen[kConsumerWarpGroups];
     typename Ring::SharedStorage ring_k[kConsumerWarpGroups], ring_v[kConsumerWarpGroups];
-#endif
   };
   static constexpr size_t kSmemBytes = sizeof(Smem) + 1024;
   static_assert(kSmemBytes <= kMaxSmemBytes, "shared-memory plan over the SM's 227 KB");
 };
 
-template <class Element, bool kLazyRescale>
+template <class Element, bool kLazyRescale, bool kRings>
 __global__ void __launch_bounds__(kCtaThreads, 1) fwd_kernel(const __grid_constant__ Params<Element> p) {
   using namespace cute;
   using C = Config<Element>;
@@ -104,6 +98,8 @@ __global__ void __launch_bounds__(kCtaThreads, 1) fwd_kernel(const __grid_consta
 
   const int m_tile = p.num_m_tiles - 1 - int(blockIdx.x);
   const int unit = blockIdx.y, b = blockIdx.z;
+  // routed (sparse mode, fwd_route.cu): the tile belongs to the other kernel
+  if (p.route != nullptr && (p.route[(int64_t(b) * gridDim.y + unit) * p.num_m_tiles + m_tile] != 0) != kRings) return;
   int64_t s0, L;
   p.seqs.get(b, s0, L);
   const int64_t i0 = int64_t(m_tile) * p.NT;  // first token of the tile (in the sequence)
@@ -172,37 +168,37 @@ __global__ void __launch_bounds__(kCtaThreads, 1) fwd_kernel(const __grid_consta
   }
   __syncthreads();
   const int ulen = S.ulen;
-#if FLASHMSA_FWD_WG_RINGS
-  static_assert(kConsumerWarpGroups == 2 && C::kBlockM == 128, "two warpgroups of 64 rows");
-  // warp w (w < 2) lists the union entries that a token of warpgroup w's rows selected: rows
-  // 64 w .. 64 w + 63, tokens row / R (dense: every entry, not stored: entry k is block k)
-  if (tid < 64) {
-    const int w = tid / 32;
-    const int t_lo = (64 * w) / p.R, t_hi = min((64 * w + 63) / p.R, ntok - 1);
-    uint32_t wmask[C::kBlockM / 32];
+  if constexpr (kRings) {
+    static_assert(kConsumerWarpGroups == 2 && C::kBlockM == 128, "two warpgroups of 64 rows");
+    // warp w (w < 2) lists the union entries that a token of warpgroup w's rows selected: rows
+    // 64 w .. 64 w + 63, tokens row / R (dense: every entry, not stored: entry k is block k)
+    if (tid < 64) {
+      const int w = tid / 32;
+      const int t_lo = (64 * w) / p.R, t_hi = min((64 * w + 63) / p.R, ntok - 1);
+      uint32_t wmask[C::kBlockM / 32];
 #pragma unroll
-    for (int x = 0; x < C::kBlockM / 32; ++x) {
-      const int lo = max(t_lo - 32 * x, 0), hi = min(t_hi - 32 * x, 31);  // bits lo..hi of word x
-      wmask[x] = hi < lo ? 0u : (hi - lo == 31 ? 0xffffffffu : ((1u << (hi - lo + 1)) - 1u) << lo);
-    }
-    int n = 0;
-    for (int q0 = 0; q0 < ulen; q0 += 32) {
-      const int qi = q0 + lane;
-      bool take = false;
-      if (qi < ulen) {
-        if (dense) take = true;
-        else {
-#pragma unroll
-          for (int x = 0; x < C::kBlockM / 32; ++x) take = take || (S.tokmask[qi][x] & wmask[x]) != 0u;
-        }
+      for (int x = 0; x < C::kBlockM / 32; ++x) {
+        const int lo = max(t_lo - 32 * x, 0), hi = min(t_hi - 32 * x, 31);  // bits lo..hi of word x
+        wmask[x] = hi < lo ? 0u : (hi - lo == 31 ? 0xffffffffu : ((1u << (hi - lo + 1)) - 1u) << lo);
       }
-      const uint32_t bal = __ballot_sync(0xffffffffu, take);
-      if (take && !dense) S.wlist[w][n + __popc(bal & ((1u << lane) - 1u))] = int16_t(qi);  // (dense: entry k is k)
-      n += __popc(bal);
+      int n = 0;
+      for (int q0 = 0; q0 < ulen; q0 += 32) {
+        const int qi = q0 + lane;
+        bool take = false;
+        if (qi < ulen) {
+          if (dense) take = true;
+          else {
+#pragma unroll
+            for (int x = 0; x < C::kBlockM / 32; ++x) take = take || (S.tokmask[qi][x] & wmask[x]) != 0u;
+          }
+        }
+        const uint32_t bal = __ballot_sync(0xffffffffu, take);
+        if (take && !dense) S.wlist[w][n + __popc(bal & ((1u << lane) - 1u))] = int16_t(qi);  // (dense: entry k is k)
+        n += __popc(bal);
+      }
+      if (lane == 0) S.wlen[w] = n;
     }
-    if (lane == 0) S.wlen[w] = n;
   }
-#endif
 
   // ---- pipelines (FlashAttention-3's): K and V separately, so that K_{n+1} streams in while V_n
   // is still read; warpgroup 0 produces, warpgroups 1 and 2 consume ----
@@ -213,24 +209,21 @@ __global__ void __launch_bounds__(kCtaThreads, 1) fwd_kernel(const __grid_consta
   pp.is_leader = tid == 0;
   pp.num_consumers = C::kConsumers;
   pp.transaction_bytes = C::kBlockN * C::kHeadDim * sizeof(Element);
-#if FLASHMSA_FWD_WG_RINGS
-  // ring w: K issued by warp 2w's lane 0, V by warp 2w + 1's; consumed by warpgroup w + 1. Warp 0
-  // initialises the four; the loops use their two barriers directly (a one-stage ring's phase is
-  // the block's parity)
-  typename C::Ring::Params rp;  // (for the barrier counts: one producer arrival, 128 consumer arrivals)
-  rp.num_consumers = kWarpGroupThreads;
+  if constexpr (kRings) {
+    // ring w: K issued by warp 2w's lane 0, V by warp 2w + 1's; consumed by warpgroup w + 1. Warp 0
+    // initialises the four; the loops use their two barriers directly (a one-stage ring's phase is
+    // the block's parity)
+    typename C::Ring::Params rp;  // (for the barrier counts: one producer arrival, 128 consumer arrivals)
+    rp.num_consumers = kWarpGroupThreads;
 #pragma unroll
-  for (int w = 0; w < kConsumerWarpGroups; ++w) {
-    C::Ring::init_barriers(S.ring_k[w], rp, Shape<_1, _1, _1>{});
-    C::Ring::init_barriers(S.ring_v[w], rp, Shape<_1, _1, _1>{});
+    for (int w = 0; w < kConsumerWarpGroups; ++w) {
+      C::Ring::init_barriers(S.ring_k[w], rp, Shape<_1, _1, _1>{});
+      C::Ring::init_barriers(S.ring_v[w], rp, Shape<_1, _1, _1>{});
+    }
   }
-#endif
   Pipeline pipe_k(S.pipe_k, pp, Shape<_1, _1, _1>{});
   Pipeline pipe_v(S.pipe_v, pp, Shape<_1, _1, _1>{});
   __syncthreads();  // barrier initialisation visible to every thread
-#if FLASHMSA_FWD_WG_RINGS
-  constexpr bool rings = true;  // (bench/probes/fwd-wg-rings-per-tile.patch: a per-tile choice)
-#endif
   auto block_of = [&](int qi) { return dense ? qi : S.ulist[qi]; };  // the qi-th block of the union
 
   Tensor sK = make_tensor(make_smem_ptr(S.k.data()), typename C::SmemLayoutKV{});
@@ -239,30 +232,23 @@ __global__ void __launch_bounds__(kCtaThreads, 1) fwd_kernel(const __grid_consta
 
   if (role_wg == 0) {  // ---- producer ----
     cutlass::arch::warpgroup_reg_dealloc<kFwdRegs.producer>();
-#if FLASHMSA_FWD_WG_RINGS
-    if (rings) {
-      if (lane == 0) {  // warp x: ring x / 2, K (even) or V (odd); a block as kH stages of kStageKeys keys
-        constexpr int kH = C::kBlockN / C::kStageKeys;  // stages per block, and per ring (1, or 2 for knob 2)
+    if constexpr (kRings) {
+      if (lane == 0) {  // warp x: ring x / 2, K (even) or V (odd)
         const int x = tid / 32, w = x / 2;
         const bool is_v = x % 2 == 1;
         auto& ring = is_v ? S.ring_v[w] : S.ring_k[w];
         const auto& tma = is_v ? p.tma_v : p.tma_k;
-        Tensor tg = tma_blocks<C::kStageKeys>(tma, p.tma_shape_k, kvh, b, s0, p.batched);  // (TMA, stage-sized piece)
-        Tensor ts = tma_stages(tma, is_v ? sV : sK);                                      // (TMA, stage)
+        Tensor tg = tma_blocks(tma, p.tma_shape_k, kvh, b, s0, p.batched);  // (TMA, block)
+        Tensor ts = tma_stages(tma, is_v ? sV : sK);                          // (TMA, stage)
         const int n = S.wlen[w];
-        for (int h = 0; h < kH * n; ++h) {
-          const int k = h / kH, st = h % kH;  // piece st of the k-th block, into the ring's stage st
+        for (int k = 0; k < n; ++k) {
           const int j = block_of(dense ? k : S.wlist[w][k]);
-          ring.empty_barrier_[st].wait(uint32_t(k & 1) ^ 1u);  // released (first use: at once)
-          ring.full_barrier_[st].arrive_and_expect_tx(C::kStageKeys * C::kHeadDim * uint32_t(sizeof(Element)));
-          copy(tma.with(*reinterpret_cast<uint64_t*>(&ring.full_barrier_[st])), tg(_, kH * j + st), ts(_, kH * w + st));
+          ring.empty_barrier_[0].wait(uint32_t(k & 1) ^ 1u);  // released (first use: at once)
+          ring.full_barrier_[0].arrive_and_expect_tx(C::kBlockN * C::kHeadDim * uint32_t(sizeof(Element)));
+          copy(tma.with(*reinterpret_cast<uint64_t*>(&ring.full_barrier_[0])), tg(_, j), ts(_, w));
         }
       }
-      return;
-    }
-#endif
-#if FLASHMSA_FWD_WG_RINGS != 2
-    if (tid == 0) {
+    } else if (tid == 0) {
       Tensor tKg = tma_blocks(p.tma_k, p.tma_shape_k, kvh, b, s0, p.batched);  // (TMA, block)
       Tensor tKs = tma_stages(p.tma_k, sK);                                      // (TMA, stage)
       Tensor tVg = tma_blocks(p.tma_v, p.tma_shape_k, kvh, b, s0, p.batched);
@@ -279,7 +265,6 @@ __global__ void __launch_bounds__(kCtaThreads, 1) fwd_kernel(const __grid_consta
         ++sv;
       }
     }
-#endif
     return;
   }
 
@@ -395,52 +380,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) fwd_kernel(const __grid_consta
 #pragma unroll
     for (int x = 0; x < size(accS); ++x) rP(x) = Element(accS(x));
   };
-  // Intra-warpgroup overlap (FlashAttention-3): S_n = Q K_n^T is issued before O += P_{n-1}
-  // V_{n-1}, and the softmax of S_n runs while the P V GEMM does. (FlashAttention-3's ping-pong
-  // of the two warpgroups measured slower here: docs/kernels/fwd.md.)
-#if FLASHMSA_FWD_WG_RINGS == 2
-  if (rings) {
-    // 64-key halves with FlashAttention-3's overlap: S of half h issued before P V of half h - 1
-    // (the kernel's S, P and stage tensors are the halves' here: C::kStageKeys = 64)
-    auto& rk = S.ring_k[wg];
-    auto& rv = S.ring_v[wg];
-    const int nh = 2 * S.wlen[wg];
-    auto full = [&](auto& ring, int h) { ring.full_barrier_[h % 2].wait(uint32_t((h / 2) & 1)); };
-    auto half_softmax = [&](int h) {
-      const int qi = dense ? h / 2 : S.wlist[wg][h / 2];
-      softmax_w(sRC, cRC, Int<C::kStageKeys>{}, qi, int64_t(block_of(qi)) * C::kBlockN + C::kStageKeys * (h % 2));
-    };
-    if (nh > 0) {
-      full(rk, 0);
-      wg_gemm<true>(mma_qk, tSrQ, tSrK(_, _, _, 2 * wg), accS);
-      rk.empty_barrier_[0].arrive();
-      half_softmax(0);
-      to_p();
-    }
-    for (int h = 1; h < nh; ++h) {
-      full(rk, h);
-      wg_gemm_issue<true>(mma_qk, tSrQ, tSrK(_, _, _, 2 * wg + h % 2), accS);
-      rescale_o();
-      full(rv, h - 1);
-      wg_gemm_issue<false>(mma_pv, tOrP, tOrVt(_, _, _, 2 * wg + (h - 1) % 2), accO);
-      warpgroup_wait<1>();  // S of half h is in; P V of half h - 1 may still run
-      wg_gemm_done(mma_qk, tSrQ, accS);
-      rk.empty_barrier_[h % 2].arrive();
-      half_softmax(h);
-      warpgroup_wait<0>();
-      wg_gemm_done(mma_pv, tOrP, accO);
-      rv.empty_barrier_[(h - 1) % 2].arrive();
-      to_p();
-    }
-    if (nh > 0) {
-      rescale_o();
-      full(rv, nh - 1);
-      wg_gemm<false>(mma_pv, tOrP, tOrVt(_, _, _, 2 * wg + (nh - 1) % 2), accO);
-      rv.empty_barrier_[(nh - 1) % 2].arrive();
-    }
-  }
-#elif FLASHMSA_FWD_WG_RINGS
-  if (rings) {
+  if constexpr (kRings) {  // FlashAttention-2's order per block, over this warpgroup's own ring
     auto& rk = S.ring_k[wg];
     auto& rv = S.ring_v[wg];
     const int n = S.wlen[wg];
@@ -458,48 +398,46 @@ __global__ void __launch_bounds__(kCtaThreads, 1) fwd_kernel(const __grid_consta
       rv.empty_barrier_[0].arrive();
     }
   } else {
-#endif
-#if FLASHMSA_FWD_WG_RINGS != 2
-  typename Pipeline::PipelineState sk, sv;  // consumer start: index 0, phase 0
-  if (ulen > 0) {
-    pipe_k.consumer_wait(sk);
-    wg_gemm_issue<true>(mma_qk, tSrQ, tSrK(_, _, _, sk.index()), accS);
-    warpgroup_wait<0>();
-    wg_gemm_done(mma_qk, tSrQ, accS);
-    pipe_k.consumer_release(sk);
-    ++sk;
-    softmax(0);
-    to_p();
+    // Intra-warpgroup overlap (FlashAttention-3): S_n = Q K_n^T is issued before O += P_{n-1}
+    // V_{n-1}, and the softmax of S_n runs while the P V GEMM does. (FlashAttention-3's ping-pong
+    // of the two warpgroups measured slower here: docs/kernels/fwd.md.)
+    typename Pipeline::PipelineState sk, sv;  // consumer start: index 0, phase 0
+    if (ulen > 0) {
+      pipe_k.consumer_wait(sk);
+      wg_gemm_issue<true>(mma_qk, tSrQ, tSrK(_, _, _, sk.index()), accS);
+      warpgroup_wait<0>();
+      wg_gemm_done(mma_qk, tSrQ, accS);
+      pipe_k.consumer_release(sk);
+      ++sk;
+      softmax(0);
+      to_p();
+    }
+    for (int qi = 1; qi < ulen; ++qi) {
+      pipe_k.consumer_wait(sk);
+      wg_gemm_issue<true>(mma_qk, tSrQ, tSrK(_, _, _, sk.index()), accS);
+      rescale_o();
+      pipe_v.consumer_wait(sv);
+      wg_gemm_issue<false>(mma_pv, tOrP, tOrVt(_, _, _, sv.index()), accO);
+      warpgroup_wait<1>();  // S_n is in; P_{n-1} V_{n-1} may still run
+      wg_gemm_done(mma_qk, tSrQ, accS);
+      pipe_k.consumer_release(sk);
+      ++sk;
+      softmax(qi);
+      warpgroup_wait<0>();
+      wg_gemm_done(mma_pv, tOrP, accO);
+      pipe_v.consumer_release(sv);
+      ++sv;
+      to_p();
+    }
+    if (ulen > 0) {
+      rescale_o();
+      pipe_v.consumer_wait(sv);
+      wg_gemm_issue<false>(mma_pv, tOrP, tOrVt(_, _, _, sv.index()), accO);
+      warpgroup_wait<0>();
+      wg_gemm_done(mma_pv, tOrP, accO);
+      pipe_v.consumer_release(sv);
+    }
   }
-  for (int qi = 1; qi < ulen; ++qi) {
-    pipe_k.consumer_wait(sk);
-    wg_gemm_issue<true>(mma_qk, tSrQ, tSrK(_, _, _, sk.index()), accS);
-    rescale_o();
-    pipe_v.consumer_wait(sv);
-    wg_gemm_issue<false>(mma_pv, tOrP, tOrVt(_, _, _, sv.index()), accO);
-    warpgroup_wait<1>();  // S_n is in; P_{n-1} V_{n-1} may still run
-    wg_gemm_done(mma_qk, tSrQ, accS);
-    pipe_k.consumer_release(sk);
-    ++sk;
-    softmax(qi);
-    warpgroup_wait<0>();
-    wg_gemm_done(mma_pv, tOrP, accO);
-    pipe_v.consumer_release(sv);
-    ++sv;
-    to_p();
-  }
-  if (ulen > 0) {
-    rescale_o();
-    pipe_v.consumer_wait(sv);
-    wg_gemm_issue<false>(mma_pv, tOrP, tOrVt(_, _, _, sv.index()), accO);
-    warpgroup_wait<0>();
-    wg_gemm_done(mma_pv, tOrP, accO);
-    pipe_v.consumer_release(sv);
-  }
-#endif
-#if FLASHMSA_FWD_WG_RINGS == 1
-  }
-#endif
 
   // ---- epilogue: normalise, stage O through smem (this warpgroup's Q rows), store ----
   float row_lse[2];
@@ -556,10 +494,10 @@ __global__ void __launch_bounds__(kCtaThreads, 1) fwd_kernel(const __grid_consta
   }
 }
 
-template <class Element, bool kLazyRescale>
+template <class Element, bool kLazyRescale, bool kRings>
 void launch(const Params<Element>& p, cudaStream_t stream) {
   using C = Config<Element>;
-  auto kernel = fwd_kernel<Element, kLazyRescale>;
+  auto kernel = fwd_kernel<Element, kLazyRescale, kRings>;
   FLASHMSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            int(C::kSmemBytes)));
   dim3 grid(p.num_m_tiles, p.Hq / p.R, p.seqs.batch);
@@ -569,20 +507,19 @@ void launch(const Params<Element>& p, cudaStream_t stream) {
 }
 
 // fwd.h's run: the TMA descriptors of K and V from the plain arguments, then the launch
-// (explicitly instantiated once per dtype and numerics, one translation unit each).
-template <Dtype D, bool kLazyRescale>
+// (explicitly instantiated once per dtype, numerics and kernel, one translation unit each).
+template <Dtype D, bool kLazyRescale, bool kRings>
 void run(const Args& a, cudaStream_t stream) {
   using Element = typename ElementOf<D>::type;
   using Stage = typename Params<Element>::StageLayout;
   Params<Element> p;
   static_cast<Args&>(p) = a;
-  constexpr int kRows = Config<Element>::kStageKeys;
-  const auto tk = make_block_load<Element, Stage, kRows>(a.k, a.Hkv, a.batched, a.seqs.seqlen, a.seqs.batch, a.total);
-  const auto tv = make_block_load<Element, Stage, kRows>(a.v, a.Hkv, a.batched, a.seqs.seqlen, a.seqs.batch, a.total);
+  const auto tk = make_block_load<Element, Stage>(a.k, a.Hkv, a.batched, a.seqs.seqlen, a.seqs.batch, a.total);
+  const auto tv = make_block_load<Element, Stage>(a.v, a.Hkv, a.batched, a.seqs.seqlen, a.seqs.batch, a.total);
   p.tma_k = tk.copy;
   p.tma_v = tv.copy;
   p.tma_shape_k = tk.shape;
-  launch<Element, kLazyRescale>(p, stream);
+  launch<Element, kLazyRescale, kRings>(p, stream);
 }
 
 }  // namespace flashmsa::cuda::attn_fwd
