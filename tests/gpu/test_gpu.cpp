@@ -339,39 +339,66 @@ TEST(Dense, SmallM3) {
   check_forward(pb, in, r, FLASHMSA_MODE_DENSE, 0);
 }
 
+// Empty slots of every kind: what a given index may hold besides a block.
+constexpr int32_t kJunkSlots[] = {INT_MIN, -123456, -1, INT_MAX};
+
+// One row of given slots from `list` (the sequence's nb blocks, shuffled): one slot in `rate`
+// junk, one in `rate` a block out of range (nb .. nb + 2), else list[s] (which may lie after the
+// query's own block), -1 past the list.
+void fill_given_row(int32_t* row, int K, const std::vector<int32_t>& list, int64_t nb, int rate, std::mt19937_64& rng) {
+  for (int s = 0; s < K; ++s) {
+    const uint64_t dice = rng() % uint64_t(rate);
+    if (dice == 0) row[s] = kJunkSlots[rng() % 4];
+    else if (dice == 1) row[s] = int32_t(nb + int64_t(rng() % 3));  // out of range
+    else if (size_t(s) < list.size()) row[s] = list[size_t(s)];
+    else row[s] = -1;
+  }
+}
+
+// A GIVEN-mode case: fresh inputs and an index tensor [Hp, total, topk] of -1, filled row by row
+// by for_each_row(f): f(row's topk slots, the token's position in its sequence, the sequence's
+// blocks), every (proxy head, sequence, token) in order.
+struct GivenCase {
+  PoolScope scope;
+  std::mt19937_64 rng;
+  Problem pb;
+  Inputs in;
+  std::vector<int64_t> cu;
+  int64_t T;
+  int K;
+  std::vector<int32_t> idx;
+  explicit GivenCase(const Problem& p)
+      : rng(fresh_seed()), pb(p), in(make_inputs(pb, rng)), cu(pb.offsets()), T(pb.total()), K(pb.topk),
+        idx(size_t(pb.Hp) * size_t(T) * size_t(K), -1) {}
+  template <class F>
+  void for_each_row(F f) {
+    for (int p = 0; p < pb.Hp; ++p)
+      for (size_t b = 0; b + 1 < cu.size(); ++b) {
+        const int64_t n = cu[b + 1] - cu[b], nb = (n + 127) / 128;
+        for (int64_t i = 0; i < n; ++i) f(&idx[(size_t(p) * size_t(T) + size_t(cu[b] + i)) * size_t(K)], i, nb);
+      }
+  }
+};
+
 // Given indices with empty slots of every kind, blocks after the query's own, and rows with no
 // valid slot at all (out = 0, lse = -inf).
 void run_given(const Problem& pb0) {
-  PoolScope scope;
-  std::mt19937_64 rng(fresh_seed());
-  Problem pb = pb0;
-  Inputs in = make_inputs(pb, rng);
-  const auto cu = pb.offsets();
-  const int64_t T = pb.total();
-  const int K = pb.topk;
-  const int32_t junk[] = {INT_MIN, -123456, -1, INT_MAX};
-  std::vector<int32_t> idx(size_t(pb.Hp) * T * K, -1);
-  for (int p = 0; p < pb.Hp; ++p)
-    for (size_t b = 0; b + 1 < cu.size(); ++b) {
-      const int64_t nb = (cu[b + 1] - cu[b] + 127) / 128;
-      for (int64_t t = cu[b]; t < cu[b + 1]; ++t) {
-        int32_t* row = &idx[(size_t(p) * T + t) * K];
-        if (rng() % 17 == 0) {  // a row with nothing valid
-          for (int s = 0; s < K; ++s) row[s] = junk[rng() % 4];
-          continue;
-        }
-        std::vector<int32_t> blocks(static_cast<size_t>(nb));
-        std::iota(blocks.begin(), blocks.end(), 0);
-        std::shuffle(blocks.begin(), blocks.end(), rng);
-        for (int s = 0; s < K; ++s) {
-          const uint64_t dice = rng() % 8;
-          if (dice == 0) row[s] = junk[rng() % 4];
-          else if (dice == 1) row[s] = int32_t(nb + int64_t(rng() % 3));  // out of range
-          else if (size_t(s) < blocks.size()) row[s] = blocks[size_t(s)];  // may lie after the query
-          else row[s] = -1;
-        }
-      }
+  GivenCase g(pb0);
+  const Problem& pb = g.pb;
+  Inputs& in = g.in;
+  const int K = g.K;
+  std::vector<int32_t>& idx = g.idx;
+  std::mt19937_64& rng = g.rng;
+  g.for_each_row([&](int32_t* row, int64_t, int64_t nb) {
+    if (rng() % 17 == 0) {  // a row with nothing valid
+      for (int s = 0; s < K; ++s) row[s] = kJunkSlots[rng() % 4];
+      return;
     }
+    std::vector<int32_t> blocks(static_cast<size_t>(nb));
+    std::iota(blocks.begin(), blocks.end(), 0);
+    std::shuffle(blocks.begin(), blocks.end(), rng);
+    fill_given_row(row, K, blocks, nb, 8, rng);
+  });
   FwdRun r = run_fwd(pb, in, FwdCall().given(idx, K));
   r.indices.host.assign(idx.begin(), idx.end());
   check_forward(pb, in, r, FLASHMSA_MODE_GIVEN, K);
@@ -1563,38 +1590,22 @@ int64_t host_routed_to_rings(const Problem& pb, const std::vector<int32_t>& idx,
 }
 
 void run_routes(const Problem& pb0, flashmsa_numerics_t num) {
-  PoolScope scope;
-  std::mt19937_64 rng(fresh_seed());
-  Problem pb = pb0;
-  Inputs in = make_inputs(pb, rng);
-  const auto cu = pb.offsets();
-  const int64_t T = pb.total();
-  const int K = pb.topk;
-  const int32_t junk[] = {INT_MIN, -123456, -1, INT_MAX};
-  std::vector<int32_t> idx(size_t(pb.Hp) * T * K, -1);
-  for (int p = 0; p < pb.Hp; ++p)
-    for (size_t b = 0; b + 1 < cu.size(); ++b) {
-      const int64_t n = cu[b + 1] - cu[b], nb = (n + 127) / 128;
-      std::vector<int32_t> shared_list;
-      for (int64_t i = 0; i < n; ++i) {
-        const int64_t seg = i / 48;
-        const int64_t period = seg % 2 == 0 ? 48 : seg % 6 == 1 ? 1 : seg % 6 == 3 ? 2 : 7;
-        if ((i % 48) % period == 0) {  // a new list
-          shared_list.resize(static_cast<size_t>(nb));
-          std::iota(shared_list.begin(), shared_list.end(), 0);
-          std::shuffle(shared_list.begin(), shared_list.end(), rng);
-        }
-        const std::vector<int32_t>& list = shared_list;
-        int32_t* row = &idx[(size_t(p) * T + size_t(cu[b] + i)) * K];
-        for (int s = 0; s < K; ++s) {
-          const uint64_t dice = rng() % 16;
-          if (dice == 0) row[s] = junk[rng() % 4];
-          else if (dice == 1) row[s] = int32_t(nb + int64_t(rng() % 3));  // out of range
-          else if (size_t(s) < list.size()) row[s] = list[size_t(s)];     // may lie after the query
-          else row[s] = -1;
-        }
-      }
+  GivenCase g(pb0);
+  const Problem& pb = g.pb;
+  Inputs& in = g.in;
+  const int K = g.K;
+  std::vector<int32_t>& idx = g.idx;
+  std::vector<int32_t> list;  // the current list (a new one at each sequence's first token)
+  g.for_each_row([&](int32_t* row, int64_t i, int64_t nb) {
+    const int64_t seg = i / 48;
+    const int64_t period = seg % 2 == 0 ? 48 : seg % 6 == 1 ? 1 : seg % 6 == 3 ? 2 : 7;
+    if ((i % 48) % period == 0) {
+      list.resize(static_cast<size_t>(nb));
+      std::iota(list.begin(), list.end(), 0);
+      std::shuffle(list.begin(), list.end(), g.rng);
     }
+    fill_given_row(row, K, list, nb, 16, g.rng);
+  });
   int64_t tiles = 0;
   const int64_t rings = host_routed_to_rings(pb, idx, K, tiles);
   std::printf("    tiles the router (0.8) sends to the rings kernel: %lld of %lld\n", (long long)rings, (long long)tiles);
