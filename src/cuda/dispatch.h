@@ -131,7 +131,8 @@ int kl_segment(const Geometry& g);
 // docs/kernels/fwd.md): unset or "auto": the router decides per tile at its default ratio where a
 // warpgroup holds at most kRingsMaxTokens tokens (R >= 8), else the shared stream; a ratio "0.x"
 // (1 to 3 digits): the router at that ratio, whatever R; "0": the shared-stream kernel only; "1":
-// the per-warpgroup rings kernel only. Anything else: FLASHMSA_ERROR_INVALID_ARGUMENT.
+// the per-warpgroup rings kernel only. Anything else: FLASHMSA_ERROR_INVALID_ARGUMENT from every
+// forward query and call (fwd_workspace, fwd), whatever the mode.
 // kRingsMaxTokens (session 19, H200): with 16 tokens per warpgroup (fmsa, R = 4) a warpgroup's
 // list is nearly the tile's union even for random selections (the rings 12% slower on all tiles),
 // and the router's fixed cost (its kernel and a second launch, ~20 us) was +2.5% at fmsa 16k.

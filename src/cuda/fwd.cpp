@@ -92,6 +92,7 @@ void run_fwd_kl(const flashmsa_fwd_args_t& a, const Geometry& g, const int32_t* 
 void fwd(const flashmsa_fwd_args_t& user, const Geometry& g, void* ws_raw, size_t) {
   const char* fn = "flashmsa_fwd";
   fwd_features(user, g);
+  fwd_rings_policy();  // a bad FLASHMSA_FWD_RINGS: refused before any work, whatever the mode
   auto st = static_cast<cudaStream_t>(user.stream);
   if (user.validate) {
     const auto cu = validate_offsets(user.cu_seqlens, g, st, fn);

@@ -136,7 +136,6 @@ FwdLayout fwd_layout(const flashmsa_fwd_args_t& a, const Geometry& g) {
   size_t off = 0;
   auto take = [&](size_t bytes) { const size_t o = off; off += align_up(bytes); return o; };
   if (a.mode != FLASHMSA_MODE_DENSE) {  // the router's byte per forward tile (fwd.cpp's grid)
-    fwd_rings_policy();                 // (a bad FLASHMSA_FWD_RINGS fails the query too)
     const tiles::FwdTile t = tiles::fwd_tile(g, g.topk);
     l.route = take(size_t((g.max_seqlen + t.NT - 1) / t.NT) * size_t(g.Hq / t.R) * size_t(g.batch));
   }
@@ -157,6 +156,7 @@ size_t select_workspace(const flashmsa_select_args_t&, const Geometry& g) { retu
 
 size_t fwd_workspace(const flashmsa_fwd_args_t& a, const Geometry& g) {
   fwd_features(a, g);
+  fwd_rings_policy();  // a bad FLASHMSA_FWD_RINGS fails every forward query, whatever the mode
   return guard_bytes(g) + (g.total == 0 ? 0 : fwd_layout(a, g).total);
 }
 

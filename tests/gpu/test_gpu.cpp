@@ -10,6 +10,7 @@
 #include <set>
 
 #include "cuda/bwd/bwd_params.cuh"  // fixed_unit (host and device)
+#include "cuda/fwd/fwd.h"              // the forward's router (Routes.*)
 #include "gpu_harness.hpp"
 
 namespace gputest {
@@ -1557,22 +1558,34 @@ TEST(Errors, BadSegmentKnob) {
 // segments whose tokens share one list (the union is one token's list: the shared stream's case)
 // and drifting segments, a new random list every 1, 2 or 7 tokens (the rings' case when the two
 // warpgroups' tokens hold different lists), with junk slots and blocks past the query as in
-// run_given; the test counts the router's two cases on the host (the rule of fwd.h) and requires
-// both.
-int64_t host_routed_to_rings(const Problem& pb, const std::vector<int32_t>& idx, int K, int64_t& tiles) {
-  int R = std::gcd(pb.Hq / pb.Hp, pb.Hq / pb.Hkv);
-  if (R > 128) for (int d = 128; d >= 1; --d) if (R % d == 0) { R = d; break; }
-  const int NT = std::min(128 / R, 2048 / K);
+// run_given. The test also computes the router's rule on the host (fwd.h), requires both cases
+// in the inputs, and requires the device router's bytes (attn_fwd::launch_route) to equal it tile
+// for tile: the bitwise agreement alone would not see a router that sends every tile one way.
+
+// The router's rule on the host (fwd.h, at the default ratio 0.8): a byte per forward tile, in the
+// router's order (b * Hq / R + unit) * num_m_tiles + m_tile (0 past a sequence's end).
+struct HostRoute {
+  int R = 0, NT = 0, num_m_tiles = 0;
+  std::vector<uint8_t> bytes;
+  int64_t rings = 0, tiles = 0;  // tiles with rows, and those sent to the rings kernel
+};
+HostRoute host_route(const Problem& pb, const std::vector<int32_t>& idx, int K) {
+  HostRoute h;
+  h.R = std::gcd(pb.Hq / pb.Hp, pb.Hq / pb.Hkv);
+  if (h.R > 128) for (int d = 128; d >= 1; --d) if (h.R % d == 0) { h.R = d; break; }
+  const int R = h.R;
+  h.NT = std::min(128 / R, 2048 / K);
+  h.num_m_tiles = int((pb.max_len() + h.NT - 1) / h.NT);
   const auto cu = pb.offsets();
   const int64_t T = pb.total();
-  int64_t rings = 0;
-  tiles = 0;
+  const int units = pb.Hq / R;
+  h.bytes.assign(size_t(cu.size() - 1) * size_t(units) * size_t(h.num_m_tiles), 0);
   for (size_t b = 0; b + 1 < cu.size(); ++b)
-    for (int unit = 0; unit < pb.Hq / R; ++unit) {
+    for (int unit = 0; unit < units; ++unit) {
       const int grp = unit * R / (pb.Hq / pb.Hp);
-      for (int64_t i0 = 0; i0 < cu[b + 1] - cu[b]; i0 += NT) {
+      for (int64_t i0 = 0; i0 < cu[b + 1] - cu[b]; i0 += h.NT) {
         std::set<int32_t> w[2];
-        for (int64_t i = i0; i < std::min<int64_t>(i0 + NT, cu[b + 1] - cu[b]); ++i)
+        for (int64_t i = i0; i < std::min<int64_t>(i0 + h.NT, cu[b + 1] - cu[b]); ++i)
           for (int s = 0; s < K; ++s) {
             const int32_t j = idx[(size_t(grp) * T + size_t(cu[b] + i)) * K + s];
             if (j < 0 || j > i / 128) continue;
@@ -1582,11 +1595,40 @@ int64_t host_routed_to_rings(const Problem& pb, const std::vector<int32_t>& idx,
           }
         std::set<int32_t> u = w[0];
         u.insert(w[1].begin(), w[1].end());
-        rings += !u.empty() && 1000 * std::max(w[0].size(), w[1].size()) <= 800 * u.size();
-        ++tiles;
+        const bool rings = !u.empty() && 1000 * std::max(w[0].size(), w[1].size()) <= 800 * u.size();
+        h.bytes[(b * size_t(units) + size_t(unit)) * size_t(h.num_m_tiles) + size_t(i0 / h.NT)] = uint8_t(rings);
+        h.rings += rings;
+        ++h.tiles;
       }
     }
-  return rings;
+  return h;
+}
+
+// The device router (attn_fwd::launch_route) on the given indices: its bytes.
+std::vector<uint8_t> device_route(const Problem& pb, const Inputs& in, const std::vector<int32_t>& idx, int K,
+                                  const HostRoute& h) {
+  flashmsa::cuda::attn_fwd::Args a;
+  a.seqs.cu_seqlens = static_cast<const int*>(in.cu.dev);
+  a.seqs.batch = int(pb.offsets().size() - 1);
+  void* d_idx = Pool::get().take(idx.size() * sizeof(int32_t));
+  EXPECT_EQ(cudaMemcpy(d_idx, idx.data(), idx.size() * sizeof(int32_t), cudaMemcpyHostToDevice), cudaSuccess);
+  a.indices.ptr = static_cast<const int32_t*>(d_idx);
+  a.indices.head = pb.total() * K;
+  a.indices.tok = K;
+  a.Hq = pb.Hq;
+  a.Hkv = pb.Hkv;
+  a.Hp = pb.Hp;
+  a.topk = K;
+  a.R = h.R;
+  a.NT = h.NT;
+  a.num_m_tiles = h.num_m_tiles;
+  a.total = pb.total();
+  std::vector<uint8_t> got(h.bytes.size(), 0xee);
+  void* d_route = Pool::get().take(got.size());
+  EXPECT_EQ(cudaMemset(d_route, 0xee, got.size()), cudaSuccess);  // poisoned: an unwritten byte fails
+  flashmsa::cuda::attn_fwd::launch_route(a, flashmsa::cuda::attn_fwd::kRingRatioPermille, static_cast<uint8_t*>(d_route), nullptr);
+  EXPECT_EQ(cudaMemcpy(got.data(), d_route, got.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+  return got;
 }
 
 void run_routes(const Problem& pb0, flashmsa_numerics_t num) {
@@ -1606,11 +1648,15 @@ void run_routes(const Problem& pb0, flashmsa_numerics_t num) {
     }
     fill_given_row(row, K, list, nb, 16, g.rng);
   });
-  int64_t tiles = 0;
-  const int64_t rings = host_routed_to_rings(pb, idx, K, tiles);
-  std::printf("    tiles the router (0.8) sends to the rings kernel: %lld of %lld\n", (long long)rings, (long long)tiles);
-  EXPECT_GT(rings, 0) << "the inputs exercise no rings tile";
-  EXPECT_LT(rings, tiles) << "the inputs exercise no shared-stream tile";
+  const HostRoute h = host_route(pb, idx, K);
+  std::printf("    tiles the router (0.8) sends to the rings kernel: %lld of %lld\n", (long long)h.rings, (long long)h.tiles);
+  EXPECT_GT(h.rings, 0) << "the inputs exercise no rings tile";
+  EXPECT_LT(h.rings, h.tiles) << "the inputs exercise no shared-stream tile";
+  const std::vector<uint8_t> got = device_route(pb, in, idx, K, h);
+  int64_t mismatched = 0;
+  for (size_t t = 0; t < got.size(); ++t) mismatched += got[t] != h.bytes[t];
+  EXPECT_EQ(mismatched, 0) << "the device router's bytes differ from the host rule on " << mismatched << " of "
+                           << got.size() << " tiles";
   FwdRun r[4];
   const char* policy[4] = {"0", "1", "auto", "0.8"};  // (0.8: the router at its default ratio, whatever R)
   for (int x = 0; x < 4; ++x) {
@@ -1653,13 +1699,18 @@ TEST(Errors, BadRingsKnob) {
   a.mode = FLASHMSA_MODE_GIVEN;
   a.topk = 2;
   a.indices = dev_view(idx); a.out = dev_view(o); a.lse = dev_view(l);
-  for (const char* bad : {"2", "yes", " 1", "auto ", "0.", "0.1234", "1.5", "0.5x"}) {
-    ScopedEnv e("FLASHMSA_FWD_RINGS", bad);
-    size_t bytes = 0;
-    EXPECT_EQ(flashmsa_fwd_workspace_size(&a, &bytes), FLASHMSA_ERROR_INVALID_ARGUMENT) << bad;
-    EXPECT_NE(std::string(flashmsa_last_error()).find("FLASHMSA_FWD_RINGS"), std::string::npos) << flashmsa_last_error();
-    EXPECT_EQ(flashmsa_fwd(&a, nullptr, 0), FLASHMSA_ERROR_INVALID_ARGUMENT) << bad;
-  }
+  flashmsa::FwdArgs dense = a;  // the knob is refused in every mode, not only where the router runs
+  dense.mode = FLASHMSA_MODE_DENSE;
+  dense.topk = 0;
+  dense.indices = flashmsa_tensor_t{};
+  for (const flashmsa::FwdArgs* call : {&a, &dense})
+    for (const char* bad : {"2", "yes", " 1", "auto ", "0.", "0.1234", "1.5", "0.5x"}) {
+      ScopedEnv e("FLASHMSA_FWD_RINGS", bad);
+      size_t bytes = 0;
+      EXPECT_EQ(flashmsa_fwd_workspace_size(call, &bytes), FLASHMSA_ERROR_INVALID_ARGUMENT) << bad;
+      EXPECT_NE(std::string(flashmsa_last_error()).find("FLASHMSA_FWD_RINGS"), std::string::npos) << flashmsa_last_error();
+      EXPECT_EQ(flashmsa_fwd(call, nullptr, 0), FLASHMSA_ERROR_INVALID_ARGUMENT) << bad;
+    }
   for (Tensor* t : {&o, &l}) {
     download(*t);
     for (double x : t->host) ASSERT_TRUE(std::isnan(x)) << "output written by a refused call";

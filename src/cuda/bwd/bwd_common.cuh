@@ -27,9 +27,11 @@
 // FLASHMSA_BWD_DQ_BY_KEYS (a build knob for measurements, default 0; docs/kernels/bwd.md, "Session 19"):
 // 1 = the main walk (bwd_kernel.cuh; default mode, not the deterministic one) splits dQ = dS K by
 // keys instead of by d: each consumer warpgroup multiplies its own dS^T half (64 keys) by its own 64
-// keys of K, over both halves of d, so the two warpgroups no longer meet at a CTA barrier per chunk. Warpgroup 0 stores its partial
-// into the dQ tile and arrives on `dq_half`; warpgroup 1 waits for it and adds its partial with
-// shared-memory atomics; the writer warp is unchanged.
+// keys of K, over both halves of d, so the two warpgroups no longer meet at the consumers' barrier
+// before dQ. Warpgroup 0 stores its partial into the dQ tile and arrives on `dq_half`; warpgroup 1
+// computes its first half, then waits for that and adds its partial with shared-memory atomics: it
+// trails warpgroup 0 by at least warpgroup 0's dQ stores and at most a chunk (warpgroup 0 waits for
+// the writer, which waits for warpgroup 1). The writer warp is unchanged.
 #ifndef FLASHMSA_BWD_DQ_BY_KEYS
 #define FLASHMSA_BWD_DQ_BY_KEYS 0
 #endif

@@ -465,17 +465,19 @@ __device__ __forceinline__ void main_consume(const Params& P, typename MainConfi
 #if FLASHMSA_BWD_DQ_BY_KEYS
     if constexpr (!kDet) {  // dQ over this warpgroup's 64 keys, both halves of d (the knob's comment)
       barrier_sync(consumer_wg_barrier(w), kWarpGroupThreads);  // this warpgroup's dS^T half staged
-      if (w == 0) {
-        if (state.count() > 0) sync.dq_empty.wait((state.count() - 1) & 1);  // the tile is free
-      } else {
-        sync.dq_half.wait(state.count() & 1);  // warpgroup 0's partial is in the tile
-      }
       Tensor tQrdSw = thr_dq.partition_fragment_A(local_tile(sdSt(_, _, buf), Shape<_64, _64>{}, make_coord(_0{}, w)));
       const int d0 = get<1>(cdQ(0));
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         Tensor tQrKh = thr_dq.partition_fragment_B(local_tile(sKt, Shape<_64, _64>{}, make_coord(h, w)));
         wg_gemm<true>(mma_dq, tQrdSw, tQrKh, accdQ);
+        if (h == 0) {  // (the first GEMM needs no tile; only the tile writes wait)
+          if (w == 0) {
+            if (state.count() > 0) sync.dq_empty.wait((state.count() - 1) & 1);  // the tile is free
+          } else {
+            sync.dq_half.wait(state.count() & 1);  // warpgroup 0's partial is in the tile
+          }
+        }
 #pragma unroll
         for (int e1 = 0; e1 < 2; ++e1)
 #pragma unroll

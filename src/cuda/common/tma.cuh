@@ -1,6 +1,7 @@
 // TMA loads of 128-token blocks of a per-token tensor ([total, H, 128] varlen or
 // [B, S, H, 128] batched) into one stage of a swizzled shared-memory layout (kRows, default 128:
-// the block's token count; the forward's ring knob loads 64-token halves).
+// the block's token count; every kernel uses 128 since session 19, when the 64-token form of the
+// forward's rings was measured and deleted).
 //
 // The tensor is described to the copy engine as (tokens, d, heads, batch): varlen uses one
 // batch of `total` tokens and shifts the origin to the sequence start (domain_offset), batched

@@ -379,7 +379,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) fwd_kernel(const __grid_consta
   // pays no exp; online softmax with the running max exact (Train) or lazily rescaled (Infer).
   // scale_o: the factor that brings O (accumulated against the previous max) to the new one,
   // applied before the next O += P V.
-  // (generic over the block's width and its accumulator: the ring knob's 64-key halves use it too)
+  // (generic over the block's width and its accumulator; both kernels use 128-key blocks)
   auto softmax_w = [&](auto& acc, const auto& crd, auto width, int qi, int64_t key0) {
     constexpr int kW = decltype(width)::value;
 #pragma unroll

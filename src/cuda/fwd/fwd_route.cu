@@ -3,8 +3,8 @@
 // warpgroup's tokens selected (n_0, n_1) and their union u, exactly as the forward's prologue
 // builds them (a slot counts when 0 <= j <= the token's own block), and writes 1 (rings) when
 // 1000 max(n_0, n_1) <= ratio_permille u (fwd.h). Both kernels then run the same grid and return at once
-// on the tiles routed to the other. Reads Hp x total x topk indices once (m3 32k: 8 MB, a few
-// microseconds); no CuTe.
+// on the tiles routed to the other. Reads (Hq / R) x total x topk index slots (each head unit of
+// a group reads the group's; m3 32k: 8 MB, a few microseconds); no CuTe.
 #include "cuda/common/constants.h"
 #include "cuda/common/error.cuh"
 #include "cuda/fwd/fwd.h"
