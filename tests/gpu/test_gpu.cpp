@@ -1615,13 +1615,8 @@ std::vector<uint8_t> device_route(const Problem& pb, const Inputs& in, const std
   a.indices.ptr = static_cast<const int32_t*>(d_idx);
   a.indices.head = pb.total() * K;
   a.indices.tok = K;
-  a.Hq = pb.Hq;
-  a.Hkv = pb.Hkv;
-  a.Hp = pb.Hp;
-  a.topk = K;
-  a.R = h.R;
-  a.NT = h.NT;
-  a.num_m_tiles = h.num_m_tiles;
+  a.Hq = pb.Hq, a.Hkv = pb.Hkv, a.Hp = pb.Hp, a.topk = K;  // heads and slots as the forward's
+  a.R = h.R, a.NT = h.NT, a.num_m_tiles = h.num_m_tiles;   // tile policy, from the host rule
   a.total = pb.total();
   std::vector<uint8_t> got(h.bytes.size(), 0xee);
   void* d_route = Pool::get().take(got.size());
