@@ -12,7 +12,7 @@ namespace {
 // default where R >= 8, FLASHMSA_FWD_RINGS) both over one grid, each running the tiles that the
 // router gave it (fwd/fwd_route.cu; `route`: the workspace's byte per tile). DENSE: the shared stream.
 void run_fwd(const flashmsa_fwd_args_t& a, const Geometry& g, const int32_t* idx, int64_t idx_head,
-             int64_t idx_tok, uint8_t* route, cudaStream_t st) {
+             int64_t idx_tok, const FwdRings& rings, uint8_t* route, cudaStream_t st) {
   attn_fwd::Args p;
   p.q = token_tensor<const void>(a.q, g);
   p.k = token_tensor<const void>(a.k, g);
@@ -33,9 +33,8 @@ void run_fwd(const flashmsa_fwd_args_t& a, const Geometry& g, const int32_t* idx
   p.R = tile.R;
   p.NT = tile.NT;
   p.scale = float(g.scale);
-  p.num_m_tiles = int((g.max_seqlen + p.NT - 1) / p.NT);
+  p.num_m_tiles = int(tiles::fwd_m_tiles(g, tile));
   p.total = g.total;
-  const FwdRings rings = fwd_rings_policy();
   FwdRingsKind policy = idx == nullptr ? kRingsNever : rings.kind;
   if (policy == kRingsAuto && !rings.ratio_given && attn_fwd::kRowsPerWarpGroup / p.R > kRingsMaxTokens)
     policy = kRingsNever;
@@ -92,7 +91,7 @@ void run_fwd_kl(const flashmsa_fwd_args_t& a, const Geometry& g, const int32_t* 
 void fwd(const flashmsa_fwd_args_t& user, const Geometry& g, void* ws_raw, size_t) {
   const char* fn = "flashmsa_fwd";
   fwd_features(user, g);
-  fwd_rings_policy();  // a bad FLASHMSA_FWD_RINGS: refused before any work, whatever the mode
+  const FwdRings rings = fwd_rings_policy();  // a bad FLASHMSA_FWD_RINGS: refused before any work, whatever the mode
   auto st = static_cast<cudaStream_t>(user.stream);
   if (user.validate) {
     const auto cu = validate_offsets(user.cu_seqlens, g, st, fn);
@@ -146,7 +145,7 @@ void fwd(const flashmsa_fwd_args_t& user, const Geometry& g, void* ws_raw, size_
     }
   }
 
-  run_fwd(a, g, idx, idx_head, idx_tok, reinterpret_cast<uint8_t*>(ws + l.route), st);
+  run_fwd(a, g, idx, idx_head, idx_tok, rings, reinterpret_cast<uint8_t*>(ws + l.route), st);
   if (a.compute_kl) run_fwd_kl(a, g, idx, idx_head, idx_tok, plse_t, ws, l, st);
   finish_guard(gd, st);
 }

@@ -47,6 +47,13 @@ inline FwdTile fwd_tile(const Geometry& g, int topk) {
   return t;
 }
 
+// Forward tiles along the longest sequence (grid x), and all of a call's tiles (the router's bytes:
+// the grid's x, heads / R in y, sequences in z).
+inline int64_t fwd_m_tiles(const Geometry& g, const FwdTile& t) { return (g.max_seqlen + t.NT - 1) / t.NT; }
+inline int64_t fwd_tiles(const Geometry& g, const FwdTile& t) {
+  return fwd_m_tiles(g, t) * (g.Hq / t.R) * g.batch;
+}
+
 // Heads per unit of the main backward: the same gcd, reduced to a divisor <= 64 (a chunk holds
 // kChunkRows rows = token slots x head slots).
 inline int bwd_unit_heads(const Geometry& g) {

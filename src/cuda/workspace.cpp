@@ -137,7 +137,7 @@ FwdLayout fwd_layout(const flashmsa_fwd_args_t& a, const Geometry& g) {
   auto take = [&](size_t bytes) { const size_t o = off; off += align_up(bytes); return o; };
   if (a.mode != FLASHMSA_MODE_DENSE) {  // the router's byte per forward tile (fwd.cpp's grid)
     const tiles::FwdTile t = tiles::fwd_tile(g, g.topk);
-    l.route = take(size_t((g.max_seqlen + t.NT - 1) / t.NT) * size_t(g.Hq / t.R) * size_t(g.batch));
+    l.route = take(size_t(tiles::fwd_tiles(g, t)));
   }
   if (a.mode == FLASHMSA_MODE_SPARSE && !present(a.indices)) l.idx = take(size_t(g.Hp) * g.total * g.topk * 4);
   if (a.compute_kl) {

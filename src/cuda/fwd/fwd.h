@@ -48,6 +48,11 @@ __host__ __device__ inline int64_t num_tiles(const Args& a) { return int64_t(a.n
 // ring block costs ~1.25x a shared-stream block (docs/kernels/fwd.md, sessions 18-19).
 constexpr int kRingRatioPermille = 800;
 constexpr int kRowsPerWarpGroup = 64;  // a consumer warpgroup's MMA rows (tokens row / R)
+// Consumer warpgroup w holds rows 64 w .. 64 w + 63, i.e. the tile's tokens first..last of these
+// (a token's R rows may straddle both warpgroups; last is clipped to the tile by the caller): the
+// rings kernel's lists and the router both count a warpgroup's blocks by this one rule.
+__host__ __device__ inline int wg_first_token(int R, int w) { return (kRowsPerWarpGroup * w) / R; }
+__host__ __device__ inline int wg_last_token(int R, int w) { return (kRowsPerWarpGroup * w + kRowsPerWarpGroup - 1) / R; }
 void launch_route(const Args& a, int ratio_permille, uint8_t* route, cudaStream_t stream);
 
 }  // namespace flashmsa::cuda::attn_fwd

@@ -67,17 +67,16 @@ template <class Element>
 struct Config {
   static constexpr int kBlockM = kConsumerWarpGroups * kWgmmaM, kBlockN = kBlockKeys, kHeadDim = kHeadDimInst;
   static constexpr int kThreads = kCtaThreads, kStages = 2;  // producer warpgroup + 2 consumer warpgroups
-  static constexpr int kStageKeys = kBlockN, kStagesKV = kStages;  // the K and V buffers' stages
   static constexpr int kConsumers = kConsumerThreads;
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
   // the rings kernel: a ring per warpgroup, one 128-key stage (stage w of the buffers)
-  using Ring = cutlass::PipelineTmaAsync<kStagesKV / kConsumerWarpGroups>;
+  using Ring = cutlass::PipelineTmaAsync<kStages / kConsumerWarpGroups>;
   using SmemLayoutQ = SwizzledTile<Element, kBlockM, kHeadDim>;
-  using SmemLayoutKV = SwizzledTiles<Element, kStageKeys, kHeadDim, kStagesKV>;
+  using SmemLayoutKV = SwizzledTiles<Element, kBlockN, kHeadDim, kStages>;
   // V^T view (d, keys, stage) of the same memory, for the B operand of O += P V.
-  using SmemLayoutVt = TransposedViews<SmemLayoutKV, kStageKeys, kHeadDim, kStagesKV>;
-  using MmaQK = SsMma<Element, 64, kStageKeys, kHeadDim>;
-  using MmaPV = RsMma<Element, 64, kHeadDim, kStageKeys, cute::GMMA::Major::K, cute::GMMA::Major::MN>;
+  using SmemLayoutVt = TransposedViews<SmemLayoutKV, kBlockN, kHeadDim, kStages>;
+  using MmaQK = SsMma<Element, 64, kBlockN, kHeadDim>;
+  using MmaPV = RsMma<Element, 64, kHeadDim, kBlockN, cute::GMMA::Major::K, cute::GMMA::Major::MN>;
   struct Smem {
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>, 1024> q;  // reused for O
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>, 1024> k;
@@ -227,7 +226,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) fwd_kernel(const __grid_consta
     // 64 w .. 64 w + 63, tokens row / R (dense: every entry, not stored: entry k is block k)
     if (tid < 64) {
       const int w = tid / 32;
-      const int t_lo = (64 * w) / p.R, t_hi = min((64 * w + 63) / p.R, ntok - 1);
+      const int t_lo = wg_first_token(p.R, w), t_hi = min(wg_last_token(p.R, w), ntok - 1);
       uint32_t wmask[C::kBlockM / 32];
 #pragma unroll
       for (int x = 0; x < C::kBlockM / 32; ++x) {
@@ -352,12 +351,12 @@ __global__ void __launch_bounds__(kCtaThreads, 1) fwd_kernel(const __grid_consta
   Tensor tSrQ = thr_qk.partition_fragment_A(sQw);
   Tensor tSrK = thr_qk.partition_fragment_B(sK);
   Tensor tOrVt = thr_pv.partition_fragment_B(sVt);
-  Tensor accS = partition_fragment_C(mma_qk, Shape<_64, Int<C::kStageKeys>>{});
+  Tensor accS = partition_fragment_C(mma_qk, Shape<_64, Int<C::kBlockN>>{});
   Tensor accO = partition_fragment_C(mma_pv, Shape<_64, Int<C::kHeadDim>>{});
   clear(accO);
   Tensor sRC = make_tensor(accS.data(), acc_rowcol(accS.layout()));
   Tensor oRC = make_tensor(accO.data(), acc_rowcol(accO.layout()));
-  Tensor cS = thr_qk.partition_C(make_identity_tensor(Shape<_64, Int<C::kStageKeys>>{}));
+  Tensor cS = thr_qk.partition_C(make_identity_tensor(Shape<_64, Int<C::kBlockN>>{}));
   Tensor cRC = make_tensor(cS.data(), acc_rowcol(cS.layout()));
   Tensor rP = make_tensor_like<Element>(accS);  // P (bf16/fp16): the A operand of O += P V
   Tensor tOrP = make_tensor(rP.data(), acc_to_a_regs(rP.layout()));
@@ -379,29 +378,28 @@ __global__ void __launch_bounds__(kCtaThreads, 1) fwd_kernel(const __grid_consta
   // pays no exp; online softmax with the running max exact (Train) or lazily rescaled (Infer).
   // scale_o: the factor that brings O (accumulated against the previous max) to the new one,
   // applied before the next O += P V.
-  // (generic over the block's width and its accumulator; both kernels use 128-key blocks)
-  auto softmax_w = [&](auto& acc, const auto& crd, auto width, int qi, int64_t key0) {
-    constexpr int kW = decltype(width)::value;
+  auto softmax = [&](int qi) {
+    const int64_t key0 = int64_t(block_of(qi)) * C::kBlockN;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       bool sel = row_tok[r] < ntok;  // rows past the tile see nothing
       if (sel && !dense) sel = ((S.tokmask[qi][row_tok[r] / 32] >> (row_tok[r] % 32)) & 1u) != 0u;
       const int64_t last = row_pos[r] - key0;  // the row's own position within the block
-      const int lim = !sel || last < 0 ? -1 : last >= kW - 1 ? kW - 1 : int(last);
+      const int lim = !sel || last < 0 ? -1 : last >= C::kBlockN - 1 ? C::kBlockN - 1 : int(last);
       float mx = -INFINITY;
       if (lim >= 0) {
-        if (lim < kW - 1) {
+        if (lim < C::kBlockN - 1) {
 #pragma unroll
-          for (int c = 0; c < size<1>(acc); ++c)
-            if (get<1>(crd(r, c)) > lim) acc(r, c) = -INFINITY;
+          for (int c = 0; c < size<1>(sRC); ++c)
+            if (get<1>(cRC(r, c)) > lim) sRC(r, c) = -INFINITY;
         }
 #pragma unroll
-        for (int c = 0; c < size<1>(acc); ++c) mx = fmaxf(mx, acc(r, c));
+        for (int c = 0; c < size<1>(sRC); ++c) mx = fmaxf(mx, sRC(r, c));
       }
       mx = quad_max(mx);  // (all lanes: a quad shares its rows, so lim is quad-uniform)
       if (lim < 0) {  // nothing of this block: P = 0, max and sum unchanged
 #pragma unroll
-        for (int c = 0; c < size<1>(acc); ++c) acc(r, c) = 0.f;
+        for (int c = 0; c < size<1>(sRC); ++c) sRC(r, c) = 0.f;
         scale_o[r] = 1.f;
         continue;
       }
@@ -415,15 +413,14 @@ __global__ void __launch_bounds__(kCtaThreads, 1) fwd_kernel(const __grid_consta
       const float ms = (m_new == -INFINITY) ? 0.f : m_new * sl2;
       float sum = 0.f;
 #pragma unroll
-      for (int c = 0; c < size<1>(acc); ++c) {
-        const float e = ptx::exp2f_approx(acc(r, c) * sl2 - ms);
-        acc(r, c) = e;
+      for (int c = 0; c < size<1>(sRC); ++c) {
+        const float e = ptx::exp2f_approx(sRC(r, c) * sl2 - ms);
+        sRC(r, c) = e;
         sum += e;
       }
       row_sum[r] = row_sum[r] * scale_o[r] + sum;  // partial per thread; reduced at the end
     }
   };
-  auto softmax = [&](int qi) { softmax_w(sRC, cRC, Int<C::kBlockN>{}, qi, int64_t(block_of(qi)) * C::kBlockN); };
   auto rescale_o = [&] {
     if (scale_o[0] == 1.f && scale_o[1] == 1.f) return;  // (the max did not move)
 #pragma unroll

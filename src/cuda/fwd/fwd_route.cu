@@ -39,7 +39,7 @@ __global__ void __launch_bounds__(kWarps * 32) route_kernel(const Args a, int ra
   uint32_t(&w1)[kWords] = bits[warp][1];
   for (int w = lane; w < nwords; w += 32) w0[w] = w1[w] = 0u;
   __syncwarp();
-  // token t's rows t R .. t R + R - 1: warpgroup 0 holds rows < 64, warpgroup 1 the rest
+  const int last0 = wg_last_token(a.R, 0), first1 = wg_first_token(a.R, 1);  // (fwd.h)
   const int nent = ntok * a.topk;
   for (int e = lane; e < nent; e += 32) {
     const int tok = e / a.topk, s = e % a.topk;
@@ -47,8 +47,8 @@ __global__ void __launch_bounds__(kWarps * 32) route_kernel(const Args a, int ra
     const int j = a.indices.at(grp, s0 + i)[s];
     if (j < 0 || int64_t(j) > i / kBlockKeys) continue;
     const uint32_t bit = 1u << (j % 32);
-    if (tok * a.R < kRowsPerWarpGroup) atomicOr(&w0[j / 32], bit);
-    if ((tok + 1) * a.R > kRowsPerWarpGroup) atomicOr(&w1[j / 32], bit);
+    if (tok <= last0) atomicOr(&w0[j / 32], bit);
+    if (tok >= first1) atomicOr(&w1[j / 32], bit);
   }
   __syncwarp();
   int n0 = 0, n1 = 0, u = 0;
