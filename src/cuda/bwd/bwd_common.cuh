@@ -24,18 +24,6 @@
 // The standalone main kernel keeps the kGatherers barrier: its 24-register producers spill with
 // the shuffles, and its barrier sequence draws no racecheck report.
 
-// FLASHMSA_BWD_DQ_BY_KEYS (a build knob for measurements, default 0; docs/kernels/bwd.md, "Session 19"):
-// 1 = the main walk (bwd_kernel.cuh; default mode, not the deterministic one) splits dQ = dS K by
-// keys instead of by d: each consumer warpgroup multiplies its own dS^T half (64 keys) by its own 64
-// keys of K, over both halves of d, so the two warpgroups no longer meet at the consumers' barrier
-// before dQ. Warpgroup 0 stores its partial into the dQ tile and arrives on `dq_half`; warpgroup 1
-// computes its first half, then waits for that and adds its partial with shared-memory atomics: it
-// trails warpgroup 0 by at least warpgroup 0's dQ stores and at most a chunk (warpgroup 0 waits for
-// the writer, which waits for warpgroup 1). The writer warp is unchanged.
-#ifndef FLASHMSA_BWD_DQ_BY_KEYS
-#define FLASHMSA_BWD_DQ_BY_KEYS 0
-#endif
-
 namespace flashmsa::cuda::attn_bwd {
 
 // The same object, through a reference the compiler cannot see through: what is derived from it
@@ -76,13 +64,6 @@ __device__ __forceinline__ void init_dq_writer(Sync& s) {
     s.dq_empty.init(32);
   }
 }
-#if FLASHMSA_BWD_DQ_BY_KEYS
-// The main walk's `dq_half` (bwd_kernel.cuh's knob): warpgroup 0's threads hand their dQ partial over.
-template <class Sync>
-__device__ __forceinline__ void init_dq_half(Sync& s) {
-  if (threadIdx.x == 0) s.dq_half.init(kWarpGroupThreads);
-}
-#endif
 
 // A resident key block (128 keys x 128 dims, dims contiguous) in shared memory: K_j, V_j, Kp_j.
 template <class Element>

@@ -89,9 +89,6 @@ struct MainConfig {
     typename Pipeline::SharedStorage pipe;
     cutlass::arch::ClusterTransactionBarrier kv_bar;
     cutlass::arch::ClusterBarrier dq_full, dq_empty;  // the dQ tile written by the consumers / added
-#if FLASHMSA_BWD_DQ_BY_KEYS
-    cutlass::arch::ClusterBarrier dq_half;  // warpgroup 0's dQ partial stored in the tile
-#endif
   };
   struct Plan {
     Smem d;
@@ -462,53 +459,6 @@ __device__ __forceinline__ void main_consume(const Params& P, typename MainConfi
     if constexpr (kDet) unit_a = S.unit[st][rq0], unit_b = S.unit[st][rq0 + 8];
     pipeline.consumer_release(state);
     ptx::fence_proxy_async_smem();
-#if FLASHMSA_BWD_DQ_BY_KEYS
-    if constexpr (!kDet) {  // dQ over this warpgroup's 64 keys, both halves of d (the knob's comment)
-      barrier_sync(consumer_wg_barrier(w), kWarpGroupThreads);  // this warpgroup's dS^T half staged
-      Tensor tQrdSw = thr_dq.partition_fragment_A(local_tile(sdSt(_, _, buf), Shape<_64, _64>{}, make_coord(_0{}, w)));
-      const int d0 = get<1>(cdQ(0));
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        Tensor tQrKh = thr_dq.partition_fragment_B(local_tile(sKt, Shape<_64, _64>{}, make_coord(h, w)));
-        wg_gemm<true>(mma_dq, tQrdSw, tQrKh, accdQ);
-        if (h == 0) {  // (the first GEMM needs no tile; only the tile writes wait)
-          if (w == 0) {
-            if (state.count() > 0) sync.dq_empty.wait((state.count() - 1) & 1);  // the tile is free
-          } else {
-            sync.dq_half.wait(state.count() & 1);  // warpgroup 0's partial is in the tile
-          }
-        }
-#pragma unroll
-        for (int e1 = 0; e1 < 2; ++e1)
-#pragma unroll
-          for (int i = 0; i < 8; ++i) {
-            float* dst = &S.dq[rq0 + 8 * e1][64 * h + d0 + 8 * i];
-            const float x = accdQ(4 * i + 2 * e1), y = accdQ(4 * i + 2 * e1 + 1);
-            if (w == 0) {
-              *reinterpret_cast<float2*>(dst) = make_float2(x, y);
-            } else {
-              atomicAdd(dst, x);
-              atomicAdd(dst + 1, y);
-            }
-          }
-      }
-      if (w == 0) {
-        if ((wtid & 3) == 0) {
-#pragma unroll
-          for (int e1 = 0; e1 < 2; ++e1) {
-            const int32_t t = e1 ? tok_b : tok_a;
-            S.dq_row[rq0 + 8 * e1] =
-                t < 0 ? int64_t(-1) : (int64_t(t) * p.Hq + h0 + ((rq0 + 8 * e1) & (P.Rp - 1))) * C::kHeadDim;
-          }
-        }
-        sync.dq_half.arrive();  // (release: warpgroup 1's atomics see the stores)
-      }
-      ptx::fence_proxy_async_smem();  // the tile is read by the TMA engine (async proxy)
-      sync.dq_full.arrive();
-      ++state;
-      continue;
-    }
-#endif
     barrier_sync(NamedBarrier::kConsumers, kConsumerThreads);  // dS^T staged by both
     wg_gemm<true>(mma_dq, tQrdS(_, _, _, buf), tQrK, accdQ);
     // dQ rows of this chunk (unscaled: the convert kernel applies the softmax scale)
@@ -585,9 +535,6 @@ __global__ void __launch_bounds__(kCtaThreads, 1) bwd_main_kernel(const __grid_c
   if (!main_item(p, cta.gb, cta.unit, m)) return;
   const int role_wg = threadIdx.x / kWarpGroupThreads;
   init_dq_writer(S.s);
-#if FLASHMSA_BWD_DQ_BY_KEYS
-  init_dq_half(S.s);
-#endif
   Pipeline pipeline = make_chunk_pipeline<Pipeline>(S.s.pipe, role_wg, C::kProducers, C::kConsumers, S.s.kv_bar);
   if (role_wg == 0) {  // ---- producer ----
     cutlass::arch::warpgroup_reg_dealloc<kBwdRegs.producer>();

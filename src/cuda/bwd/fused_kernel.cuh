@@ -82,9 +82,6 @@ __global__ void __launch_bounds__(kCtaThreads, 1) bwd_fused_kernel(const __grid_
   auto cta_sync = [] { barrier_sync(NamedBarrier::kCta, kCtaThreads); };
   const bool producer = role_wg == 0;
   init_dq_writer(S.ms);
-#if FLASHMSA_BWD_DQ_BY_KEYS
-  init_dq_half(S.ms);
-#endif
   init_dq_writer(S.ks);
   PM pm = make_chunk_pipeline<PM>(S.ms.pipe, role_wg, F::CM::kProducers, F::CM::kConsumers, S.ms.kv_bar);
   PK pk = make_chunk_pipeline<PK>(S.ks.pipe, role_wg, F::CK::kProducers, F::CK::kConsumers, S.ks.kp_bar);

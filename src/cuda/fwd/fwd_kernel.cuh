@@ -42,14 +42,6 @@
 // 64-key stages per ring with FlashAttention-3's overlap per half-block (slower everywhere);
 // both at commit 59f6503 (`FLASHMSA_FWD_WG_RINGS`), the measurements in docs/kernels/fwd.md.
 
-// FLASHMSA_FWD_PROLOGUE (a build knob for measurements, default 0; docs/kernels/fwd.md, "Session 19"):
-// 1 = the consumers issue Q's cp.async before the union is built (Q does not depend on it), so its
-// latency hides under the prologue, and each thread keeps its index slots in registers between the
-// prologue's two passes (one global read of the tile's indices instead of two).
-#ifndef FLASHMSA_FWD_PROLOGUE
-#define FLASHMSA_FWD_PROLOGUE 0
-#endif
-
 namespace flashmsa::cuda::attn_fwd {
 
 template <class Element>
@@ -118,23 +110,6 @@ __global__ void __launch_bounds__(kCtaThreads, 1) fwd_kernel(const __grid_consta
   const int64_t i_last = i0 + ntok - 1;
   const int nblk_tile = int(i_last / C::kBlockN) + 1;  // blocks 0..l(i_last)
   const bool dense = p.indices.ptr == nullptr;
-#if FLASHMSA_FWD_PROLOGUE
-  if (tid >= kWarpGroupThreads) {  // the consumers' Q rows, as the consumer section below (the knob's copy)
-    const int wg = tid / kWarpGroupThreads - 1;
-    const Element* qp = static_cast<const Element*>(p.q.ptr);
-    Tensor sQ = make_tensor(make_smem_ptr(S.q.data()), typename C::SmemLayoutQ{});
-#pragma unroll
-    for (int c = tid % kWarpGroupThreads; c < 64 * 16; c += kWarpGroupThreads) {
-      const int r = wg * 64 + c / 16, col = (c % 16) * 8;
-      const int tok = min(r / p.R, ntok - 1);
-      const int h = h0 + r % p.R;
-      ptx::cp_async_16(&sQ(r, col), qp + b * p.q.batch_corr + (s0 + i0 + tok) * p.q.tok + h * p.q.head + col);
-    }
-    ptx::cp_async_commit();
-  }
-  constexpr int kSlotsPerThread = (kMaxUnion + C::kThreads - 1) / C::kThreads;  // ntok * topk <= kMaxUnion
-  int jslot[kSlotsPerThread];  // this thread's index slots e = tid + kThreads k (-1: not a block of the tile)
-#endif
 
   // ---- the union of the tile's blocks ----
   const int nwords = (nblk_tile + 31) / 32;
@@ -144,29 +119,12 @@ __global__ void __launch_bounds__(kCtaThreads, 1) fwd_kernel(const __grid_consta
     for (int w = tid; w < nwords; w += C::kThreads) S.blockbits[w] = 0u;
     __syncthreads();
     const int nent = ntok * p.topk;
-#if FLASHMSA_FWD_PROLOGUE
-#pragma unroll
-    for (int k = 0; k < kSlotsPerThread; ++k) {  // every load in flight before the first use
-      const int e = tid + C::kThreads * k;
-      jslot[k] = -1;
-      if (e < nent) {
-        const int tok = e / p.topk, s = e % p.topk;
-        const int64_t i = i0 + tok;
-        const int j = p.indices.at(grp, s0 + i)[s];
-        if (j >= 0 && int64_t(j) <= i / C::kBlockN) jslot[k] = j;
-      }
-    }
-#pragma unroll
-    for (int k = 0; k < kSlotsPerThread; ++k)
-      if (jslot[k] >= 0) atomicOr(&S.blockbits[jslot[k] / 32], 1u << (jslot[k] % 32));
-#else
     for (int e = tid; e < nent; e += C::kThreads) {
       const int tok = e / p.topk, s = e % p.topk;
       const int64_t i = i0 + tok;
       const int j = p.indices.at(grp, s0 + i)[s];
       if (j >= 0 && int64_t(j) <= i / C::kBlockN) atomicOr(&S.blockbits[j / 32], 1u << (j % 32));
     }
-#endif
     __syncthreads();
     if (tid < 32) {  // exclusive prefix of popcounts over the words (one warp)
       int carry = 0;
@@ -197,16 +155,6 @@ __global__ void __launch_bounds__(kCtaThreads, 1) fwd_kernel(const __grid_consta
     for (int x = tid; x < S.ulen * (C::kBlockM / 32); x += C::kThreads)
       S.tokmask[x / (C::kBlockM / 32)][x % (C::kBlockM / 32)] = 0u;
     __syncthreads();
-#if FLASHMSA_FWD_PROLOGUE
-#pragma unroll
-    for (int k = 0; k < kSlotsPerThread; ++k) {
-      const int j = jslot[k];
-      if (j < 0) continue;
-      const int tok = (tid + C::kThreads * k) / p.topk;
-      const int pos = S.wordprefix[j / 32] + __popc(S.blockbits[j / 32] & ((1u << (j % 32)) - 1u));
-      atomicOr(&S.tokmask[pos][tok / 32], 1u << (tok % 32));
-    }
-#else
     for (int e = tid; e < nent; e += C::kThreads) {
       const int tok = e / p.topk, s = e % p.topk;
       const int64_t i = i0 + tok;
@@ -216,7 +164,6 @@ __global__ void __launch_bounds__(kCtaThreads, 1) fwd_kernel(const __grid_consta
         atomicOr(&S.tokmask[pos][tok / 32], 1u << (tok % 32));
       }
     }
-#endif
   }
   __syncthreads();
   const int ulen = S.ulen;
@@ -325,7 +272,6 @@ __global__ void __launch_bounds__(kCtaThreads, 1) fwd_kernel(const __grid_consta
   const int wg = role_wg - 1;
   Tensor sQ = make_tensor(make_smem_ptr(S.q.data()), typename C::SmemLayoutQ{});
   {
-#if !FLASHMSA_FWD_PROLOGUE
     // this warpgroup's 64 Q rows: row r = token r / R, head h0 + r % R (rows past the tile clamp)
     const Element* qp = static_cast<const Element*>(p.q.ptr);
 #pragma unroll
@@ -337,7 +283,6 @@ __global__ void __launch_bounds__(kCtaThreads, 1) fwd_kernel(const __grid_consta
       ptx::cp_async_16(&sQ(r, col), src);
     }
     ptx::cp_async_commit();
-#endif
     ptx::cp_async_wait<0>();
     ptx::fence_proxy_async_smem();
     barrier_sync(consumer_wg_barrier(wg), kWarpGroupThreads);
