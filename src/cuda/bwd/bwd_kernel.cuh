@@ -49,7 +49,8 @@ struct MainConfig {
   static constexpr int kBlockN = kBlockKeys, kRows = 64, kHeadDim = kHeadDimInst;
   // the producer warpgroup's last warp adds dQ (the dQ writer); the other three gather rows
   static constexpr int kThreads = kCtaThreads, kStages = 2, kConsumers = kConsumerThreads,
-                       kProducers = kWarpGroupThreads - 32, kDqStride = 132;
+                       kProducers = kWarpGroupThreads - 32,
+                       kDqStride = FLASHMSA_BWD_DQ_TOKEN_OPS ? kHeadDim : 132;
   using Pipeline = cutlass::PipelineAsync<kStages>;
   using Major = cute::GMMA::Major;
   // K, V resident: (keys, d), d contiguous; the K^T view (d, keys) for dQ = dS K
@@ -238,10 +239,18 @@ __device__ __forceinline__ void main_produce(const Params& P, typename MainConfi
     for (int c = 0; c < nchunks; ++c) {
       sync.dq_full.wait(state.count() & 1);  // (the producer state counts the chunks as the consumers' does)
       if (lane == 0) {
+#if FLASHMSA_BWD_DQ_TOKEN_OPS
+        // one operation per token slot: its R heads' rows (slot * Rp ..), contiguous here and in dq_acc
+        for (int s = 0; s < NTc; ++s) {
+          const int64_t off = S.dq_row[s * P.Rp];
+          if (off >= 0) bulk_add_row(p.dq_acc + off, &S.dq[s * P.Rp][0], uint32_t(p.R) * C::kHeadDim * sizeof(float));
+        }
+#else
         for (int r = 0; r < C::kRows; ++r) {
           const int64_t off = S.dq_row[r];
           if (off >= 0) bulk_add_row(p.dq_acc + off, &S.dq[r][0], C::kHeadDim * sizeof(float));
         }
+#endif
         asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
         asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");  // the engine has read the tile
       }
@@ -490,10 +499,18 @@ __device__ __forceinline__ void main_consume(const Params& P, typename MainConfi
       } else {
         // to the dQ tile, whose rows the writer warp has added (main_produce)
         if (e1 == 0 && state.count() > 0) sync.dq_empty.wait((state.count() - 1) & 1);  // the tile is free
+#if FLASHMSA_BWD_DQ_TOKEN_OPS
+        const int sw = dq_swizzle(h0 + ((rq0 + 8 * e1) & (P.Rp - 1)));  // dq_acc's column order
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+          *reinterpret_cast<float2*>(&S.dq[rq0 + 8 * e1][(dq0 + 8 * i) ^ sw]) =
+              make_float2(accdQ(4 * i + 2 * e1), accdQ(4 * i + 2 * e1 + 1));
+#else
 #pragma unroll
         for (int i = 0; i < 8; ++i)
           *reinterpret_cast<float2*>(&S.dq[rq0 + 8 * e1][dq0 + 8 * i]) =
               make_float2(accdQ(4 * i + 2 * e1), accdQ(4 * i + 2 * e1 + 1));
+#endif
         if (w == 0 && (wtid & 3) == 0) S.dq_row[rq0 + 8 * e1] = t < 0 ? int64_t(-1) : row - dq0;
         if (e1 == 1) {
           ptx::fence_proxy_async_smem();  // the tile is read by the TMA engine (async proxy)

@@ -8,7 +8,24 @@
 #include "cuda/common/constants.h"
 #include "cuda/common/seqlen.cuh"
 
+// FLASHMSA_BWD_DQ_TOKEN_OPS (a build knob for measurements, default 0; docs/kernels/bwd.md, "Session 20,
+// prepared"): 1 = the dQ writer adds a chunk's tile with one bulk operation per token slot (its R heads' rows,
+// contiguous in dq_acc and in the tile) instead of one per row (64 per chunk; m3: 4, fmsa: 16). The tile's rows are
+// then unpadded (128 floats), so the float2 stores would conflict 8 ways; instead each row's columns are XOR-swizzled
+// by its head (dq_swizzle), and dq_acc holds every row in that swizzled order, which the dq convert undoes. The
+// deterministic mode (fixed-point adds, dq_fix) is unchanged.
+#ifndef FLASHMSA_BWD_DQ_TOKEN_OPS
+#define FLASHMSA_BWD_DQ_TOKEN_OPS 0
+#endif
+
 namespace flashmsa::cuda::attn_bwd {
+
+#if FLASHMSA_BWD_DQ_TOKEN_OPS
+// dq_acc's column order (the knob above): column d of head h's row sits at d ^ dq_swizzle(h). A float2 store covers 8
+// rows x 4 column pairs; where its rows are 8 consecutive heads (Rp >= 8) each pair of rows 2m, 2m + 1 gets 8 banks of
+// its own: 2 wavefronts, as the padded tile. Where Rp = 4 (two tokens' 4 heads) 4 rows share 8 banks: 4 wavefronts.
+__host__ __device__ constexpr int dq_swizzle(int h) { return 4 * (h & 7); }
+#endif
 
 // Tile of the padded per-token buffers (lse2, dpsum): written by the preprocess, read by the
 // main backward, both through padded_offset(..., kPadTile).
