@@ -59,7 +59,10 @@ fi
 if has sanitize; then
   stamp "sanitizers"
   timeout ${MEMCHECK_S:-200} compute-sanitizer --tool memcheck --error-exitcode 1 ./.gpu/flashmsa_gpu_tests --gtest_filter='*Small*' > "$OUT/memcheck.log" 2>&1; echo "memcheck rc=$?"; tail -1 "$OUT/memcheck.log"
-  timeout ${RACECHECK_S:-300} compute-sanitizer --tool racecheck --error-exitcode 1 ./.gpu/flashmsa_gpu_tests --gtest_filter='*Small*' > "$OUT/racecheck.log" 2>&1; echo "racecheck rc=$?"; tail -1 "$OUT/racecheck.log"
+  # racecheck without Metadata.*: its table test runs ~20 whole training steps, which racecheck did not finish in
+  # 110 s (session 20); the kernels it drives are the ones the other small cases check, and the metadata step runs it
+  # under memcheck
+  timeout ${RACECHECK_S:-300} compute-sanitizer --tool racecheck --error-exitcode 1 ./.gpu/flashmsa_gpu_tests --gtest_filter='*Small*:-Metadata.*' > "$OUT/racecheck.log" 2>&1; echo "racecheck rc=$?"; tail -1 "$OUT/racecheck.log"
 fi
 if has race; then
   stamp "racecheck"

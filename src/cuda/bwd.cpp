@@ -11,7 +11,7 @@ namespace flashmsa::cuda {
 namespace {
 
 void convert(Dtype d, const float* acc, TokenTensor<void> out, const Seqs& seqs, int64_t max_seqlen, int heads,
-             float scale, cudaStream_t st, bool dq_layout = false) {
+             float scale, cudaStream_t st, attn_bwd::DqLayout dq_layout = {}) {
   by_dtype(d, [&](auto D) {
     attn_bwd::launch_convert<decltype(D)::value>(acc, out, seqs, max_seqlen, heads, scale, st, dq_layout);
   });
@@ -158,7 +158,7 @@ void run_bwd(const flashmsa_bwd_args_t& a, const Geometry& g, char* ws, const Bw
     convert_fixed(d, ws + l.dv, token_tensor<void>(a.dv, g), seqs, g.max_seqlen, g.Hkv, 1.f,
                   fix + attn_bwd::kUnitDv, 0, bad + 2, st);
   } else {
-    convert(d, dq_acc, token_tensor<void>(a.dq, g), seqs, g.max_seqlen, g.Hq, float(g.scale), st, /*dq_layout=*/true);
+    convert(d, dq_acc, token_tensor<void>(a.dq, g), seqs, g.max_seqlen, g.Hq, float(g.scale), st, {c.R, g.total});
     convert(d, dk_acc, token_tensor<void>(a.dk, g), seqs, g.max_seqlen, g.Hkv, float(g.scale), st);
     convert(d, dv_acc, token_tensor<void>(a.dv, g), seqs, g.max_seqlen, g.Hkv, 1.f, st);
   }

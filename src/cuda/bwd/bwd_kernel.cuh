@@ -241,9 +241,17 @@ __device__ __forceinline__ void main_produce(const Params& P, typename MainConfi
       if (lane == 0) {
 #if FLASHMSA_BWD_DQ_TOKEN_OPS
         // one operation per token slot: its R heads' rows (slot * Rp ..), contiguous here and in dq_acc
-        for (int s = 0; s < NTc; ++s) {
+        // (knob value 2, R == Rp: and the following slots whose rows continue it in dq_acc)
+        const int64_t unit_floats = int64_t(p.R) * C::kHeadDim;
+        for (int s = 0; s < NTc;) {
           const int64_t off = S.dq_row[s * P.Rp];
-          if (off >= 0) bulk_add_row(p.dq_acc + off, &S.dq[s * P.Rp][0], uint32_t(p.R) * C::kHeadDim * sizeof(float));
+          int n = 1;
+#if FLASHMSA_BWD_DQ_TOKEN_OPS == 2
+          if (p.R == P.Rp)
+            while (s + n < NTc && off >= 0 && S.dq_row[(s + n) * P.Rp] == off + n * unit_floats) ++n;
+#endif
+          if (off >= 0) bulk_add_row(p.dq_acc + off, &S.dq[s * P.Rp][0], uint32_t(n * unit_floats * sizeof(float)));
+          s += n;
         }
 #else
         for (int r = 0; r < C::kRows; ++r) {
@@ -511,7 +519,14 @@ __device__ __forceinline__ void main_consume(const Params& P, typename MainConfi
           *reinterpret_cast<float2*>(&S.dq[rq0 + 8 * e1][dq0 + 8 * i]) =
               make_float2(accdQ(4 * i + 2 * e1), accdQ(4 * i + 2 * e1 + 1));
 #endif
+#if FLASHMSA_BWD_DQ_TOKEN_OPS
+        if (w == 0 && (wtid & 3) == 0)
+          S.dq_row[rq0 + 8 * e1] =
+              t < 0 ? int64_t(-1)
+                    : dq_acc_row(t, h0 + ((rq0 + 8 * e1) & (P.Rp - 1)), p.Hq, p.R, p.total) * C::kHeadDim;
+#else
         if (w == 0 && (wtid & 3) == 0) S.dq_row[rq0 + 8 * e1] = t < 0 ? int64_t(-1) : row - dq0;
+#endif
         if (e1 == 1) {
           ptx::fence_proxy_async_smem();  // the tile is read by the TMA engine (async proxy)
           sync.dq_full.arrive();

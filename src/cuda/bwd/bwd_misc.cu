@@ -246,14 +246,15 @@ __global__ void convert_kernel(const float* acc, TokenTensor<void> out, Seqs seq
 }
 
 #if FLASHMSA_BWD_DQ_TOKEN_OPS
-// dq_acc in its swizzled column order (bwd_common.cuh, dq_swizzle): logical columns d .. d + 7 (d a multiple of 8) sit
+// dq_acc in its swizzled column order (bwd_params.cuh, dq_swizzle): logical columns d .. d + 7 (d a multiple of 8) sit
 // in the aligned block d ^ (s & 24), their two halves swapped where s & 4
 template <class Element>
-__global__ void convert_dq_swizzled_kernel(const float* acc, TokenTensor<void> out, Seqs seqs, int heads, float scale) {
+__global__ void convert_dq_swizzled_kernel(const float* acc, TokenTensor<void> out, Seqs seqs, int heads, float scale,
+                                           int unit_heads, int64_t total) {
   ConvertSite c;
   if (!convert_site(seqs, c)) return;
   const int s = dq_swizzle(c.h);
-  const float* src = acc + (c.t * heads + c.h) * kHeadDimInst + (c.d ^ (s & 24));
+  const float* src = acc + dq_acc_row(c.t, c.h, heads, unit_heads, total) * kHeadDimInst + (c.d ^ (s & 24));
   Element* dst = out.template row<Element>(c.b, c.t, c.h) + c.d;
   float4 x0 = *reinterpret_cast<const float4*>(src), x1 = *reinterpret_cast<const float4*>(src + 4);
   if (s & 4) {
@@ -408,12 +409,12 @@ Inversion build_inversion(const InversionArgs& a, void* ws, cudaStream_t st) {
 
 template <Dtype D>
 void launch_convert(const float* acc, TokenTensor<void> out, const Seqs& seqs, int64_t max_seqlen, int heads,
-                    float scale, cudaStream_t st, bool dq_layout) {
+                    float scale, cudaStream_t st, DqLayout dq_layout) {
   if (seqs.batch == 0 || max_seqlen == 0) return;
 #if FLASHMSA_BWD_DQ_TOKEN_OPS
-  if (dq_layout) {
-    convert_dq_swizzled_kernel<typename ElementOf<D>::type>
-        <<<convert_grid(max_seqlen, heads, seqs.batch), 256, 0, st>>>(acc, out, seqs, heads, scale);
+  if (dq_layout.unit_heads > 0) {
+    convert_dq_swizzled_kernel<typename ElementOf<D>::type><<<convert_grid(max_seqlen, heads, seqs.batch), 256, 0, st>>>(
+        acc, out, seqs, heads, scale, dq_layout.unit_heads, dq_layout.total);
     FLASHMSA_CUDA_CHECK(cudaGetLastError());
     return;
   }
@@ -485,9 +486,9 @@ void launch_kl_reduce(const float* partials, int64_t n, double scale, float* out
 template void launch_preprocess<Dtype::kBf16>(const PreprocessArgs&, cudaStream_t);
 template void launch_preprocess<Dtype::kFp16>(const PreprocessArgs&, cudaStream_t);
 template void launch_convert<Dtype::kBf16>(const float*, TokenTensor<void>, const Seqs&, int64_t, int, float, cudaStream_t,
-                                           bool);
+                                           DqLayout);
 template void launch_convert<Dtype::kFp16>(const float*, TokenTensor<void>, const Seqs&, int64_t, int, float, cudaStream_t,
-                                           bool);
+                                           DqLayout);
 template void launch_convert_fixed<Dtype::kBf16>(const int64_t*, TokenTensor<void>, const Seqs&, int64_t, int, float,
                                                 const float*, int64_t, const int32_t*, cudaStream_t);
 template void launch_convert_fixed<Dtype::kFp16>(const int64_t*, TokenTensor<void>, const Seqs&, int64_t, int, float,

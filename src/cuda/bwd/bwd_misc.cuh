@@ -48,12 +48,16 @@ Inversion build_inversion(const InversionArgs& a, void* ws, cudaStream_t st);
 size_t blk_off_workspace(int batch);
 const int32_t* build_blk_off(const Seqs& seqs, void* ws, cudaStream_t st);
 
-// out[t, h, :] = scale * acc[t, h, :] in the output dtype. dq_layout: acc is the main backward's dq_acc, whose
-// columns a build with FLASHMSA_BWD_DQ_TOKEN_OPS keeps in its swizzled order (bwd_common.cuh); false for every other
-// accumulator.
+// out[t, h, :] = scale * acc[t, h, :] in the output dtype. dq_layout: for the main backward's dq_acc, its heads per
+// unit (R) and token count, which a build with FLASHMSA_BWD_DQ_TOKEN_OPS needs to read its swizzled (and, with 2,
+// unit-major) order (bwd_params.cuh); the default (unit_heads 0) for every other accumulator.
+struct DqLayout {
+  int unit_heads = 0;
+  int64_t total = 0;
+};
 template <Dtype>
 void launch_convert(const float* acc, TokenTensor<void> out, const Seqs& seqs, int64_t max_seqlen, int heads,
-                    float scale, cudaStream_t st, bool dq_layout = false);
+                    float scale, cudaStream_t st, DqLayout dq_layout = {});
 
 // Deterministic mode's fixed point (bwd_params.cuh): the bounds of FixWord into fix (zeroed by
 // the caller), then the units of dk, dv, dqp, dkp. Non-finite inputs give non-finite bounds and

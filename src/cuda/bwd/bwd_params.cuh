@@ -13,7 +13,9 @@
 // contiguous in dq_acc and in the tile) instead of one per row (64 per chunk; m3: 4, fmsa: 16). The tile's rows are
 // then unpadded (128 floats), so the float2 stores would conflict 8 ways; instead each row's columns are XOR-swizzled
 // by its head (dq_swizzle), and dq_acc holds every row in that swizzled order, which the dq convert undoes. The
-// deterministic mode (fixed-point adds, dq_fix) is unchanged.
+// deterministic mode (fixed-point adds, dq_fix) is unchanged. 2 = the same, with dq_acc unit-major, [Hq / R units,
+// total tokens, R heads, 128] (dq_acc_row), so the rows of consecutive tokens are adjacent too: where R == Rp the writer
+// merges a chunk's consecutive tokens into one operation (at clustered selections a run of tokens per chunk).
 #ifndef FLASHMSA_BWD_DQ_TOKEN_OPS
 #define FLASHMSA_BWD_DQ_TOKEN_OPS 0
 #endif
@@ -25,6 +27,16 @@ namespace flashmsa::cuda::attn_bwd {
 // rows x 4 column pairs; where its rows are 8 consecutive heads (Rp >= 8) each pair of rows 2m, 2m + 1 gets 8 banks of
 // its own: 2 wavefronts, as the padded tile. Where Rp = 4 (two tokens' 4 heads) 4 rows share 8 banks: 4 wavefronts.
 __host__ __device__ constexpr int dq_swizzle(int h) { return 4 * (h & 7); }
+// the row of dq_acc that holds (global token t, head h) of a backward with R heads per unit, in 128-float rows
+__host__ __device__ inline int64_t dq_acc_row(int64_t t, int h, int Hq, int R, int64_t total) {
+#if FLASHMSA_BWD_DQ_TOKEN_OPS == 2
+  (void)Hq;
+  return (int64_t(h / R) * total + t) * R + h % R;
+#else
+  (void)R, (void)total;
+  return t * Hq + h;
+#endif
+}
 #endif
 
 // Tile of the padded per-token buffers (lse2, dpsum): written by the preprocess, read by the
