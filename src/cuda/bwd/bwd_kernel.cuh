@@ -81,7 +81,8 @@ struct MainConfig {
     int32_t tok[kStages][kRows];   // global token of each row; -1: padding row
     int32_t slot[kStages][kRows];  // global token of each token slot; -1: past the list
     float unit[kStages][kRows];    // deterministic mode: each row's fixed-point unit (bwd_params.cuh)
-    alignas(16) float dq[kRows][kDqStride];  // the chunk's dQ tile (rows x d; 132: float2 stores 2 wavefronts)
+    alignas(16) float dq[kRows][kDqStride];  // the chunk's dQ tile (rows x d; 132: float2 stores 2 wavefronts; the
+                                             // token-operations knob: 128, columns swizzled, bwd_params.cuh)
     int64_t dq_row[kRows];                   // dq_acc offset of each row; -1: nothing to add
   };
   // the pipeline's barriers and the resident block's (outside Smem: the fused kernel overlays the

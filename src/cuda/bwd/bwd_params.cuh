@@ -25,7 +25,8 @@ namespace flashmsa::cuda::attn_bwd {
 #if FLASHMSA_BWD_DQ_TOKEN_OPS
 // dq_acc's column order (the knob above): column d of head h's row sits at d ^ dq_swizzle(h). A float2 store covers 8
 // rows x 4 column pairs; where its rows are 8 consecutive heads (Rp >= 8) each pair of rows 2m, 2m + 1 gets 8 banks of
-// its own: 2 wavefronts, as the padded tile. Where Rp = 4 (two tokens' 4 heads) 4 rows share 8 banks: 4 wavefronts.
+// its own: 2 wavefronts, as the padded tile. Where Rp = 4 (two tokens' 4 heads) 4 rows share 8 banks: 4 wavefronts;
+// Rp <= 2 (one or two heads per unit): 8, and value 1 then still issues an operation per row (slower than the default).
 __host__ __device__ constexpr int dq_swizzle(int h) { return 4 * (h & 7); }
 // the row of dq_acc that holds (global token t, head h) of a backward with R heads per unit, in 128-float rows
 __host__ __device__ inline int64_t dq_acc_row(int64_t t, int h, int Hq, int R, int64_t total) {
