@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Host model of the backward's FLASHMSA_BWD_DQ_TOKEN_OPS layouts (docs/kernels/bwd.md, "Session 20, prepared").
 
-Replays, for random chunk lists, what the kernel and the convert do with the dQ tile:
+Replays, for random chunk lists, what the kernel and the convert do with the dQ tile (and, check_kl, the kl walk's dQp
+tile under FLASHMSA_KL_DQ_TOKEN_OPS):
   - the consumers' float2 stores into the unpadded tile, each row's columns XOR-swizzled by its head (dq_swizzle);
   - the writer's bulk adds: one per token slot (value 1), or merged runs of consecutive tokens (value 2, R == Rp);
   - the dq convert, which reads each 8-column group from its swizzled block (and, value 2, the unit-major row);
@@ -89,9 +90,66 @@ def check(Hq, R, Rp, mode, total=5000, trials=20):
     return ops / trials / (Hq // R)
 
 
+def check_kl(Hp, total=5000, trials=20):
+    """The kl walk's dQp tile (FLASHMSA_KL_DQ_TOKEN_OPS): 64 rows = 64 ascending tokens of one proxy head, dqp_acc
+    head-major [Hp, total, 128], columns swizzled by the token; the writer merges runs of consecutive tokens."""
+    ops, worst = 0, 0
+    for _ in range(trials):
+        acc = {}
+        for p in range(Hp):
+            t, toks = random.randrange(total - 400), []
+            for _ in range(64):
+                t += random.choice([1, 1, 1, 2, 5])
+                toks.append(t if t < total else -1)
+            cut = random.randrange(1, 65)  # the list ends inside the chunk
+            toks = toks[:cut] + [-1] * (64 - cut)
+            tile = [[None] * 128 for _ in range(64)]
+            dq_row = []
+            for r, tk in enumerate(toks):
+                for d in range(128):
+                    tile[r][d ^ swz(tk & 7 if tk >= 0 else 7)] = (tk, p, d) if tk >= 0 else "pad"
+                dq_row.append((p * total + tk) * 128 if tk >= 0 else -1)
+            flat = [x for row in tile for x in row]
+            r = 0
+            while r < 64:
+                off, n = dq_row[r], 1
+                while r + n < 64 and off >= 0 and dq_row[r + n] == off + n * 128:
+                    n += 1
+                if off >= 0:
+                    ops += 1
+                    for k in range(n * 128):
+                        v = flat[r * 128 + k]
+                        assert v != "pad" and off + k not in acc
+                        acc[off + k] = v
+                r += n
+            for base in range(0, 64, 8):  # one float2 store: 8 rows (tokens) x 4 column pairs
+                banks = {}
+                for rr in range(base, base + 8):
+                    tk = toks[rr]
+                    for q in range(4):
+                        pos = rr * 128 + ((2 * q) ^ swz(tk & 7 if tk >= 0 else 7))
+                        for e in range(2):
+                            banks[(pos + e) % 32] = banks.get((pos + e) % 32, 0) + 1
+                worst = max(worst, max(banks.values()))
+            for tk in toks:
+                if tk < 0:
+                    continue
+                for d0 in range(0, 128, 8):
+                    sw = swz(tk & 7)
+                    src = (p * total + tk) * 128 + (d0 ^ (sw & 24))
+                    x = [acc[src + i] for i in range(8)]
+                    if sw & 4:
+                        x = x[4:] + x[:4]
+                    assert x == [(tk, p, d0 + i) for i in range(8)], (p, tk, d0)
+    return ops / trials / Hp, worst
+
+
 if __name__ == "__main__":
     random.seed(20)
     for mode in (1, 2):
         for Hq, R, Rp in [(64, 16, 16), (16, 4, 4), (12, 3, 4), (8, 1, 1), (24, 6, 8), (32, 8, 8)]:
             print(f"value {mode}, Hq {Hq} R {R} Rp {Rp}: ok, {check(Hq, R, Rp, mode):.2f} operations per chunk, "
                   f"{wavefronts(R, Rp, 0)} wavefronts per float2 store")
+    ops, worst = check_kl(4)
+    print(f"kl walk (FLASHMSA_KL_DQ_TOKEN_OPS), Hp 4: ok, {ops:.2f} operations per chunk (64 before), "
+          f"worst {worst} wavefronts per float2 store")

@@ -172,8 +172,11 @@ void run_bwd(const flashmsa_bwd_args_t& a, const Geometry& g, char* ws, const Bw
       convert_fixed(d, ws + l.dkp, token_tensor<void>(a.dkp, g), seqs, g.max_seqlen, g.Hpk, pscale,
                     fix + attn_bwd::kUnitDkp, 0, bad + 4, st);
     } else {  // (zeros when the proxy side did not run: the zeroed accumulators read as fp32)
+      attn_bwd::DqLayout dqp_layout;  // after the fused kernel's kl walk (a FLASHMSA_KL_DQ_TOKEN_OPS build's order)
+      dqp_layout.total = g.total;
+      dqp_layout.kl = l.has_teacher;
       convert(d, reinterpret_cast<float*>(ws + l.dqp), token_tensor<void>(a.dqp, g), seqs, g.max_seqlen, g.Hp,
-              pscale, st);
+              pscale, st, dqp_layout);
       convert(d, reinterpret_cast<float*>(ws + l.dkp), token_tensor<void>(a.dkp, g), seqs, g.max_seqlen, g.Hpk,
               pscale, st);
     }

@@ -268,6 +268,29 @@ __global__ void convert_dq_swizzled_kernel(const float* acc, TokenTensor<void> o
 }
 #endif
 
+#if FLASHMSA_KL_DQ_TOKEN_OPS
+// dqp_acc after the fused kernel (bwd_params.cuh, dqp_acc_row and dqp_swizzle): the row of (head h, token t) is
+// h * total + t, its columns swizzled by the token
+template <class Element>
+__global__ void convert_dqp_swizzled_kernel(const float* acc, TokenTensor<void> out, Seqs seqs, float scale,
+                                            int64_t total) {
+  ConvertSite c;
+  if (!convert_site(seqs, c)) return;
+  const int s = dqp_swizzle(c.t);
+  const float* src = acc + dqp_acc_row(c.t, c.h, total) * kHeadDimInst + (c.d ^ (s & 24));
+  Element* dst = out.template row<Element>(c.b, c.t, c.h) + c.d;
+  float4 x0 = *reinterpret_cast<const float4*>(src), x1 = *reinterpret_cast<const float4*>(src + 4);
+  if (s & 4) {
+    const float4 y = x0;
+    x0 = x1;
+    x1 = y;
+  }
+  alignas(16) Element v[8] = {Element(x0.x * scale), Element(x0.y * scale), Element(x0.z * scale), Element(x0.w * scale),
+                              Element(x1.x * scale), Element(x1.y * scale), Element(x1.z * scale), Element(x1.w * scale)};
+  *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(v);
+}
+#endif
+
 // the fixed-point accumulators (deterministic mode): value = acc / unit, exact in double up to 2^53
 // (32-bit accumulators hold pairs of elements in 64-bit words: pack_pair32)
 template <class Element, class Acc>
@@ -411,6 +434,14 @@ template <Dtype D>
 void launch_convert(const float* acc, TokenTensor<void> out, const Seqs& seqs, int64_t max_seqlen, int heads,
                     float scale, cudaStream_t st, DqLayout dq_layout) {
   if (seqs.batch == 0 || max_seqlen == 0) return;
+#if FLASHMSA_KL_DQ_TOKEN_OPS
+  if (dq_layout.kl) {
+    convert_dqp_swizzled_kernel<typename ElementOf<D>::type>
+        <<<convert_grid(max_seqlen, heads, seqs.batch), 256, 0, st>>>(acc, out, seqs, scale, dq_layout.total);
+    FLASHMSA_CUDA_CHECK(cudaGetLastError());
+    return;
+  }
+#endif
 #if FLASHMSA_BWD_DQ_TOKEN_OPS
   if (dq_layout.unit_heads > 0) {
     convert_dq_swizzled_kernel<typename ElementOf<D>::type><<<convert_grid(max_seqlen, heads, seqs.batch), 256, 0, st>>>(

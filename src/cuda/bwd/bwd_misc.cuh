@@ -54,6 +54,7 @@ const int32_t* build_blk_off(const Seqs& seqs, void* ws, cudaStream_t st);
 struct DqLayout {
   int unit_heads = 0;
   int64_t total = 0;
+  bool kl = false;  // dqp_acc after the fused kernel (FLASHMSA_KL_DQ_TOKEN_OPS builds: head-major, swizzled)
 };
 template <Dtype>
 void launch_convert(const float* acc, TokenTensor<void> out, const Seqs& seqs, int64_t max_seqlen, int heads,

@@ -20,6 +20,15 @@
 #define FLASHMSA_BWD_DQ_TOKEN_OPS 0
 #endif
 
+// FLASHMSA_KL_DQ_TOKEN_OPS (a build knob for measurements, default 0; docs/kernels/bwd.md, "Session 20, prepared"):
+// 1 = the kl walk's dQp writer (fused kernel) merges a chunk's consecutive tokens into one bulk add: dqp_acc is
+// head-major, [Hp, total tokens, 128] (dqp_acc_row), so consecutive tokens of one proxy head are adjacent rows, and
+// the tile is unpadded with each row's columns XOR-swizzled by its token (dqp_swizzle), an order that dqp_acc keeps
+// and the dqp convert undoes after the fused kernel (DENSE mode's proxy kernel keeps today's layout).
+#ifndef FLASHMSA_KL_DQ_TOKEN_OPS
+#define FLASHMSA_KL_DQ_TOKEN_OPS 0
+#endif
+
 namespace flashmsa::cuda::attn_bwd {
 
 #if FLASHMSA_BWD_DQ_TOKEN_OPS
@@ -38,6 +47,13 @@ __host__ __device__ inline int64_t dq_acc_row(int64_t t, int h, int Hq, int R, i
   return t * Hq + h;
 #endif
 }
+#endif
+
+#if FLASHMSA_KL_DQ_TOKEN_OPS
+// dqp_acc's order (the knob above): (token t, proxy head p, column d) at row p * total + t, column d ^ dqp_swizzle(t).
+// A float2 store's 8 rows are 8 tokens: 2 wavefronts where they are consecutive, up to 8 where their t mod 8 agree.
+__host__ __device__ constexpr int dqp_swizzle(int64_t t) { return 4 * int(t & 7); }
+__host__ __device__ inline int64_t dqp_acc_row(int64_t t, int p, int64_t total) { return int64_t(p) * total + t; }
 #endif
 
 // Tile of the padded per-token buffers (lse2, dpsum): written by the preprocess, read by the
