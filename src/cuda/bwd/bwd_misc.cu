@@ -245,49 +245,44 @@ __global__ void convert_kernel(const float* acc, TokenTensor<void> out, Seqs seq
   *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(v);
 }
 
+#if FLASHMSA_BWD_DQ_TOKEN_OPS || FLASHMSA_KL_DQ_TOKEN_OPS
+// The token-operations knobs' accumulators (bwd_params.cuh): a row's columns XOR-swizzled by s, so logical columns
+// d .. d + 7 (d a multiple of 8) sit in the aligned block d ^ (s & 24), their two halves swapped where s & 4.
+template <class Element>
+__device__ __forceinline__ void convert_swizzled8(const float* row, int s, const ConvertSite& c, TokenTensor<void> out,
+                                                  float scale) {
+  const float* src = row + (c.d ^ (s & 24));
+  float4 x0 = *reinterpret_cast<const float4*>(src), x1 = *reinterpret_cast<const float4*>(src + 4);
+  if (s & 4) {
+    const float4 y = x0;
+    x0 = x1;
+    x1 = y;
+  }
+  alignas(16) Element v[8] = {Element(x0.x * scale), Element(x0.y * scale), Element(x0.z * scale), Element(x0.w * scale),
+                              Element(x1.x * scale), Element(x1.y * scale), Element(x1.z * scale), Element(x1.w * scale)};
+  *reinterpret_cast<uint4*>(out.template row<Element>(c.b, c.t, c.h) + c.d) = *reinterpret_cast<const uint4*>(v);
+}
+#endif
 #if FLASHMSA_BWD_DQ_TOKEN_OPS
-// dq_acc in its swizzled column order (bwd_params.cuh, dq_swizzle): logical columns d .. d + 7 (d a multiple of 8) sit
-// in the aligned block d ^ (s & 24), their two halves swapped where s & 4
+// dq_acc (dq_acc_row, dq_swizzle: the columns swizzled by the head)
 template <class Element>
 __global__ void convert_dq_swizzled_kernel(const float* acc, TokenTensor<void> out, Seqs seqs, int heads, float scale,
                                            int unit_heads, int64_t total) {
   ConvertSite c;
   if (!convert_site(seqs, c)) return;
-  const int s = dq_swizzle(c.h);
-  const float* src = acc + dq_acc_row(c.t, c.h, heads, unit_heads, total) * kHeadDimInst + (c.d ^ (s & 24));
-  Element* dst = out.template row<Element>(c.b, c.t, c.h) + c.d;
-  float4 x0 = *reinterpret_cast<const float4*>(src), x1 = *reinterpret_cast<const float4*>(src + 4);
-  if (s & 4) {
-    const float4 y = x0;
-    x0 = x1;
-    x1 = y;
-  }
-  alignas(16) Element v[8] = {Element(x0.x * scale), Element(x0.y * scale), Element(x0.z * scale), Element(x0.w * scale),
-                              Element(x1.x * scale), Element(x1.y * scale), Element(x1.z * scale), Element(x1.w * scale)};
-  *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(v);
+  convert_swizzled8<Element>(acc + dq_acc_row(c.t, c.h, heads, unit_heads, total) * kHeadDimInst, dq_swizzle(c.h), c,
+                             out, scale);
 }
 #endif
-
 #if FLASHMSA_KL_DQ_TOKEN_OPS
-// dqp_acc after the fused kernel (bwd_params.cuh, dqp_acc_row and dqp_swizzle): the row of (head h, token t) is
-// h * total + t, its columns swizzled by the token
+// dqp_acc after the fused kernel (dqp_acc_row, dqp_swizzle): the row of (head h, token t) is h * total + t, its
+// columns swizzled by the token
 template <class Element>
 __global__ void convert_dqp_swizzled_kernel(const float* acc, TokenTensor<void> out, Seqs seqs, float scale,
                                             int64_t total) {
   ConvertSite c;
   if (!convert_site(seqs, c)) return;
-  const int s = dqp_swizzle(c.t);
-  const float* src = acc + dqp_acc_row(c.t, c.h, total) * kHeadDimInst + (c.d ^ (s & 24));
-  Element* dst = out.template row<Element>(c.b, c.t, c.h) + c.d;
-  float4 x0 = *reinterpret_cast<const float4*>(src), x1 = *reinterpret_cast<const float4*>(src + 4);
-  if (s & 4) {
-    const float4 y = x0;
-    x0 = x1;
-    x1 = y;
-  }
-  alignas(16) Element v[8] = {Element(x0.x * scale), Element(x0.y * scale), Element(x0.z * scale), Element(x0.w * scale),
-                              Element(x1.x * scale), Element(x1.y * scale), Element(x1.z * scale), Element(x1.w * scale)};
-  *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(v);
+  convert_swizzled8<Element>(acc + dqp_acc_row(c.t, c.h, total) * kHeadDimInst, dqp_swizzle(c.t), c, out, scale);
 }
 #endif
 
