@@ -243,17 +243,8 @@ __device__ __forceinline__ void main_produce(const Params& P, typename MainConfi
 #if FLASHMSA_BWD_DQ_TOKEN_OPS
         // one operation per token slot: its R heads' rows (slot * Rp ..), contiguous here and in dq_acc
         // (knob value 2, R == Rp: and the following slots whose rows continue it in dq_acc)
-        const int64_t unit_floats = int64_t(p.R) * C::kHeadDim;
-        for (int s = 0; s < NTc;) {
-          const int64_t off = S.dq_row[s * P.Rp];
-          int n = 1;
-#if FLASHMSA_BWD_DQ_TOKEN_OPS == 2
-          if (p.R == P.Rp)
-            while (s + n < NTc && off >= 0 && S.dq_row[(s + n) * P.Rp] == off + n * unit_floats) ++n;
-#endif
-          if (off >= 0) bulk_add_row(p.dq_acc + off, &S.dq[s * P.Rp][0], uint32_t(n * unit_floats * sizeof(float)));
-          s += n;
-        }
+        bulk_add_slots<C::kHeadDim>(p.dq_acc, S.dq_row, S.dq, NTc, P.Rp, int64_t(p.R) * C::kHeadDim,
+                                    FLASHMSA_BWD_DQ_TOKEN_OPS == 2 && p.R == P.Rp);
 #else
         for (int r = 0; r < C::kRows; ++r) {
           const int64_t off = S.dq_row[r];
@@ -509,23 +500,18 @@ __device__ __forceinline__ void main_consume(const Params& P, typename MainConfi
         // to the dQ tile, whose rows the writer warp has added (main_produce)
         if (e1 == 0 && state.count() > 0) sync.dq_empty.wait((state.count() - 1) & 1);  // the tile is free
 #if FLASHMSA_BWD_DQ_TOKEN_OPS
-        const int sw = dq_swizzle(h0 + ((rq0 + 8 * e1) & (P.Rp - 1)));  // dq_acc's column order
+        const int h = h0 + ((rq0 + 8 * e1) & (P.Rp - 1)), sw = dq_swizzle(h);  // dq_acc's column order
 #pragma unroll
         for (int i = 0; i < 8; ++i)
           *reinterpret_cast<float2*>(&S.dq[rq0 + 8 * e1][(dq0 + 8 * i) ^ sw]) =
               make_float2(accdQ(4 * i + 2 * e1), accdQ(4 * i + 2 * e1 + 1));
+        if (w == 0 && (wtid & 3) == 0)
+          S.dq_row[rq0 + 8 * e1] = t < 0 ? int64_t(-1) : dq_acc_row(t, h, p.Hq, p.R, p.total) * C::kHeadDim;
 #else
 #pragma unroll
         for (int i = 0; i < 8; ++i)
           *reinterpret_cast<float2*>(&S.dq[rq0 + 8 * e1][dq0 + 8 * i]) =
               make_float2(accdQ(4 * i + 2 * e1), accdQ(4 * i + 2 * e1 + 1));
-#endif
-#if FLASHMSA_BWD_DQ_TOKEN_OPS
-        if (w == 0 && (wtid & 3) == 0)
-          S.dq_row[rq0 + 8 * e1] =
-              t < 0 ? int64_t(-1)
-                    : dq_acc_row(t, h0 + ((rq0 + 8 * e1) & (P.Rp - 1)), p.Hq, p.R, p.total) * C::kHeadDim;
-#else
         if (w == 0 && (wtid & 3) == 0) S.dq_row[rq0 + 8 * e1] = t < 0 ? int64_t(-1) : row - dq0;
 #endif
         if (e1 == 1) {

@@ -122,13 +122,8 @@ __device__ __forceinline__ void kl_produce(const Params& P, typename KlConfig<El
       sync.dq_full.wait(state.count() & 1);
       if (lane == 0) {
 #if FLASHMSA_KL_DQ_TOKEN_OPS
-        for (int r = 0; r < C::kTok;) {  // runs of consecutive tokens: adjacent rows here and in dqp_acc
-          const int64_t off = S.dq_row[r];
-          int n = 1;
-          while (r + n < C::kTok && off >= 0 && S.dq_row[r + n] == off + int64_t(n) * C::kHeadDim) ++n;
-          if (off >= 0) bulk_add_row(p.dqp_acc + off, &S.dq[r][0], uint32_t(n * C::kHeadDim * sizeof(float)));
-          r += n;
-        }
+        // runs of consecutive tokens: adjacent rows here and in dqp_acc
+        bulk_add_slots<C::kHeadDim>(p.dqp_acc, S.dq_row, S.dq, C::kTok, 1, C::kHeadDim, true);
 #else
         for (int r = 0; r < C::kTok; ++r) {
           const int64_t off = S.dq_row[r];
