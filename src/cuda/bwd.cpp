@@ -158,7 +158,8 @@ void run_bwd(const flashmsa_bwd_args_t& a, const Geometry& g, char* ws, const Bw
     convert_fixed(d, ws + l.dv, token_tensor<void>(a.dv, g), seqs, g.max_seqlen, g.Hkv, 1.f,
                   fix + attn_bwd::kUnitDv, 0, bad + 2, st);
   } else {
-    convert(d, dq_acc, token_tensor<void>(a.dq, g), seqs, g.max_seqlen, g.Hq, float(g.scale), st, {c.R, g.total});
+    convert(d, dq_acc, token_tensor<void>(a.dq, g), seqs, g.max_seqlen, g.Hq, float(g.scale), st,
+            {c.R, tiles::head_slots(c.R)});
     convert(d, dk_acc, token_tensor<void>(a.dk, g), seqs, g.max_seqlen, g.Hkv, float(g.scale), st);
     convert(d, dv_acc, token_tensor<void>(a.dv, g), seqs, g.max_seqlen, g.Hkv, 1.f, st);
   }
@@ -172,11 +173,8 @@ void run_bwd(const flashmsa_bwd_args_t& a, const Geometry& g, char* ws, const Bw
       convert_fixed(d, ws + l.dkp, token_tensor<void>(a.dkp, g), seqs, g.max_seqlen, g.Hpk, pscale,
                     fix + attn_bwd::kUnitDkp, 0, bad + 4, st);
     } else {  // (zeros when the proxy side did not run: the zeroed accumulators read as fp32)
-      attn_bwd::DqLayout dqp_layout;  // after the fused kernel's kl walk (a FLASHMSA_KL_DQ_TOKEN_OPS build's order)
-      dqp_layout.total = g.total;
-      dqp_layout.kl = l.has_teacher;
       convert(d, reinterpret_cast<float*>(ws + l.dqp), token_tensor<void>(a.dqp, g), seqs, g.max_seqlen, g.Hp,
-              pscale, st, dqp_layout);
+              pscale, st);
       convert(d, reinterpret_cast<float*>(ws + l.dkp), token_tensor<void>(a.dkp, g), seqs, g.max_seqlen, g.Hpk,
               pscale, st);
     }

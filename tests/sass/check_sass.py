@@ -4,7 +4,7 @@
 The default (non-deterministic, kDet = false) backward kernels must add their gradients with
 REDG (a reduction that does not wait for a reply), never ATOMG; the main and fused kernels add dQ
 through their dQ writer warp's bulk reductions (cp.reduce.async.bulk: UBLKRED ... ADD.F32, the
-TMA engine adding a row of the shared-memory dQ tile), which must be there; the fused kernel's kl
+TMA engine adding a token slot's rows of the shared-memory dQ tile), which must be there; the fused kernel's kl
 walk adds its dQp the same way, so the fused kernel holds at least twice the main kernel's bulk adds
 (two writer loops). The fused kernel's producer chunk loops hand the token slots to the
 gathering warps by shuffles, with no named barrier of the 96 gathering threads (compute-sanitizer
@@ -73,7 +73,7 @@ ATOMIC = re.compile(r"\bATOMG?\.E\.")  # global or generic atomics that return a
 REDUCTION = re.compile(r"\bREDG\.E\.")  # fire-and-forget global reductions
 FIXED_ADD = re.compile(r"\bREDG\.E\.ADD\.64\b")  # the deterministic mode's 64-bit integer adds
 FIXED_KERNELS = ("bwd_main_kernel", "bwd_fused_kernel")  # deterministic in fixed point (the proxy kernel: turns)
-BULK_ADD = re.compile(r"\bUBLKRED\.G\.S\.ADD\.F32\b")  # the dQ writer's row adds (default main and fused kernels)
+BULK_ADD = re.compile(r"\bUBLKRED\.G\.S\.ADD\.F32\b")  # the dQ writers' adds (default main and fused kernels)
 GPU_FENCE = re.compile(r"\bMEMBAR\.[A-Z.]*GPU\b")
 # The fused kernel's persistent CTAs take items from a counter: one 32-bit ATOMG.E.ADD per item
 # (one copy in each role's loop), whose returned value is the item. Not a gradient add.

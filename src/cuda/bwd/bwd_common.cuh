@@ -55,23 +55,17 @@ __device__ __forceinline__ void bulk_add_row(float* gdst, const float* ssrc, uin
                "r"(bytes)
                : "memory");
 }
-#if FLASHMSA_BWD_DQ_TOKEN_OPS || FLASHMSA_KL_DQ_TOKEN_OPS
-// The token-operations knobs' writer (bwd_params.cuh): slot s holds tile rows s * slot_rows .., unpadded (kHeadDim
-// floats each), whose first `slot_floats` floats go to acc + off[s * slot_rows] (-1: nothing); with `merge`, the
-// following slots whose offsets continue that one go in the same operation.
+// The dQ writer's adds of a chunk's tile (bwd_params.cuh, dq_swizzle): slot s holds tile rows s * slot_rows ..,
+// unpadded (kHeadDim floats each), whose first `slot_floats` floats go to acc + off[s * slot_rows] (-1: nothing), one
+// bulk operation per slot.
 template <int kHeadDim>
 __device__ __forceinline__ void bulk_add_slots(float* acc, const int64_t* off, const float (*tile)[kHeadDim], int slots,
-                                               int slot_rows, int64_t slot_floats, bool merge) {
-  for (int s = 0; s < slots;) {
+                                               int slot_rows, uint32_t slot_floats) {
+  for (int s = 0; s < slots; ++s) {
     const int64_t o = off[s * slot_rows];
-    int n = 1;
-    if (merge)
-      while (s + n < slots && o >= 0 && off[(s + n) * slot_rows] == o + n * slot_floats) ++n;
-    if (o >= 0) bulk_add_row(acc + o, tile[s * slot_rows], uint32_t(n * slot_floats * sizeof(float)));
-    s += n;
+    if (o >= 0) bulk_add_row(acc + o, tile[s * slot_rows], slot_floats * uint32_t(sizeof(float)));
   }
 }
-#endif
 // The dQ writer's barriers (Sync: dq_full, dq_empty), before make_chunk_pipeline (its fence and
 // CTA barrier publish the initialisation); dq_full: the consumer threads that hand each tile over.
 template <class Sync>

@@ -37,8 +37,8 @@
 #include "cuda/ptx/order.cuh"
 
 // The dQ path (docs/kernels/bwd.md, "Session 15"): the consumers stage each chunk's dQ tile in
-// shared memory and the producer warpgroup's last warp has the TMA engine add it to dq_acc row by
-// row (cp.reduce.async.bulk), so no consumer waits for its reductions to drain; the tile takes the
+// shared memory and the producer warpgroup's last warp has the TMA engine add it to dq_acc, one
+// token slot's R head rows per operation (cp.reduce.async.bulk; session 21), so no consumer waits for its reductions to drain; the tile takes the
 // room of a third pipeline stage (two stages: session 11 measured the third worth nothing). The
 // deterministic mode keeps its fixed-point adds in the consumers.
 
@@ -50,7 +50,7 @@ struct MainConfig {
   // the producer warpgroup's last warp adds dQ (the dQ writer); the other three gather rows
   static constexpr int kThreads = kCtaThreads, kStages = 2, kConsumers = kConsumerThreads,
                        kProducers = kWarpGroupThreads - 32,
-                       kDqStride = FLASHMSA_BWD_DQ_TOKEN_OPS ? kHeadDim : 132;
+                       kDqStride = kHeadDim;  // unpadded rows, swizzled columns (bwd_params.cuh, dq_swizzle)
   using Pipeline = cutlass::PipelineAsync<kStages>;
   using Major = cute::GMMA::Major;
   // K, V resident: (keys, d), d contiguous; the K^T view (d, keys) for dQ = dS K
@@ -81,8 +81,8 @@ struct MainConfig {
     int32_t tok[kStages][kRows];   // global token of each row; -1: padding row
     int32_t slot[kStages][kRows];  // global token of each token slot; -1: past the list
     float unit[kStages][kRows];    // deterministic mode: each row's fixed-point unit (bwd_params.cuh)
-    alignas(16) float dq[kRows][kDqStride];  // the chunk's dQ tile (rows x d; 132: float2 stores 2 wavefronts; the
-                                             // token-operations knob: 128, columns swizzled, bwd_params.cuh)
+    alignas(16) float dq[kRows][kDqStride];  // the chunk's dQ tile (rows x d, unpadded; columns swizzled so that
+                                             // float2 stores take 2 wavefronts: bwd_params.cuh, dq_swizzle)
     int64_t dq_row[kRows];                   // dq_acc offset of each row; -1: nothing to add
   };
   // the pipeline's barriers and the resident block's (outside Smem: the fused kernel overlays the
@@ -234,23 +234,14 @@ __device__ __forceinline__ void main_produce(const Params& P, typename MainConfi
   Tensor sV = make_tensor(make_smem_ptr(S.v.data()), typename C::SmemLayoutKV{});
   Tensor sQ = make_tensor(make_smem_ptr(S.q.data()), typename C::SmemLayoutRows{});
   Tensor sdO = make_tensor(make_smem_ptr(S.dout.data()), typename C::SmemLayoutRows{});
-  if (tid >= C::kProducers) {  // the dQ writer warp: per chunk, lane 0 has each row of the tile added
+  if (tid >= C::kProducers) {  // the dQ writer warp: per chunk, lane 0 has each token slot of the tile added
     if (Params::kDetMode || P.teacher_only) return;
     const int lane = tid % 32;
     for (int c = 0; c < nchunks; ++c) {
       sync.dq_full.wait(state.count() & 1);  // (the producer state counts the chunks as the consumers' does)
       if (lane == 0) {
-#if FLASHMSA_BWD_DQ_TOKEN_OPS
         // one operation per token slot: its R heads' rows (slot * Rp ..), contiguous here and in dq_acc
-        // (knob value 2, R == Rp: and the following slots whose rows continue it in dq_acc)
-        bulk_add_slots<C::kHeadDim>(p.dq_acc, S.dq_row, S.dq, NTc, P.Rp, int64_t(p.R) * C::kHeadDim,
-                                    FLASHMSA_BWD_DQ_TOKEN_OPS == 2 && p.R == P.Rp);
-#else
-        for (int r = 0; r < C::kRows; ++r) {
-          const int64_t off = S.dq_row[r];
-          if (off >= 0) bulk_add_row(p.dq_acc + off, &S.dq[r][0], C::kHeadDim * sizeof(float));
-        }
-#endif
+        bulk_add_slots<C::kHeadDim>(p.dq_acc, S.dq_row, S.dq, NTc, P.Rp, uint32_t(p.R * C::kHeadDim));
         asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
         asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");  // the engine has read the tile
       }
@@ -499,21 +490,12 @@ __device__ __forceinline__ void main_consume(const Params& P, typename MainConfi
       } else {
         // to the dQ tile, whose rows the writer warp has added (main_produce)
         if (e1 == 0 && state.count() > 0) sync.dq_empty.wait((state.count() - 1) & 1);  // the tile is free
-#if FLASHMSA_BWD_DQ_TOKEN_OPS
-        const int h = h0 + ((rq0 + 8 * e1) & (P.Rp - 1)), sw = dq_swizzle(h);  // dq_acc's column order
+        const int r = (rq0 + 8 * e1) & (P.Rp - 1), sw = dq_swizzle(t, r, P.Rp);  // dq_acc's column order
 #pragma unroll
         for (int i = 0; i < 8; ++i)
           *reinterpret_cast<float2*>(&S.dq[rq0 + 8 * e1][(dq0 + 8 * i) ^ sw]) =
               make_float2(accdQ(4 * i + 2 * e1), accdQ(4 * i + 2 * e1 + 1));
-        if (w == 0 && (wtid & 3) == 0)
-          S.dq_row[rq0 + 8 * e1] = t < 0 ? int64_t(-1) : dq_acc_row(t, h, p.Hq, p.R, p.total) * C::kHeadDim;
-#else
-#pragma unroll
-        for (int i = 0; i < 8; ++i)
-          *reinterpret_cast<float2*>(&S.dq[rq0 + 8 * e1][dq0 + 8 * i]) =
-              make_float2(accdQ(4 * i + 2 * e1), accdQ(4 * i + 2 * e1 + 1));
         if (w == 0 && (wtid & 3) == 0) S.dq_row[rq0 + 8 * e1] = t < 0 ? int64_t(-1) : row - dq0;
-#endif
         if (e1 == 1) {
           ptx::fence_proxy_async_smem();  // the tile is read by the TMA engine (async proxy)
           sync.dq_full.arrive();

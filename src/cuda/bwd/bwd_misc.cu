@@ -245,13 +245,16 @@ __global__ void convert_kernel(const float* acc, TokenTensor<void> out, Seqs seq
   *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(v);
 }
 
-#if FLASHMSA_BWD_DQ_TOKEN_OPS || FLASHMSA_KL_DQ_TOKEN_OPS
-// The token-operations knobs' accumulators (bwd_params.cuh): a row's columns XOR-swizzled by s, so logical columns
-// d .. d + 7 (d a multiple of 8) sit in the aligned block d ^ (s & 24), their two halves swapped where s & 4.
+// dq_acc after the main backward (bwd_params.cuh, dq_swizzle): the columns of (token t, head h) XOR-swizzled by
+// s = dq_swizzle(t, h mod R, Rp), so logical columns d .. d + 7 (d a multiple of 8) sit in the aligned block
+// d ^ (s & 24), their two halves swapped where s & 4.
 template <class Element>
-__device__ __forceinline__ void convert_swizzled8(const float* row, int s, const ConvertSite& c, TokenTensor<void> out,
-                                                  float scale) {
-  const float* src = row + (c.d ^ (s & 24));
+__global__ void convert_dq_swizzled_kernel(const float* acc, TokenTensor<void> out, Seqs seqs, int heads, float scale,
+                                           int unit_heads, int unit_rp) {
+  ConvertSite c;
+  if (!convert_site(seqs, c)) return;
+  const int s = dq_swizzle(c.t, c.h % unit_heads, unit_rp);
+  const float* src = acc + (c.t * heads + c.h) * kHeadDimInst + (c.d ^ (s & 24));
   float4 x0 = *reinterpret_cast<const float4*>(src), x1 = *reinterpret_cast<const float4*>(src + 4);
   if (s & 4) {
     const float4 y = x0;
@@ -262,29 +265,6 @@ __device__ __forceinline__ void convert_swizzled8(const float* row, int s, const
                               Element(x1.x * scale), Element(x1.y * scale), Element(x1.z * scale), Element(x1.w * scale)};
   *reinterpret_cast<uint4*>(out.template row<Element>(c.b, c.t, c.h) + c.d) = *reinterpret_cast<const uint4*>(v);
 }
-#endif
-#if FLASHMSA_BWD_DQ_TOKEN_OPS
-// dq_acc (dq_acc_row, dq_swizzle: the columns swizzled by the head)
-template <class Element>
-__global__ void convert_dq_swizzled_kernel(const float* acc, TokenTensor<void> out, Seqs seqs, int heads, float scale,
-                                           int unit_heads, int64_t total) {
-  ConvertSite c;
-  if (!convert_site(seqs, c)) return;
-  convert_swizzled8<Element>(acc + dq_acc_row(c.t, c.h, heads, unit_heads, total) * kHeadDimInst, dq_swizzle(c.h), c,
-                             out, scale);
-}
-#endif
-#if FLASHMSA_KL_DQ_TOKEN_OPS
-// dqp_acc after the fused kernel (dqp_acc_row, dqp_swizzle): the row of (head h, token t) is h * total + t, its
-// columns swizzled by the token
-template <class Element>
-__global__ void convert_dqp_swizzled_kernel(const float* acc, TokenTensor<void> out, Seqs seqs, float scale,
-                                            int64_t total) {
-  ConvertSite c;
-  if (!convert_site(seqs, c)) return;
-  convert_swizzled8<Element>(acc + dqp_acc_row(c.t, c.h, total) * kHeadDimInst, dqp_swizzle(c.t), c, out, scale);
-}
-#endif
 
 // the fixed-point accumulators (deterministic mode): value = acc / unit, exact in double up to 2^53
 // (32-bit accumulators hold pairs of elements in 64-bit words: pack_pair32)
@@ -429,24 +409,12 @@ template <Dtype D>
 void launch_convert(const float* acc, TokenTensor<void> out, const Seqs& seqs, int64_t max_seqlen, int heads,
                     float scale, cudaStream_t st, DqLayout dq_layout) {
   if (seqs.batch == 0 || max_seqlen == 0) return;
-#if FLASHMSA_KL_DQ_TOKEN_OPS
-  if (dq_layout.kl) {
-    convert_dqp_swizzled_kernel<typename ElementOf<D>::type>
-        <<<convert_grid(max_seqlen, heads, seqs.batch), 256, 0, st>>>(acc, out, seqs, scale, dq_layout.total);
-    FLASHMSA_CUDA_CHECK(cudaGetLastError());
-    return;
-  }
-#endif
-#if FLASHMSA_BWD_DQ_TOKEN_OPS
   if (dq_layout.unit_heads > 0) {
     convert_dq_swizzled_kernel<typename ElementOf<D>::type><<<convert_grid(max_seqlen, heads, seqs.batch), 256, 0, st>>>(
-        acc, out, seqs, heads, scale, dq_layout.unit_heads, dq_layout.total);
+        acc, out, seqs, heads, scale, dq_layout.unit_heads, dq_layout.unit_rp);
     FLASHMSA_CUDA_CHECK(cudaGetLastError());
     return;
   }
-#else
-  (void)dq_layout;
-#endif
   convert_kernel<typename ElementOf<D>::type>
       <<<convert_grid(max_seqlen, heads, seqs.batch), 256, 0, st>>>(acc, out, seqs, heads, scale);
   FLASHMSA_CUDA_CHECK(cudaGetLastError());

@@ -49,12 +49,10 @@ size_t blk_off_workspace(int batch);
 const int32_t* build_blk_off(const Seqs& seqs, void* ws, cudaStream_t st);
 
 // out[t, h, :] = scale * acc[t, h, :] in the output dtype. dq_layout: for the main backward's dq_acc, its heads per
-// unit (R) and token count, which a build with FLASHMSA_BWD_DQ_TOKEN_OPS needs to read its swizzled (and, with 2,
-// unit-major) order (bwd_params.cuh); the default (unit_heads 0) for every other accumulator.
+// unit (R) and their head slots (Rp: R rounded up to a power of two), whose column order (bwd_params.cuh, dq_swizzle)
+// the convert undoes; the default (unit_heads 0) for every other accumulator.
 struct DqLayout {
-  int unit_heads = 0;
-  int64_t total = 0;
-  bool kl = false;  // dqp_acc after the fused kernel (FLASHMSA_KL_DQ_TOKEN_OPS builds: head-major, swizzled)
+  int unit_heads = 0, unit_rp = 0;
 };
 template <Dtype>
 void launch_convert(const float* acc, TokenTensor<void> out, const Seqs& seqs, int64_t max_seqlen, int heads,

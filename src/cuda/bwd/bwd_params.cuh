@@ -8,53 +8,18 @@
 #include "cuda/common/constants.h"
 #include "cuda/common/seqlen.cuh"
 
-// FLASHMSA_BWD_DQ_TOKEN_OPS (a build knob for measurements, default 0; docs/kernels/bwd.md, "Session 20,
-// prepared"): 1 = the dQ writer adds a chunk's tile with one bulk operation per token slot (its R heads' rows,
-// contiguous in dq_acc and in the tile) instead of one per row (64 per chunk; m3: 4, fmsa: 16). The tile's rows are
-// then unpadded (128 floats), so the float2 stores would conflict 8 ways; instead each row's columns are XOR-swizzled
-// by its head (dq_swizzle), and dq_acc holds every row in that swizzled order, which the dq convert undoes. The
-// deterministic mode (fixed-point adds, dq_fix) is unchanged. 2 = the same, with dq_acc unit-major, [Hq / R units,
-// total tokens, R heads, 128] (dq_acc_row), so the rows of consecutive tokens are adjacent too: where R == Rp the writer
-// merges a chunk's consecutive tokens into one operation (at clustered selections a run of tokens per chunk).
-#ifndef FLASHMSA_BWD_DQ_TOKEN_OPS
-#define FLASHMSA_BWD_DQ_TOKEN_OPS 0
-#endif
-
-// FLASHMSA_KL_DQ_TOKEN_OPS (a build knob for measurements, default 0; docs/kernels/bwd.md, "Session 20, prepared"):
-// 1 = the kl walk's dQp writer (fused kernel) merges a chunk's consecutive tokens into one bulk add: dqp_acc is
-// head-major, [Hp, total tokens, 128] (dqp_acc_row), so consecutive tokens of one proxy head are adjacent rows, and
-// the tile is unpadded with each row's columns XOR-swizzled by its token (dqp_swizzle), an order that dqp_acc keeps
-// and the dqp convert undoes after the fused kernel (DENSE mode's proxy kernel keeps today's layout).
-#ifndef FLASHMSA_KL_DQ_TOKEN_OPS
-#define FLASHMSA_KL_DQ_TOKEN_OPS 0
-#endif
-
 namespace flashmsa::cuda::attn_bwd {
 
-#if FLASHMSA_BWD_DQ_TOKEN_OPS
-// dq_acc's column order (the knob above): column d of head h's row sits at d ^ dq_swizzle(h). A float2 store covers 8
-// rows x 4 column pairs; where its rows are 8 consecutive heads (Rp >= 8) each pair of rows 2m, 2m + 1 gets 8 banks of
-// its own: 2 wavefronts, as the padded tile. Where Rp = 4 (two tokens' 4 heads) 4 rows share 8 banks: 4 wavefronts;
-// Rp <= 2 (one or two heads per unit): 8, and value 1 then still issues an operation per row (slower than the default).
-__host__ __device__ constexpr int dq_swizzle(int h) { return 4 * (h & 7); }
-// the row of dq_acc that holds (global token t, head h) of a backward with R heads per unit, in 128-float rows
-__host__ __device__ inline int64_t dq_acc_row(int64_t t, int h, int Hq, int R, int64_t total) {
-#if FLASHMSA_BWD_DQ_TOKEN_OPS == 2
-  (void)Hq;
-  return (int64_t(h / R) * total + t) * R + h % R;
-#else
-  (void)R, (void)total;
-  return t * Hq + h;
-#endif
-}
-#endif
-
-#if FLASHMSA_KL_DQ_TOKEN_OPS
-// dqp_acc's order (the knob above): (token t, proxy head p, column d) at row p * total + t, column d ^ dqp_swizzle(t).
-// A float2 store's 8 rows are 8 tokens: 2 wavefronts where they are consecutive, up to 8 where their t mod 8 agree.
-__host__ __device__ constexpr int dqp_swizzle(int64_t t) { return 4 * int(t & 7); }
-__host__ __device__ inline int64_t dqp_acc_row(int64_t t, int p, int64_t total) { return int64_t(p) * total + t; }
-#endif
+// dq_acc's column order (docs/kernels/bwd.md, "Session 21"): the main backward's dQ tile has unpadded rows (128
+// floats), so that the dQ writer adds a token slot's R head rows with one bulk operation (they are adjacent in the tile
+// and in dq_acc, [token, head, 128]); to keep the tile's float2 stores free of bank conflicts, each row's columns are
+// XOR-swizzled, d -> d ^ dq_swizzle(t, r, Rp) for global token t and head r of its unit (Rp = R rounded up to a power
+// of two), and dq_acc keeps every row in that order (a property of the (token, head) row, whichever CTA adds to it),
+// which the dq convert undoes. A float2 store covers 8 tile rows (slots x Rp heads) x 4 column pairs: with Rp >= 8
+// its rows are 8 heads of one token (8 different keys: 2 wavefronts, as a padded tile); with Rp = 4, 2 or 1 they are
+// 2, 4 or 8 token slots, whose keys differ where the tokens are consecutive (clustered lists) and may coincide
+// otherwise (up to 8 / Rp rows per key).
+__host__ __device__ constexpr int dq_swizzle(int64_t t, int r, int rp) { return 4 * int((r + int64_t(rp) * t) & 7); }
 
 // Tile of the padded per-token buffers (lse2, dpsum): written by the preprocess, read by the
 // main backward, both through padded_offset(..., kPadTile).

@@ -60,8 +60,7 @@ struct KlConfig {
     alignas(16) float teach[kStages][kTok][kTeachStride];
     float plse[kStages][kTok];
     int32_t tok[kStages][kTok];  // global token of each row; -1: past the list
-    // the chunk's dQp tile (tokens x dp; the token-operations knob: unpadded, columns swizzled, bwd_params.cuh)
-    alignas(16) float dq[kTok][FLASHMSA_KL_DQ_TOKEN_OPS ? kHeadDim : kTeachStride];
+    alignas(16) float dq[kTok][kTeachStride];  // the chunk's dQp tile (tokens x dp, padded rows)
     int64_t dq_row[kTok];                      // dqp_acc offset of each row; -1: nothing to add
   };
   // the barriers (outside Smem: the fused kernel overlays the two walks' Smem)
@@ -121,15 +120,10 @@ __device__ __forceinline__ void kl_produce(const Params& P, typename KlConfig<El
     for (int c = 0; c < nchunks; ++c) {
       sync.dq_full.wait(state.count() & 1);
       if (lane == 0) {
-#if FLASHMSA_KL_DQ_TOKEN_OPS
-        // runs of consecutive tokens: adjacent rows here and in dqp_acc
-        bulk_add_slots<C::kHeadDim>(p.dqp_acc, S.dq_row, S.dq, C::kTok, 1, C::kHeadDim, true);
-#else
         for (int r = 0; r < C::kTok; ++r) {
           const int64_t off = S.dq_row[r];
           if (off >= 0) bulk_add_row(p.dqp_acc + off, &S.dq[r][0], C::kHeadDim * sizeof(float));
         }
-#endif
         asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
         asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
       }
@@ -309,15 +303,9 @@ __device__ __forceinline__ void kl_consume(const Params& P, typename KlConfig<El
           add_fixed(p.dqp_fix + quad + dB, B, unit, bad);
         } else {
           if (x == 0 && state.count() > 0) sync.dq_empty.wait((state.count() - 1) & 1);  // the tile is free
-#if FLASHMSA_KL_DQ_TOKEN_OPS
-          *reinterpret_cast<float2*>(&S.dq[r][d ^ dqp_swizzle(t)]) = make_float2(accdQp(x), accdQp(x + 1));
-          if (w == 0 && (wtid & 3) == 0 && get<1>(cQp(x)) == get<1>(cQp(0)))  // each row's offset, once
-            S.dq_row[r] = t < 0 ? int64_t(-1) : dqp_acc_row(t, grp, p.total) * C::kHeadDim;
-#else
           *reinterpret_cast<float2*>(&S.dq[r][d]) = make_float2(accdQp(x), accdQp(x + 1));
           if (w == 0 && (wtid & 3) == 0 && get<1>(cQp(x)) == get<1>(cQp(0)))  // each row's offset, once
             S.dq_row[r] = t < 0 ? int64_t(-1) : at - d;
-#endif
         }
       }
       if constexpr (!kDet) {
