@@ -3,6 +3,8 @@
 #   suite      the GPU suite (tests/gpu; SUITE_FILTER: a gtest filter, default every test; SUITE_BIN: another
 #              binary of .gpu/, e.g. a variant's flashmsa_gpu_tests_<name>; SUITE_S: the time limit, default
 #              400 s, which the whole suite exceeds since session 13: run it in two parts)
+#              SUITE_RUNS="bin=filter;bin=filter": several binaries of .gpu/ in turn, each with its filter and
+#              SUITE_S, logs gpu_suite-<bin>.log (e.g. the variants' tests before an A/B)
 #   sanitize   compute-sanitizer memcheck + racecheck on the small cases
 #   race       compute-sanitizer racecheck of each binary of RACE_BINS (default flashmsa_gpu_tests; variants:
 #              flashmsa_gpu_tests_<name>) on RACE_FILTER (default the small fused cases), a log and a summary each
@@ -48,7 +50,18 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 stamp() { echo "== $1 ($(date +%T))"; }
-if has suite; then
+if has suite && [ -n "${SUITE_RUNS:-}" ]; then
+  # several binaries, each with its own filter: SUITE_RUNS="bin=filter;bin=filter" (bin: a name in .gpu/), each
+  # within SUITE_S seconds, logs gpu_suite-<bin>.log
+  IFS=';' read -ra runs <<< "$SUITE_RUNS"
+  for r in "${runs[@]}"; do
+    bin=${r%%=*} filter=${r#*=}
+    stamp "GPU suite $bin ($filter)"
+    timeout ${SUITE_S:-400} "./.gpu/$bin" --gtest_filter="$filter" > "$OUT/gpu_suite-$bin.log" 2>&1
+    echo "suite ($bin) rc=$?"
+    grep -E "^\[  (PASSED|FAILED)|FAILED  \]|tests? from .* ran" "$OUT/gpu_suite-$bin.log" | tail -8
+  done
+elif has suite; then
   stamp "GPU suite"
   timeout ${SUITE_S:-400} "./.gpu/${SUITE_BIN:-flashmsa_gpu_tests}" --gtest_filter="${SUITE_FILTER:-*}" > "$OUT/gpu_suite.log" 2>&1
   echo "suite (${SUITE_BIN:-flashmsa_gpu_tests}) rc=$?"
