@@ -50,24 +50,20 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 stamp() { echo "== $1 ($(date +%T))"; }
-if has suite && [ -n "${SUITE_RUNS:-}" ]; then
-  # several binaries, each with its own filter: SUITE_RUNS="bin=filter;bin=filter" (bin: a name in .gpu/), each
-  # within SUITE_S seconds, logs gpu_suite-<bin>.log
-  IFS=';' read -ra runs <<< "$SUITE_RUNS"
+if has suite; then
+  # one binary (SUITE_BIN, SUITE_FILTER; log gpu_suite.log) or several (SUITE_RUNS="bin=filter;bin=filter", bin a name
+  # in .gpu/; logs gpu_suite-<bin>.log), each within SUITE_S seconds
+  runs=("${SUITE_BIN:-flashmsa_gpu_tests}=${SUITE_FILTER:-*}")
+  [ -n "${SUITE_RUNS:-}" ] && IFS=';' read -ra runs <<< "$SUITE_RUNS"
   for r in "${runs[@]}"; do
-    bin=${r%%=*} filter=${r#*=}
+    bin=${r%%=*} filter=${r#*=} log="$OUT/gpu_suite${SUITE_RUNS:+-${r%%=*}}.log"
     stamp "GPU suite $bin ($filter)"
-    timeout ${SUITE_S:-400} "./.gpu/$bin" --gtest_filter="$filter" > "$OUT/gpu_suite-$bin.log" 2>&1
+    timeout ${SUITE_S:-400} "./.gpu/$bin" --gtest_filter="$filter" > "$log" 2>&1
     echo "suite ($bin) rc=$?"
-    grep -E "^\[  (PASSED|FAILED)|FAILED  \]|tests? from .* ran" "$OUT/gpu_suite-$bin.log" | tail -8
+    grep -E "^\[  (PASSED|FAILED)|FAILED  \]|tests? from .* ran" "$log" | tail -8
+    # the numbers the numerics docs and the deterministic mode need
+    awk '/^\[ RUN      \] (Numerics|Deterministic)\./{p=1} /^\[       OK \]|^\[  FAILED  \]/{if(p)print; p=0} p' "$log"
   done
-elif has suite; then
-  stamp "GPU suite"
-  timeout ${SUITE_S:-400} "./.gpu/${SUITE_BIN:-flashmsa_gpu_tests}" --gtest_filter="${SUITE_FILTER:-*}" > "$OUT/gpu_suite.log" 2>&1
-  echo "suite (${SUITE_BIN:-flashmsa_gpu_tests}) rc=$?"
-  grep -E "^\[  (PASSED|FAILED)|FAILED  \]|tests? from .* ran" "$OUT/gpu_suite.log" | tail -8
-  # the numbers the numerics docs and the deterministic mode need
-  awk '/^\[ RUN      \] (Numerics|Deterministic)\./{p=1} /^\[       OK \]|^\[  FAILED  \]/{if(p)print; p=0} p' "$OUT/gpu_suite.log"
 fi
 if has sanitize; then
   stamp "sanitizers"

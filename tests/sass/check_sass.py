@@ -4,9 +4,9 @@
 The default (non-deterministic, kDet = false) backward kernels must add their gradients with
 REDG (a reduction that does not wait for a reply), never ATOMG; the main and fused kernels add dQ
 through their dQ writer warp's bulk reductions (cp.reduce.async.bulk: UBLKRED ... ADD.F32, the
-TMA engine adding a token slot's rows of the shared-memory dQ tile), which must be there; the fused kernel's kl
-walk adds its dQp the same way, so the fused kernel holds at least twice the main kernel's bulk adds
-(two writer loops). The fused kernel's producer chunk loops hand the token slots to the
+TMA engine adding a token slot's rows of the shared-memory dQ tile), which must be there; the
+fused kernel's kl walk adds its dQp the same way, so the fused kernel holds at least twice the
+main kernel's bulk adds (two writer loops). The fused kernel's producer chunk loops hand the token slots to the
 gathering warps by shuffles, with no named barrier of the 96 gathering threads (compute-sanitizer
 racecheck reported the item broadcast while they had one); the standalone main kernel keeps that
 barrier, which shows the pattern matches. The deterministic main and kl

@@ -36,11 +36,11 @@
 #include "cuda/ptx/cp_async.cuh"
 #include "cuda/ptx/order.cuh"
 
-// The dQ path (docs/kernels/bwd.md, "Session 15"): the consumers stage each chunk's dQ tile in
-// shared memory and the producer warpgroup's last warp has the TMA engine add it to dq_acc, one
-// token slot's R head rows per operation (cp.reduce.async.bulk; session 21), so no consumer waits for its reductions to drain; the tile takes the
-// room of a third pipeline stage (two stages: session 11 measured the third worth nothing). The
-// deterministic mode keeps its fixed-point adds in the consumers.
+// The dQ path (docs/kernels/bwd.md, "Session 15"): the consumers stage each chunk's dQ tile in shared memory and the
+// producer warpgroup's last warp has the TMA engine add it to dq_acc, one token slot's R head rows per operation
+// (cp.reduce.async.bulk; session 21), so no consumer waits for its reductions to drain; the tile takes the room of a
+// third pipeline stage (two stages: session 11 measured the third worth nothing). The deterministic mode keeps its
+// fixed-point adds in the consumers.
 
 namespace flashmsa::cuda::attn_bwd {
 
