@@ -10,16 +10,21 @@
 
 namespace flashmsa::cuda::attn_bwd {
 
-// dq_acc's column order (docs/kernels/bwd.md, "Session 21"): the main backward's dQ tile has unpadded rows (128
-// floats), so that the dQ writer adds a token slot's R head rows with one bulk operation (they are adjacent in the tile
-// and in dq_acc, [token, head, 128]); to keep the tile's float2 stores free of bank conflicts, each row's columns are
-// XOR-swizzled, d -> d ^ dq_swizzle(t, r, Rp) for global token t and head r of its unit (Rp = R rounded up to a power
-// of two), and dq_acc keeps every row in that order (a property of the (token, head) row, whichever CTA adds to it),
-// which the dq convert undoes. A float2 store covers 8 tile rows (slots x Rp heads) x 4 column pairs: with Rp >= 8
-// its rows are 8 heads of one token (8 different keys: 2 wavefronts, as a padded tile); with Rp = 4, 2 or 1 they are
-// 2, 4 or 8 token slots, whose keys differ where the tokens are consecutive (clustered lists) and may coincide
-// otherwise (up to 8 / Rp rows per key).
-__host__ __device__ constexpr int dq_swizzle(int64_t t, int r, int rp) { return 4 * int((r + int64_t(rp) * t) & 7); }
+// dq_acc's column order (docs/kernels/bwd.md, "Session 21" and "Session 22"): the main backward's dQ tile has unpadded
+// rows (128 floats), so that the dQ writer adds a token slot's R head rows with one bulk operation (they are adjacent in
+// the tile and in dq_acc, [token, head, 128]); to keep the tile's float2 stores free of bank conflicts, each row's
+// columns are XOR-swizzled, d -> d ^ dq_swizzle(t, r, Rp) for global token t and head r of its unit (Rp = R rounded up
+// to a power of two), and dq_acc keeps every row in that order (a property of the (token, head) row, whichever CTA adds
+// to it), which the dq convert undoes. The GPU serves a 64-bit store per half-warp: lanes 0-15 store 4 tile rows x 4
+// column pairs (32 words), so the 4 rows must fall into 4 different 8-bank groups, which the key 8 ((r + Rp t) mod 4)
+// does: 1 wavefront per half-warp, 2 per store (session 21's key, 4 ((r + Rp t) mod 8), put the 4 rows of a half-warp
+// into 2 groups: 4 wavefronts per store, ncu session 22). With Rp >= 4 the 4 rows are 4 heads of one token (keys r mod
+// 4); with Rp = 2 or 1 they are 2 or 4 token slots, whose keys differ where the tokens are consecutive (clustered
+// lists) and may coincide otherwise (bench/probes/dq_token_ops_model.py counts both). Only the low bits of t matter,
+// hence the 32-bit product.
+__host__ __device__ constexpr int dq_swizzle(int64_t t, int r, int rp) {
+  return 8 * int((uint32_t(r) + uint32_t(rp) * uint32_t(t)) & 3u);
+}
 
 // Tile of the padded per-token buffers (lse2, dpsum): written by the preprocess, read by the
 // main backward, both through padded_offset(..., kPadTile).

@@ -30,7 +30,8 @@ namespace flashmsa::cuda::attn_bwd {
 
 template <class Element>
 struct KlConfig {
-  static constexpr int kBlockN = kBlockKeys, kTok = 64, kHeadDim = kHeadDimInst, kTeachStride = 132;  // 132: no bank conflicts
+  static constexpr int kBlockN = kBlockKeys, kTok = 64, kHeadDim = kHeadDimInst, kTeachStride = 132,  // 132: no bank conflicts
+                       kDqpStride = 136;  // the dQp tile's rows: 4 rows of a half-warp's float2 store in 4 bank groups
   // the producer warpgroup's last warp is the dQp writer (as the main walk's dQ writer); the other
   // three gather the rows
   static constexpr int kThreads = kCtaThreads, kStages = 2, kConsumers = kConsumerThreads,
@@ -60,8 +61,9 @@ struct KlConfig {
     alignas(16) float teach[kStages][kTok][kTeachStride];
     float plse[kStages][kTok];
     int32_t tok[kStages][kTok];  // global token of each row; -1: past the list
-    alignas(16) float dq[kTok][kTeachStride];  // the chunk's dQp tile (tokens x dp, padded rows)
-    int64_t dq_row[kTok];                      // dqp_acc offset of each row; -1: nothing to add
+    alignas(16) float dq[kTok][kDqpStride];  // the chunk's dQp tile (tokens x dp, padded rows: 2 wavefronts per
+                                             // float2 store; the 132 of session 21 took 4, ncu session 22)
+    int64_t dq_row[kTok];                    // dqp_acc offset of each row; -1: nothing to add
   };
   // the barriers (outside Smem: the fused kernel overlays the two walks' Smem)
   struct Sync {
