@@ -1,15 +1,16 @@
 #!/usr/bin/env python3
-"""Host model of the backward's dQ tile and dq_acc layout (docs/kernels/bwd.md, "Session 21"; bwd_params.cuh,
-dq_swizzle).
+"""Host model of the backward's dQ tile and dq_acc layout (docs/kernels/bwd.md, "Session 21" and "Session 22";
+bwd_params.cuh, dq_swizzle).
 
 Replays, for random chunk lists, what the main walk and the dq convert do with the dQ tile:
   - the consumers' float2 stores into the unpadded tile, each row's columns XOR-swizzled by
-    dq_swizzle(t, r, Rp) = 4 ((r + Rp t) mod 8) (t the row's global token, r its head within the unit);
+    dq_swizzle(t, r, Rp) = 8 ((r + Rp t) mod 4) (t the row's global token, r its head within the unit; session 21's
+    key 4 ((r + Rp t) mod 8) is modelled too, for the comparison);
   - the writer's bulk adds: one per token slot, covering the slot's R head rows;
   - the dq convert, which reads each 8-column group from its swizzled block;
 and asserts that every (token, head, d) lands where the convert reads it, that no padding row is copied and no
 dq_acc element is written twice by one chunk set. It prints the operations per chunk and the shared-memory
-wavefronts of one float2 store (worst and mean over the stores), for lists of consecutive tokens (clustered
+wavefronts of one float2 store (worst and mean over the stores, counted per half-warp), for lists of consecutive tokens (clustered
 selections) and of random ascending tokens. Run: python3 bench/probes/dq_token_ops_model.py
 """
 import random
