@@ -233,37 +233,22 @@ inline dim3 convert_grid(int64_t max_seqlen, int heads, int batch) {
   return dim3(unsigned((max_seqlen + 15) / 16), heads, batch);
 }
 
+// out = scale * acc in the output dtype, 8 columns per thread. unit_heads > 0: dq_acc after the main backward
+// (bwd_params.cuh, dq_swizzle), whose (token t, head h) row has its columns XOR-swizzled by
+// s = dq_swizzle(t, h mod unit_heads, unit_rp), a multiple of 8, so logical columns d .. d + 7 (d a multiple of 8) sit
+// in the aligned block d ^ s; 0 for every other accumulator (no swizzle).
 template <class Element>
-__global__ void convert_kernel(const float* acc, TokenTensor<void> out, Seqs seqs, int heads, float scale) {
+__global__ void convert_kernel(const float* acc, TokenTensor<void> out, Seqs seqs, int heads, float scale,
+                               int unit_heads, int unit_rp) {
   ConvertSite c;
   if (!convert_site(seqs, c)) return;
-  const float* src = acc + (c.t * heads + c.h) * kHeadDimInst + c.d;
+  const int s = unit_heads > 0 ? dq_swizzle(c.t, c.h % unit_heads, unit_rp) : 0;
+  const float* src = acc + (c.t * heads + c.h) * kHeadDimInst + (c.d ^ s);
   Element* dst = out.template row<Element>(c.b, c.t, c.h) + c.d;
   const float4 x0 = *reinterpret_cast<const float4*>(src), x1 = *reinterpret_cast<const float4*>(src + 4);
   alignas(16) Element v[8] = {Element(x0.x * scale), Element(x0.y * scale), Element(x0.z * scale), Element(x0.w * scale),
                               Element(x1.x * scale), Element(x1.y * scale), Element(x1.z * scale), Element(x1.w * scale)};
   *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(v);
-}
-
-// dq_acc after the main backward (bwd_params.cuh, dq_swizzle): the columns of (token t, head h) XOR-swizzled by
-// s = dq_swizzle(t, h mod R, Rp), so logical columns d .. d + 7 (d a multiple of 8) sit in the aligned block
-// d ^ (s & 24), their two halves swapped where s & 4.
-template <class Element>
-__global__ void convert_dq_swizzled_kernel(const float* acc, TokenTensor<void> out, Seqs seqs, int heads, float scale,
-                                           int unit_heads, int unit_rp) {
-  ConvertSite c;
-  if (!convert_site(seqs, c)) return;
-  const int s = dq_swizzle(c.t, c.h % unit_heads, unit_rp);
-  const float* src = acc + (c.t * heads + c.h) * kHeadDimInst + (c.d ^ (s & 24));
-  float4 x0 = *reinterpret_cast<const float4*>(src), x1 = *reinterpret_cast<const float4*>(src + 4);
-  if (s & 4) {
-    const float4 y = x0;
-    x0 = x1;
-    x1 = y;
-  }
-  alignas(16) Element v[8] = {Element(x0.x * scale), Element(x0.y * scale), Element(x0.z * scale), Element(x0.w * scale),
-                              Element(x1.x * scale), Element(x1.y * scale), Element(x1.z * scale), Element(x1.w * scale)};
-  *reinterpret_cast<uint4*>(out.template row<Element>(c.b, c.t, c.h) + c.d) = *reinterpret_cast<const uint4*>(v);
 }
 
 // the fixed-point accumulators (deterministic mode): value = acc / unit, exact in double up to 2^53
@@ -409,14 +394,8 @@ template <Dtype D>
 void launch_convert(const float* acc, TokenTensor<void> out, const Seqs& seqs, int64_t max_seqlen, int heads,
                     float scale, cudaStream_t st, DqLayout dq_layout) {
   if (seqs.batch == 0 || max_seqlen == 0) return;
-  if (dq_layout.unit_heads > 0) {
-    convert_dq_swizzled_kernel<typename ElementOf<D>::type><<<convert_grid(max_seqlen, heads, seqs.batch), 256, 0, st>>>(
-        acc, out, seqs, heads, scale, dq_layout.unit_heads, dq_layout.unit_rp);
-    FLASHMSA_CUDA_CHECK(cudaGetLastError());
-    return;
-  }
-  convert_kernel<typename ElementOf<D>::type>
-      <<<convert_grid(max_seqlen, heads, seqs.batch), 256, 0, st>>>(acc, out, seqs, heads, scale);
+  convert_kernel<typename ElementOf<D>::type><<<convert_grid(max_seqlen, heads, seqs.batch), 256, 0, st>>>(
+      acc, out, seqs, heads, scale, dq_layout.unit_heads, dq_layout.unit_rp);
   FLASHMSA_CUDA_CHECK(cudaGetLastError());
 }
 

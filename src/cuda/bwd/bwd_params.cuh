@@ -21,7 +21,8 @@ namespace flashmsa::cuda::attn_bwd {
 // into 2 groups: 4 wavefronts per store, ncu session 22). With Rp >= 4 the 4 rows are 4 heads of one token (keys r mod
 // 4); with Rp = 2 or 1 they are 2 or 4 token slots, whose keys differ where the tokens are consecutive (clustered
 // lists) and may coincide otherwise (bench/probes/dq_token_ops_model.py counts both). Only the low bits of t matter,
-// hence the 32-bit product.
+// hence the 32-bit product. The key is a multiple of 8, so aligned 8-column blocks move whole (the convert reads them
+// with two 16-byte loads).
 __host__ __device__ constexpr int dq_swizzle(int64_t t, int r, int rp) {
   return 8 * int((uint32_t(r) + uint32_t(rp) * uint32_t(t)) & 3u);
 }
