@@ -8,7 +8,7 @@ valid. This probe takes the selection of the README's call (the SPARSE forward's
 span's rows so that the tokens a regrouping would put in one tile sit at 8 consecutive positions, and times the
 GIVEN-mode forward on the original and the reordered indices: the difference is the gain of a forward whose tiles
 are formed by that regrouping (the outputs belong to other tokens, so this is a timing probe, not a result).
-Groupings (bench/probes/fwd_regroup_model.py models them on the CPU):
+Groupings (the tiling functions of bench/probes/fwd_regroup_model.py, which models them on the CPU):
   sort    a span's tokens sorted by their selection, most recent block first (a segmented sort on a GPU);
   greedy  a seed (the earliest token left), then 7 times the token that adds the fewest blocks to the union.
   python3 bench/probes/fwd_regroup_given.py --seqlens 32768,131072 --patterns clustered,random
@@ -24,15 +24,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from user_path import import_flashmsa, make_inputs, median_ms  # noqa: E402
 
-M3 = dict(Hq=64, Hkv=4, Hp=4, Hpk=1)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fwd_regroup_model import M3, tiles_greedy, tiles_sorted  # noqa: E402
+
 BLOCK, NT = 128, 8
-
-
-def popcount_rows(a):
-    """set bits per row of a packed uint8 array (numpy >= 2 has bitwise_count)."""
-    if hasattr(np, "bitwise_count"):
-        return np.bitwise_count(a).sum(axis=1)
-    return np.unpackbits(a, axis=1).sum(axis=1)
 
 
 def as_bool(idx, nb):
@@ -47,22 +42,9 @@ def as_bool(idx, nb):
 
 
 def order_span(sel, s, e, how):
-    """the span's tokens in tile order (consecutive groups of NT form the tiles)."""
-    if how == "sort":
-        keys = {i: tuple(np.flatnonzero(sel[i])[::-1]) for i in range(s, e)}
-        return sorted(range(s, e), key=lambda i: keys[i])
-    packed = np.packbits(sel[s:e], axis=1)
-    left = list(range(e - s))
-    out = []
-    while left:
-        tile = [left.pop(0)]
-        u = packed[tile[0]].copy()
-        while len(tile) < NT and left:
-            j = int(np.argmin(popcount_rows(packed[left] & ~u)))
-            tile.append(left.pop(j))
-            u |= packed[tile[-1]]
-        out += tile
-    return [s + i for i in out]
+    """the span's tokens in tile order (consecutive groups of NT form the tiles): the model's groupings."""
+    tiles = tiles_sorted(sel[s:e], NT, BLOCK) if how == "sort" else tiles_greedy(np.packbits(sel[s:e], axis=1), NT, BLOCK)
+    return [s + i for t in tiles for i in t]
 
 
 def union_factor(sel):
