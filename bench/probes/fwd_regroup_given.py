@@ -15,12 +15,16 @@ Groupings (the tiling functions of bench/probes/fwd_regroup_model.py, which mode
 """
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 
+# the library's own regrouping (session 24) would regroup the consecutive tiles too: this probe times the forward
+# of consecutive tiles on reordered indices, so it runs with the regrouping off
+os.environ["FLASHMSA_FWD_REGROUP"] = "0"
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from user_path import import_flashmsa, make_inputs, median_ms  # noqa: E402
 

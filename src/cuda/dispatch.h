@@ -142,6 +142,9 @@ struct FwdRings {
   FwdRingsKind kind = kRingsAuto;
   int ratio_permille = attn_fwd::kRingRatioPermille;
   bool ratio_given = false;  // a ratio in FLASHMSA_FWD_RINGS: route whatever R
+  // FLASHMSA_FWD_REGROUP (unset or "1": on; "0": off; anything else refused as FLASHMSA_FWD_RINGS
+  // is): SPARSE/GIVEN tiles of tokens regrouped by selection (attn_fwd::launch_regroup)
+  bool regroup = true;
 };
 FwdRings fwd_rings_policy();
 attn_bwd::InversionArgs inversion_args(const int32_t* idx, int64_t idx_head, int64_t idx_tok,
@@ -170,6 +173,7 @@ BwdLayout bwd_layout(const flashmsa_bwd_args_t& a, const Geometry& g);
 // partials, the teacher scratch and the item counter.
 struct FwdLayout {
   size_t route = 0;  // the forward router's per-tile bytes (SPARSE/GIVEN)
+  size_t perm = 0;   // the regrouping's token order, Hp x total int32 (SPARSE/GIVEN)
   size_t idx = 0, lse2 = 0, inv = 0, plse = 0, kl = 0, teach = 0, next_item = 0, total = 0;
   int kl_seg = 0, kl_ctas = 0;  // as in BwdLayout
   int64_t padded = 0;

@@ -40,6 +40,12 @@ int kl_segment(const Geometry& g) {
 
 FwdRings fwd_rings_policy() {
   FwdRings r;
+  if (const char* x = std::getenv("FLASHMSA_FWD_REGROUP"); x != nullptr && *x != 0) {
+    const std::string v(x);
+    if (v != "0" && v != "1")
+      fail(FLASHMSA_ERROR_INVALID_ARGUMENT, "FLASHMSA_FWD_REGROUP: expected '1' (tokens regrouped by selection) or '0', got '" + v + "'");
+    r.regroup = v == "1";
+  }
   const char* e = std::getenv("FLASHMSA_FWD_RINGS");
   if (e == nullptr || *e == 0) return r;
   const std::string v(e);
@@ -138,6 +144,7 @@ FwdLayout fwd_layout(const flashmsa_fwd_args_t& a, const Geometry& g) {
   if (a.mode != FLASHMSA_MODE_DENSE) {  // the router's byte per forward tile (fwd.cpp's grid)
     const tiles::FwdTile t = tiles::fwd_tile(g, g.topk);
     l.route = take(size_t(tiles::fwd_tiles(g, t)));
+    l.perm = take(size_t(g.Hp) * g.total * 4);
   }
   if (a.mode == FLASHMSA_MODE_SPARSE && !present(a.indices)) l.idx = take(size_t(g.Hp) * g.total * g.topk * 4);
   if (a.compute_kl) {

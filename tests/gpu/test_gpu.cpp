@@ -8,6 +8,7 @@
 #include <cstring>
 #include <numeric>
 #include <set>
+#include <tuple>
 
 #include "cuda/bwd/bwd_params.cuh"  // fixed_unit (host and device)
 #include "cuda/fwd/fwd.h"              // the forward's router (Routes.*)
@@ -1626,13 +1627,10 @@ std::vector<uint8_t> device_route(const Problem& pb, const Inputs& in, const std
   return got;
 }
 
-void run_routes(const Problem& pb0, flashmsa_numerics_t num) {
-  GivenCase g(pb0);
-  const Problem& pb = g.pb;
-  Inputs& in = g.in;
-  const int K = g.K;
-  std::vector<int32_t>& idx = g.idx;
-  std::vector<int32_t> list;  // the current list (a new one at each sequence's first token)
+// A forward case whose rows overlap in runs (lists shared by 1 to 48 neighbouring tokens), with
+// empty slots and blocks after the token's own (fill_given_row).
+void fill_overlapping(GivenCase& g) {
+  std::vector<int32_t> list;
   g.for_each_row([&](int32_t* row, int64_t i, int64_t nb) {
     const int64_t seg = i / 48;
     const int64_t period = seg % 2 == 0 ? 48 : seg % 6 == 1 ? 1 : seg % 6 == 3 ? 2 : 7;
@@ -1641,8 +1639,17 @@ void run_routes(const Problem& pb0, flashmsa_numerics_t num) {
       std::iota(list.begin(), list.end(), 0);
       std::shuffle(list.begin(), list.end(), g.rng);
     }
-    fill_given_row(row, K, list, nb, 16, g.rng);
+    fill_given_row(row, g.K, list, nb, 16, g.rng);
   });
+}
+
+void run_routes(const Problem& pb0, flashmsa_numerics_t num) {
+  GivenCase g(pb0);
+  const Problem& pb = g.pb;
+  Inputs& in = g.in;
+  const int K = g.K;
+  std::vector<int32_t>& idx = g.idx;
+  fill_overlapping(g);
   const HostRoute h = host_route(pb, idx, K);
   std::printf("    tiles the router (0.8) sends to the rings kernel: %lld of %lld\n", (long long)h.rings, (long long)h.tiles);
   EXPECT_GT(h.rings, 0) << "the inputs exercise no rings tile";
@@ -1677,8 +1684,9 @@ TEST(Routes, FmsaInferFp16) { run_routes(fmsa().with_topk(8).seqlens({1777, 129}
 TEST(Routes, Gcd3Straddle) {
   run_routes(Problem().heads(12, 2).proxy_heads(4, 2).with_topk(4).seqlens({6001}), FLASHMSA_NUMERICS_TRAIN);
 }
-// A bad FLASHMSA_FWD_RINGS: the workspace query and the call refuse it, and nothing is written.
-TEST(Errors, BadRingsKnob) {
+// A bad value of a forward knob (environment variable `knob`): the workspace query and the call refuse it, naming
+// the knob, in every mode (not only where the knob acts), and nothing is written.
+void expect_knob_refused(const char* knob, std::initializer_list<const char*> bad_values) {
   PoolScope scope;
   std::mt19937_64 rng(fresh_seed());
   const Problem pb = fmsa().with_topk(2).seqlens({300});
@@ -1694,16 +1702,16 @@ TEST(Errors, BadRingsKnob) {
   a.mode = FLASHMSA_MODE_GIVEN;
   a.topk = 2;
   a.indices = dev_view(idx); a.out = dev_view(o); a.lse = dev_view(l);
-  flashmsa::FwdArgs dense = a;  // the knob is refused in every mode, not only where the router runs
+  flashmsa::FwdArgs dense = a;
   dense.mode = FLASHMSA_MODE_DENSE;
   dense.topk = 0;
   dense.indices = flashmsa_tensor_t{};
   for (const flashmsa::FwdArgs* call : {&a, &dense})
-    for (const char* bad : {"2", "yes", " 1", "auto ", "0.", "0.1234", "1.5", "0.5x"}) {
-      ScopedEnv e("FLASHMSA_FWD_RINGS", bad);
+    for (const char* bad : bad_values) {
+      ScopedEnv e(knob, bad);
       size_t bytes = 0;
       EXPECT_EQ(flashmsa_fwd_workspace_size(call, &bytes), FLASHMSA_ERROR_INVALID_ARGUMENT) << bad;
-      EXPECT_NE(std::string(flashmsa_last_error()).find("FLASHMSA_FWD_RINGS"), std::string::npos) << flashmsa_last_error();
+      EXPECT_NE(std::string(flashmsa_last_error()).find(knob), std::string::npos) << flashmsa_last_error();
       EXPECT_EQ(flashmsa_fwd(call, nullptr, 0), FLASHMSA_ERROR_INVALID_ARGUMENT) << bad;
     }
   for (Tensor* t : {&o, &l}) {
@@ -1711,6 +1719,143 @@ TEST(Errors, BadRingsKnob) {
     for (double x : t->host) ASSERT_TRUE(std::isnan(x)) << "output written by a refused call";
   }
 }
+
+TEST(Errors, BadRingsKnob) {
+  expect_knob_refused("FLASHMSA_FWD_RINGS", {"2", "yes", " 1", "auto ", "0.", "0.1234", "1.5", "0.5x"});
+}
+
+// ---- the forward's regrouping (fwd_regroup.cu) ----------------------------------------------
+
+// The host rule of attn_fwd::launch_regroup: per (group, sequence, 128-token span), tiles of NT
+// slots; a tile's first token the earliest left, each next one the token adding the fewest blocks
+// (0 <= j <= the span's block) to the tile's union, ties to the earliest. perm[grp * T + s0 + i].
+std::vector<int32_t> host_regroup(const Problem& pb, const std::vector<int32_t>& idx, int K, int NT) {
+  const auto cu = pb.offsets();
+  const int64_t T = pb.total();
+  std::vector<int32_t> perm(size_t(pb.Hp) * size_t(T), -7);
+  for (int grp = 0; grp < pb.Hp; ++grp)
+    for (size_t b = 0; b + 1 < cu.size(); ++b)
+      for (int64_t st = 0; st < cu[b + 1] - cu[b]; st += 128) {
+        const int n = int(std::min<int64_t>(128, cu[b + 1] - cu[b] - st));
+        const int64_t span = st / 128;
+        std::vector<std::vector<int32_t>> sel(static_cast<size_t>(n));  // (a repeated block counts twice, as there)
+        for (int t = 0; t < n; ++t)
+          for (int s = 0; s < K; ++s) {
+            const int32_t j = idx[(size_t(grp) * T + size_t(cu[b] + st + t)) * K + s];
+            if (j >= 0 && j <= span) sel[size_t(t)].push_back(j);
+          }
+        std::vector<bool> used(static_cast<size_t>(n), false);
+        int pos = 0;
+        while (pos < n) {
+          std::set<int32_t> u;
+          for (int m = 0; m < NT && pos < n; ++m, ++pos) {
+            int best = -1;
+            size_t best_add = 0;
+            for (int c = 0; c < n; ++c) {
+              if (used[size_t(c)]) continue;
+              size_t add = 0;
+              for (int32_t j : sel[size_t(c)]) add += u.count(j) == 0;
+              if (m == 0) add = 0;  // the seed: the earliest left
+              if (best < 0 || add < best_add) best = c, best_add = add;
+            }
+            used[size_t(best)] = true;
+            u.insert(sel[size_t(best)].begin(), sel[size_t(best)].end());
+            perm[size_t(grp) * size_t(T) + size_t(cu[b] + st + pos)] = int32_t(st + best);
+          }
+        }
+      }
+  return perm;
+}
+
+// The device regrouping (poisoned output) against the host rule, then the forward with the tiles
+// regrouped (FLASHMSA_FWD_REGROUP unset: the default) against the forward without (=0): the same
+// out and lse bit for bit for every kernel choice, in GIVEN mode and in SPARSE mode, and the
+// regrouped run against fp64.
+void run_regroup(const Problem& pb0, flashmsa_numerics_t num, bool against_fp64 = true) {
+  GivenCase g(pb0);
+  fill_overlapping(g);
+  const Problem& pb = g.pb;
+  Inputs& in = g.in;
+  const int K = g.K;
+  const std::vector<int32_t>& idx = g.idx;
+  const HostRoute h = host_route(pb, idx, K);  // (its R and NT: the forward's tile rule)
+  const bool applies = flashmsa::cuda::attn_fwd::regroup_applies(h.NT, K);
+  std::printf("    %d heads x %d tokens per tile: the regrouping %s\n", h.R, h.NT, applies ? "applies" : "does not apply");
+  if (applies) {
+    const std::vector<int32_t> want = host_regroup(pb, idx, K, h.NT);
+    flashmsa::cuda::attn_fwd::Args a;
+    a.seqs.cu_seqlens = static_cast<const int*>(in.cu.dev);
+    a.seqs.batch = int(pb.offsets().size() - 1);
+    void* d_idx = Pool::get().take(idx.size() * sizeof(int32_t));
+    ASSERT_EQ(cudaMemcpy(d_idx, idx.data(), idx.size() * sizeof(int32_t), cudaMemcpyHostToDevice), cudaSuccess);
+    a.indices.ptr = static_cast<const int32_t*>(d_idx);
+    a.indices.head = pb.total() * K;
+    a.indices.tok = K;
+    a.Hq = pb.Hq, a.Hkv = pb.Hkv, a.Hp = pb.Hp, a.topk = K, a.R = h.R, a.NT = h.NT;
+    a.total = pb.total();
+    std::vector<int32_t> got(want.size(), 0);
+    void* d_perm = Pool::get().take(got.size() * sizeof(int32_t));
+    ASSERT_EQ(cudaMemset(d_perm, 0xee, got.size() * sizeof(int32_t)), cudaSuccess);
+    flashmsa::cuda::attn_fwd::launch_regroup(a, pb.max_len(), static_cast<int32_t*>(d_perm), pb.total(), nullptr);
+    ASSERT_EQ(cudaMemcpy(got.data(), d_perm, got.size() * sizeof(int32_t), cudaMemcpyDeviceToHost), cudaSuccess);
+    int64_t mismatched = 0, moved = 0;
+    for (size_t x = 0; x < want.size(); ++x) mismatched += got[x] != want[x];
+    const auto cu = pb.offsets();
+    for (int grp = 0; grp < pb.Hp; ++grp)
+      for (size_t q = 0; q + 1 < cu.size(); ++q)
+        for (int64_t i = 0; i < cu[q + 1] - cu[q]; ++i) moved += want[size_t(grp) * size_t(pb.total()) + size_t(cu[q] + i)] != i;
+    EXPECT_EQ(mismatched, 0) << "the device regrouping differs from the host rule at " << mismatched << " of " << want.size() << " slots";
+    std::printf("    slots whose token moved: %lld of %zu\n", (long long)moved, want.size());
+    EXPECT_GT(moved, 0) << "the inputs exercise no regrouping (every token stays at its slot)";
+  }
+  FwdRun base;
+  {
+    ScopedEnv e("FLASHMSA_FWD_REGROUP", "0");
+    base = run_fwd(pb, in, FwdCall().given(idx, K).with_numerics(num));
+  }
+  const char* policy[3] = {"0", "1", "auto"};
+  for (int x = 0; x < 3; ++x) {
+    ScopedEnv on("FLASHMSA_FWD_REGROUP", "1");  // (the default; set in case the environment says otherwise)
+    ScopedEnv e("FLASHMSA_FWD_RINGS", policy[x]);
+    FwdRun r = run_fwd(pb, in, FwdCall().given(idx, K).with_numerics(num));
+    int64_t diff_out = 0, diff_lse = 0;
+    for (size_t v = 0; v < base.out.host.size(); ++v)
+      diff_out += std::memcmp(&base.out.host[v], &r.out.host[v], sizeof(double)) != 0;
+    for (size_t v = 0; v < base.lse.host.size(); ++v)
+      diff_lse += std::memcmp(&base.lse.host[v], &r.lse.host[v], sizeof(double)) != 0;
+    EXPECT_EQ(diff_out, 0) << "FLASHMSA_FWD_RINGS=" << policy[x] << ": out regrouped differs from out in order";
+    EXPECT_EQ(diff_lse, 0) << "FLASHMSA_FWD_RINGS=" << policy[x] << ": lse regrouped differs from lse in order";
+    if (x == 2 && against_fp64) {
+      r.indices.host.assign(idx.begin(), idx.end());
+      check_forward(pb, in, r, FLASHMSA_MODE_GIVEN, K);
+    }
+  }
+  FwdRun s0;
+  {
+    ScopedEnv e("FLASHMSA_FWD_REGROUP", "0");
+    s0 = run_fwd(pb, in, FwdCall().sparse(K).with_numerics(num));
+  }
+  ScopedEnv e("FLASHMSA_FWD_REGROUP", "1");
+  const FwdRun s1 = run_fwd(pb, in, FwdCall().sparse(K).with_numerics(num));
+  for (const auto& [name, x, y] : {std::tuple{"out", &s0.out, &s1.out}, std::tuple{"lse", &s0.lse, &s1.lse},
+                                   std::tuple{"indices", &s0.indices, &s1.indices}}) {
+    int64_t diff = 0;
+    for (size_t v = 0; v < x->host.size(); ++v) diff += std::memcmp(&x->host[v], &y->host[v], sizeof(double)) != 0;
+    EXPECT_EQ(diff, 0) << "SPARSE: " << name << " regrouped differs from " << name << " in order";
+  }
+}
+// m3 (16 heads x 8 tokens: the regrouping and both kernels), fmsa (4 x 32, lazy numerics, fp16), 3
+// heads x 42 tokens (a tile across spans: no regrouping), topk 64 (the regrouping's largest, its slots read
+// from shared memory; bit for bit only, the fp64 reference of 8300 tokens x 64 blocks being slow); odd lengths
+// and an empty sequence
+TEST(Regroup, M3Varlen) { run_regroup(m3().with_topk(8).seqlens({1000, 0, 2333}), FLASHMSA_NUMERICS_TRAIN); }
+TEST(Regroup, FmsaInferFp16) { run_regroup(fmsa().with_topk(8).seqlens({1777, 129}).fp16(), FLASHMSA_NUMERICS_INFER); }
+TEST(Regroup, Gcd3NotApplied) {
+  run_regroup(Problem().heads(12, 2).proxy_heads(4, 2).with_topk(4).seqlens({3001}), FLASHMSA_NUMERICS_TRAIN);
+}
+TEST(Regroup, FmsaTopk64) { run_regroup(fmsa().with_topk(64).seqlens({8300}), FLASHMSA_NUMERICS_TRAIN, false); }
+
+TEST(Errors, BadRegroupKnob) { expect_knob_refused("FLASHMSA_FWD_REGROUP", {"2", "yes", " 1", "on", "true"}); }
 
 }  // namespace
 }  // namespace gputest

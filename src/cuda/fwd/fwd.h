@@ -35,6 +35,11 @@ struct Args {
   // per tile (index (b * Hq / R + unit) * num_m_tiles + m_tile): 1 = the rings kernel's, 0 = the
   // shared stream's; null: the launched kernel runs every tile
   const uint8_t* route = nullptr;
+  // a regrouping of the tiles' tokens (fwd_regroup.cu): perm[grp * perm_head + s0 + i] is the
+  // in-sequence position of the token at slot i of sequence s0's MSA group grp, a permutation of
+  // each 128-token span; null: slot i holds token i
+  const int32_t* perm = nullptr;
+  int64_t perm_head = 0;
 };
 
 template <Dtype, bool kLazyRescale, bool kRings>
@@ -54,5 +59,26 @@ constexpr int kRowsPerWarpGroup = 64;  // a consumer warpgroup's MMA rows (token
 __host__ __device__ inline int wg_first_token(int R, int w) { return (kRowsPerWarpGroup * w) / R; }
 __host__ __device__ inline int wg_last_token(int R, int w) { return (kRowsPerWarpGroup * w + kRowsPerWarpGroup - 1) / R; }
 void launch_route(const Args& a, int ratio_permille, uint8_t* route, cudaStream_t stream);
+
+// The regrouping (sparse and given modes, fwd_regroup.cu): within each 128-token span of each
+// sequence and MSA group, the tokens reordered so that each NT consecutive slots (one tile) hold
+// tokens whose selections overlap: greedily, a tile's first token is the earliest one left and
+// each next one the token that adds the fewest blocks to the tile's union. A token's out and lse do
+// not depend on its tile (it adds nothing for a block it did not select and sees its blocks in
+// ascending order), so the order changes the work, not the result. Applies when a tile lies in
+// one span (NT divides 128, NT >= 2) and a span's indices fit the kernel's shared memory.
+constexpr int kRegroupSpan = 128;
+constexpr int kRegroupMaxTopk = 64;
+__host__ __device__ inline bool regroup_applies(int NT, int topk) {
+  return NT >= 2 && kRegroupSpan % NT == 0 && topk >= 1 && topk <= kRegroupMaxTopk;
+}
+// The last in-sequence position of a tile's tokens (tile i0, ntok tokens, sequence length L): i0 + ntok - 1, or
+// with a regrouping anywhere up to the end of i0's span; the forward's block bitmap and the router's cover it.
+__host__ __device__ inline int64_t tile_last_pos(int64_t i0, int ntok, int64_t L, bool regrouped) {
+  const int64_t span_last = (i0 / kRegroupSpan + 1) * kRegroupSpan - 1;
+  return !regrouped ? i0 + ntok - 1 : L - 1 < span_last ? L - 1 : span_last;
+}
+// perm: Hp x perm_head int32 (perm_head >= total); a.perm is ignored.
+void launch_regroup(const Args& a, int64_t max_seqlen, int32_t* perm, int64_t perm_head, cudaStream_t stream);
 
 }  // namespace flashmsa::cuda::attn_fwd

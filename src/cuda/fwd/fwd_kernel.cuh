@@ -79,6 +79,7 @@ struct Config {
     uint32_t tokmask[kMaxUnion][kBlockM / 32];
     typename Pipeline::SharedStorage pipe_k, pipe_v;
     int ulen;
+    int32_t tpos[kBlockM];  // the in-sequence position of each tile token (fwd_regroup.cu's order)
     // the rings kernel's
     int16_t wlist[kConsumerWarpGroups][kMaxUnion];  // per warpgroup: the union entries its tokens selected
     int wlen[kConsumerWarpGroups];
@@ -107,7 +108,10 @@ __global__ void __launch_bounds__(kCtaThreads, 1) fwd_kernel(const __grid_consta
   const int tid = threadIdx.x, lane = tid % 32;
   const int h0 = unit * p.R;
   const int grp = h0 / (p.Hq / p.Hp), kvh = h0 / (p.Hq / p.Hkv);
-  const int64_t i_last = i0 + ntok - 1;
+  // the tile's tokens: positions i0 .. i0 + ntok - 1, or with a regrouping (fwd_regroup.cu) the
+  // tokens its permutation puts at those slots, all inside the 128-token span of i0
+  if (tid < ntok) S.tpos[tid] = p.perm ? p.perm[grp * p.perm_head + s0 + i0 + tid] : int32_t(i0 + tid);
+  const int64_t i_last = tile_last_pos(i0, ntok, L, p.perm != nullptr);
   const int nblk_tile = int(i_last / C::kBlockN) + 1;  // blocks 0..l(i_last)
   const bool dense = p.indices.ptr == nullptr;
 
@@ -117,11 +121,11 @@ __global__ void __launch_bounds__(kCtaThreads, 1) fwd_kernel(const __grid_consta
     if (tid == 0) S.ulen = nblk_tile;  // every block 0..l(i_last), in order (block_of: no list)
   } else {
     for (int w = tid; w < nwords; w += C::kThreads) S.blockbits[w] = 0u;
-    __syncthreads();
+    __syncthreads();  // (S.tpos written too)
     const int nent = ntok * p.topk;
     for (int e = tid; e < nent; e += C::kThreads) {
       const int tok = e / p.topk, s = e % p.topk;
-      const int64_t i = i0 + tok;
+      const int64_t i = S.tpos[tok];
       const int j = p.indices.at(grp, s0 + i)[s];
       if (j >= 0 && int64_t(j) <= i / C::kBlockN) atomicOr(&S.blockbits[j / 32], 1u << (j % 32));
     }
@@ -157,7 +161,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) fwd_kernel(const __grid_consta
     __syncthreads();
     for (int e = tid; e < nent; e += C::kThreads) {
       const int tok = e / p.topk, s = e % p.topk;
-      const int64_t i = i0 + tok;
+      const int64_t i = S.tpos[tok];
       const int j = p.indices.at(grp, s0 + i)[s];
       if (j >= 0 && int64_t(j) <= i / C::kBlockN) {
         const int pos = S.wordprefix[j / 32] + __popc(S.blockbits[j / 32] & ((1u << (j % 32)) - 1u));
@@ -279,7 +283,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) fwd_kernel(const __grid_consta
       const int r = wg * 64 + c / 16, col = (c % 16) * 8;
       const int tok = min(r / p.R, ntok - 1);
       const int h = h0 + r % p.R;
-      const Element* src = qp + b * p.q.batch_corr + (s0 + i0 + tok) * p.q.tok + h * p.q.head + col;
+      const Element* src = qp + b * p.q.batch_corr + (s0 + S.tpos[tok]) * p.q.tok + h * p.q.head + col;
       ptx::cp_async_16(&sQ(r, col), src);
     }
     ptx::cp_async_commit();
@@ -314,7 +318,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) fwd_kernel(const __grid_consta
   for (int r = 0; r < 2; ++r) {
     const int row = wg * 64 + get<0>(cRC(r, 0));
     row_tok[r] = row / p.R;
-    row_pos[r] = i0 + row_tok[r];
+    row_pos[r] = S.tpos[min(row_tok[r], ntok - 1)];  // (rows past the tile see nothing: row_tok >= ntok)
   }
 
   // S of union entry qi -> P in accS: the mask (the token's selection bit, causal u <= i) as one
@@ -461,7 +465,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) fwd_kernel(const __grid_consta
     const int tok = row / p.R;
     if (tok >= ntok) continue;
     const int h = h0 + row % p.R;
-    Element* dst = optr + b * p.out.batch_corr + (s0 + i0 + tok) * p.out.tok + h * p.out.head + col;
+    Element* dst = optr + b * p.out.batch_corr + (s0 + S.tpos[tok]) * p.out.tok + h * p.out.head + col;
     *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(&sQ(row, col));
   }
   if (p.out_lo.ptr) {  // the low part, staged through the same rows once they are stored
@@ -478,7 +482,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) fwd_kernel(const __grid_consta
       const int tok = row / p.R;
       if (tok >= ntok) continue;
       const int h = h0 + row % p.R;
-      Element* dst = lptr + b * p.out_lo.batch_corr + (s0 + i0 + tok) * p.out_lo.tok + h * p.out_lo.head + col;
+      Element* dst = lptr + b * p.out_lo.batch_corr + (s0 + S.tpos[tok]) * p.out_lo.tok + h * p.out_lo.head + col;
       *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(&sQ(row, col));
     }
   }

@@ -34,7 +34,8 @@ __global__ void __launch_bounds__(kWarps * 32) route_kernel(const Args a, int ra
   }
   const int ntok = L - i0 < a.NT ? int(L - i0) : a.NT;
   const int grp = unit * a.R / (a.Hq / a.Hp);
-  const int nwords = int(((i0 + ntok - 1) / kBlockKeys) / 32 + 1);
+  const int64_t i_last = tile_last_pos(i0, ntok, L, a.perm != nullptr);  // (fwd.h: regrouped tiles too)
+  const int nwords = int((i_last / kBlockKeys) / 32 + 1);
   uint32_t(&w0)[kWords] = bits[warp][0];
   uint32_t(&w1)[kWords] = bits[warp][1];
   for (int w = lane; w < nwords; w += 32) w0[w] = w1[w] = 0u;
@@ -43,7 +44,7 @@ __global__ void __launch_bounds__(kWarps * 32) route_kernel(const Args a, int ra
   const int nent = ntok * a.topk;
   for (int e = lane; e < nent; e += 32) {
     const int tok = e / a.topk, s = e % a.topk;
-    const int64_t i = i0 + tok;
+    const int64_t i = a.perm ? int64_t(a.perm[grp * a.perm_head + s0 + i0 + tok]) : i0 + tok;
     const int j = a.indices.at(grp, s0 + i)[s];
     if (j < 0 || int64_t(j) > i / kBlockKeys) continue;
     const uint32_t bit = 1u << (j % 32);
