@@ -1605,20 +1605,27 @@ HostRoute host_route(const Problem& pb, const std::vector<int32_t>& idx, int K) 
   return h;
 }
 
+// The forward's arguments for a direct launch of its router or its regrouping on the given indices (uploaded;
+// the copy's status returned): heads and slots as the forward's, the tile policy from the host rule.
+cudaError_t tile_args(const Problem& pb, const Inputs& in, const std::vector<int32_t>& idx, int K, const HostRoute& h,
+                      flashmsa::cuda::attn_fwd::Args& a) {
+  a.seqs.cu_seqlens = static_cast<const int*>(in.cu.dev);
+  a.seqs.batch = int(pb.offsets().size() - 1);
+  void* d_idx = Pool::get().take(idx.size() * sizeof(int32_t));
+  a.indices.ptr = static_cast<const int32_t*>(d_idx);
+  a.indices.head = pb.total() * K;
+  a.indices.tok = K;
+  a.Hq = pb.Hq, a.Hkv = pb.Hkv, a.Hp = pb.Hp, a.topk = K;
+  a.R = h.R, a.NT = h.NT, a.num_m_tiles = h.num_m_tiles;
+  a.total = pb.total();
+  return cudaMemcpy(d_idx, idx.data(), idx.size() * sizeof(int32_t), cudaMemcpyHostToDevice);
+}
+
 // The device router (attn_fwd::launch_route) on the given indices: its bytes.
 std::vector<uint8_t> device_route(const Problem& pb, const Inputs& in, const std::vector<int32_t>& idx, int K,
                                   const HostRoute& h) {
   flashmsa::cuda::attn_fwd::Args a;
-  a.seqs.cu_seqlens = static_cast<const int*>(in.cu.dev);
-  a.seqs.batch = int(pb.offsets().size() - 1);
-  void* d_idx = Pool::get().take(idx.size() * sizeof(int32_t));
-  EXPECT_EQ(cudaMemcpy(d_idx, idx.data(), idx.size() * sizeof(int32_t), cudaMemcpyHostToDevice), cudaSuccess);
-  a.indices.ptr = static_cast<const int32_t*>(d_idx);
-  a.indices.head = pb.total() * K;
-  a.indices.tok = K;
-  a.Hq = pb.Hq, a.Hkv = pb.Hkv, a.Hp = pb.Hp, a.topk = K;  // heads and slots as the forward's
-  a.R = h.R, a.NT = h.NT, a.num_m_tiles = h.num_m_tiles;   // tile policy, from the host rule
-  a.total = pb.total();
+  EXPECT_EQ(tile_args(pb, in, idx, K, h, a), cudaSuccess);
   std::vector<uint8_t> got(h.bytes.size(), 0xee);
   void* d_route = Pool::get().take(got.size());
   EXPECT_EQ(cudaMemset(d_route, 0xee, got.size()), cudaSuccess);  // poisoned: an unwritten byte fails
@@ -1784,15 +1791,7 @@ void run_regroup(const Problem& pb0, flashmsa_numerics_t num, bool against_fp64 
   if (applies) {
     const std::vector<int32_t> want = host_regroup(pb, idx, K, h.NT);
     flashmsa::cuda::attn_fwd::Args a;
-    a.seqs.cu_seqlens = static_cast<const int*>(in.cu.dev);
-    a.seqs.batch = int(pb.offsets().size() - 1);
-    void* d_idx = Pool::get().take(idx.size() * sizeof(int32_t));
-    ASSERT_EQ(cudaMemcpy(d_idx, idx.data(), idx.size() * sizeof(int32_t), cudaMemcpyHostToDevice), cudaSuccess);
-    a.indices.ptr = static_cast<const int32_t*>(d_idx);
-    a.indices.head = pb.total() * K;
-    a.indices.tok = K;
-    a.Hq = pb.Hq, a.Hkv = pb.Hkv, a.Hp = pb.Hp, a.topk = K, a.R = h.R, a.NT = h.NT;
-    a.total = pb.total();
+    ASSERT_EQ(tile_args(pb, in, idx, K, h, a), cudaSuccess);
     std::vector<int32_t> got(want.size(), 0);
     void* d_perm = Pool::get().take(got.size() * sizeof(int32_t));
     ASSERT_EQ(cudaMemset(d_perm, 0xee, got.size() * sizeof(int32_t)), cudaSuccess);

@@ -78,6 +78,11 @@ __host__ __device__ inline int64_t tile_last_pos(int64_t i0, int ntok, int64_t L
   const int64_t span_last = (i0 / kRegroupSpan + 1) * kRegroupSpan - 1;
   return !regrouped ? i0 + ntok - 1 : L - 1 < span_last ? L - 1 : span_last;
 }
+// The in-sequence position of the token at slot `slot` of the tile starting at i0 (MSA group grp, sequence start s0):
+// the forward's prologue and the router read it the same way.
+__host__ __device__ inline int64_t tile_token_pos(const Args& a, int grp, int64_t s0, int64_t i0, int slot) {
+  return a.perm ? int64_t(a.perm[grp * a.perm_head + s0 + i0 + slot]) : i0 + slot;
+}
 // perm: Hp x perm_head int32 (perm_head >= total); a.perm is ignored.
 void launch_regroup(const Args& a, int64_t max_seqlen, int32_t* perm, int64_t perm_head, cudaStream_t stream);
 

@@ -20,6 +20,7 @@
 #include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
+#include "cuda/common/bitmap.cuh"
 #include "cuda/common/seqlen.cuh"
 #include "cuda/common/tma.cuh"
 #include "cuda/common/utils.cuh"
@@ -74,7 +75,7 @@ struct Config {
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>, 1024> k;
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>, 1024> v;
     uint32_t blockbits[kMaxBlocks / 32];
-    uint32_t wordprefix[kMaxBlocks / 32];
+    int wordprefix[kMaxBlocks / 32];
     int ulist[kMaxUnion];
     uint32_t tokmask[kMaxUnion][kBlockM / 32];
     typename Pipeline::SharedStorage pipe_k, pipe_v;
@@ -110,7 +111,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) fwd_kernel(const __grid_consta
   const int grp = h0 / (p.Hq / p.Hp), kvh = h0 / (p.Hq / p.Hkv);
   // the tile's tokens: positions i0 .. i0 + ntok - 1, or with a regrouping (fwd_regroup.cu) the
   // tokens its permutation puts at those slots, all inside the 128-token span of i0
-  if (tid < ntok) S.tpos[tid] = p.perm ? p.perm[grp * p.perm_head + s0 + i0 + tid] : int32_t(i0 + tid);
+  if (tid < ntok) S.tpos[tid] = int32_t(tile_token_pos(p, grp, s0, i0, tid));
   const int64_t i_last = tile_last_pos(i0, ntok, L, p.perm != nullptr);
   const int nblk_tile = int(i_last / C::kBlockN) + 1;  // blocks 0..l(i_last)
   const bool dense = p.indices.ptr == nullptr;
@@ -131,20 +132,8 @@ __global__ void __launch_bounds__(kCtaThreads, 1) fwd_kernel(const __grid_consta
     }
     __syncthreads();
     if (tid < 32) {  // exclusive prefix of popcounts over the words (one warp)
-      int carry = 0;
-      for (int w0 = 0; w0 < nwords; w0 += 32) {
-        const int w = w0 + lane;
-        const int c = w < nwords ? __popc(S.blockbits[w]) : 0;
-        int x = c;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-          const int y = __shfl_up_sync(0xffffffff, x, o);
-          if (lane >= o) x += y;
-        }
-        if (w < nwords) S.wordprefix[w] = carry + x - c;
-        carry += __shfl_sync(0xffffffff, x, 31);
-      }
-      if (lane == 0) S.ulen = carry;
+      const int n = warp_word_prefix(S.blockbits, nwords, S.wordprefix, lane);
+      if (lane == 0) S.ulen = n;
     }
     __syncthreads();
     for (int w = tid; w < nwords; w += C::kThreads) {

@@ -44,7 +44,7 @@ __global__ void __launch_bounds__(kWarps * 32) route_kernel(const Args a, int ra
   const int nent = ntok * a.topk;
   for (int e = lane; e < nent; e += 32) {
     const int tok = e / a.topk, s = e % a.topk;
-    const int64_t i = a.perm ? int64_t(a.perm[grp * a.perm_head + s0 + i0 + tok]) : i0 + tok;
+    const int64_t i = tile_token_pos(a, grp, s0, i0, tok);
     const int j = a.indices.at(grp, s0 + i)[s];
     if (j < 0 || int64_t(j) > i / kBlockKeys) continue;
     const uint32_t bit = 1u << (j % 32);
