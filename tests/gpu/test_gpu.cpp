@@ -1733,45 +1733,55 @@ TEST(Errors, BadRingsKnob) {
 
 // ---- the forward's regrouping (fwd_regroup.cu) ----------------------------------------------
 
-// The host rule of attn_fwd::launch_regroup: per (group, sequence, 128-token span), tiles of NT
-// slots; a tile's first token the earliest left, each next one the token adding the fewest blocks
-// (0 <= j <= the span's block) to the tile's union, ties to the earliest. perm[grp * T + s0 + i].
-std::vector<int32_t> host_regroup(const Problem& pb, const std::vector<int32_t>& idx, int K, int NT) {
-  const auto cu = pb.offsets();
-  const int64_t T = pb.total();
-  std::vector<int32_t> perm(size_t(pb.Hp) * size_t(T), -7);
-  for (int grp = 0; grp < pb.Hp; ++grp)
+// The regrouping's rule on the host (fwd_regroup.cu): per (MSA group, sequence, 128-token span), tiles of NT; a
+// tile's first token the earliest left, each next one the token whose distinct valid blocks (0 <= j <= the span's
+// block) add the fewest to the tile's union, ties to the earliest. cu: the sequences' offsets, T: tokens in all.
+std::vector<int32_t> host_regroup_cu(const std::vector<int64_t>& cu, int Hp, const std::vector<int32_t>& idx, int K, int NT) {
+  const int64_t T = cu.back();
+  std::vector<int32_t> perm(size_t(Hp) * size_t(T), -7);
+  for (int grp = 0; grp < Hp; ++grp)
     for (size_t b = 0; b + 1 < cu.size(); ++b)
       for (int64_t st = 0; st < cu[b + 1] - cu[b]; st += 128) {
         const int n = int(std::min<int64_t>(128, cu[b + 1] - cu[b] - st));
         const int64_t span = st / 128;
-        std::vector<std::vector<int32_t>> sel(static_cast<size_t>(n));  // (a repeated block counts twice, as there)
-        for (int t = 0; t < n; ++t)
+        std::vector<std::vector<int32_t>> sel(static_cast<size_t>(n));  // (a repeated block counts once, as there)
+        for (int t = 0; t < n; ++t) {
+          auto& v = sel[size_t(t)];
           for (int s = 0; s < K; ++s) {
-            const int32_t j = idx[(size_t(grp) * T + size_t(cu[b] + st + t)) * K + s];
-            if (j >= 0 && j <= span) sel[size_t(t)].push_back(j);
+            const int32_t j = idx[(size_t(grp) * size_t(T) + size_t(cu[b] + st + t)) * size_t(K) + size_t(s)];
+            if (j >= 0 && j <= span) v.push_back(j);
           }
+          std::sort(v.begin(), v.end());
+          v.erase(std::unique(v.begin(), v.end()), v.end());
+        }
         std::vector<bool> used(static_cast<size_t>(n), false);
+        std::vector<char> in_u(size_t(span) + 1, 0);
+        std::vector<int32_t> u;  // the tile's union, to clear in_u
         int pos = 0;
         while (pos < n) {
-          std::set<int32_t> u;
+          for (int32_t j : u) in_u[size_t(j)] = 0;
+          u.clear();
           for (int m = 0; m < NT && pos < n; ++m, ++pos) {
             int best = -1;
             size_t best_add = 0;
             for (int c = 0; c < n; ++c) {
               if (used[size_t(c)]) continue;
               size_t add = 0;
-              for (int32_t j : sel[size_t(c)]) add += u.count(j) == 0;
-              if (m == 0) add = 0;  // the seed: the earliest left
+              if (m > 0)  // (the seed: the earliest left)
+                for (int32_t j : sel[size_t(c)]) add += in_u[size_t(j)] == 0;
               if (best < 0 || add < best_add) best = c, best_add = add;
             }
             used[size_t(best)] = true;
-            u.insert(sel[size_t(best)].begin(), sel[size_t(best)].end());
+            for (int32_t j : sel[size_t(best)])
+              if (!in_u[size_t(j)]) in_u[size_t(j)] = 1, u.push_back(j);
             perm[size_t(grp) * size_t(T) + size_t(cu[b] + st + pos)] = int32_t(st + best);
           }
         }
       }
   return perm;
+}
+std::vector<int32_t> host_regroup(const Problem& pb, const std::vector<int32_t>& idx, int K, int NT) {
+  return host_regroup_cu(pb.offsets(), pb.Hp, idx, K, NT);
 }
 
 // The device regrouping (poisoned output) against the host rule, then the forward with the tiles
@@ -1853,6 +1863,93 @@ TEST(Regroup, Gcd3NotApplied) {
   run_regroup(Problem().heads(12, 2).proxy_heads(4, 2).with_topk(4).seqlens({3001}), FLASHMSA_NUMERICS_TRAIN);
 }
 TEST(Regroup, FmsaTopk64) { run_regroup(fmsa().with_topk(64).seqlens({8300}), FLASHMSA_NUMERICS_TRAIN, false); }
+
+// The regrouping kernel alone against the host rule, slot for slot (poisoned output), on spans built to take each of
+// its paths: the span's distinct valid blocks D <= 64, <= 128, <= 256 (a mask of 2, 4 or 8 words per candidate) and
+// D > 256 (the union bitmap read slot by slot; needs a span past block 255, so a sequence past 32k tokens), with
+// repeated blocks in a token's slots (counted once), invalid slots, a partial last span, two MSA groups, varlen.
+void run_regroup_paths(int K, int NT) {
+  PoolScope scope;
+  std::mt19937_64 rng(fresh_seed());
+  const std::vector<int64_t> cu = {0, 39900, 40200, 56900};  // (39900: a partial last span of every block)
+  const int Hp = 2;
+  const int64_t T = cu.back();
+  std::vector<int32_t> idx(size_t(Hp) * size_t(T) * size_t(K), -1);
+  int64_t spans_by_path[4] = {0, 0, 0, 0};  // D <= 64, <= 128, <= 256, > 256
+  int64_t partial_wide = 0;                  // partial spans (n < 128) on the D > 256 path
+  for (int grp = 0; grp < Hp; ++grp)
+    for (size_t b = 0; b + 1 < cu.size(); ++b)
+      for (int64_t st = 0; st < cu[b + 1] - cu[b]; st += 128) {
+        const int64_t sp = st / 128;
+        const int n = int(std::min<int64_t>(128, cu[b + 1] - cu[b] - st));
+        // the span's block pool: narrow (its last 8 blocks), 100, 200, or every block 0..sp
+        const int kind = int((sp + grp) % 4);
+        std::vector<int32_t> pool;
+        if (kind == 0) {
+          for (int64_t j = std::max<int64_t>(0, sp - 7); j <= sp; ++j) pool.push_back(int32_t(j));
+        } else {
+          const int64_t want = kind == 1 ? 100 : kind == 2 ? 200 : sp + 1;
+          std::vector<int32_t> all(size_t(sp) + 1);
+          std::iota(all.begin(), all.end(), 0);
+          std::shuffle(all.begin(), all.end(), rng);
+          all.resize(size_t(std::min<int64_t>(want, sp + 1)));
+          pool = all;
+        }
+        std::set<int32_t> distinct;
+        for (int t = 0; t < n; ++t) {
+          int32_t* row = &idx[(size_t(grp) * size_t(T) + size_t(cu[b] + st + t)) * size_t(K)];
+          for (int s = 0; s < K; ++s) {
+            const uint64_t dice = rng() % 16;
+            if (dice == 0) row[s] = kJunkSlots[rng() % 4];
+            else if (dice == 1) row[s] = int32_t(sp + 1 + int64_t(rng() % 3));  // after the span's block: not counted
+            else if (dice == 2 && s > 0) row[s] = row[rng() % uint64_t(s)];     // a repeat of an earlier slot
+            else row[s] = pool[rng() % pool.size()];
+            if (row[s] >= 0 && row[s] <= sp) distinct.insert(row[s]);
+          }
+        }
+        const size_t D = distinct.size();
+        ++spans_by_path[D <= 64 ? 0 : D <= 128 ? 1 : D <= 256 ? 2 : 3];
+        partial_wide += n < 128 && D > 256;
+      }
+  std::printf("    spans by path (D <= 64, <= 128, <= 256, > 256): %lld, %lld, %lld, %lld\n", (long long)spans_by_path[0],
+              (long long)spans_by_path[1], (long long)spans_by_path[2], (long long)spans_by_path[3]);
+  for (int x = 0; x < 4; ++x) EXPECT_GT(spans_by_path[x], 0) << "the inputs exercise no span of path " << x;
+  EXPECT_GT(partial_wide, 0) << "the inputs exercise no partial span past 256 distinct blocks";
+  const std::vector<int32_t> want = host_regroup_cu(cu, Hp, idx, K, NT);
+  std::vector<int32_t> cu32(cu.begin(), cu.end());
+  void* d_cu = Pool::get().take(cu32.size() * sizeof(int32_t));
+  void* d_idx = Pool::get().take(idx.size() * sizeof(int32_t));
+  void* d_perm = Pool::get().take(want.size() * sizeof(int32_t));
+  ASSERT_TRUE(d_cu && d_idx && d_perm);
+  CUDA_OK(cudaMemcpy(d_cu, cu32.data(), cu32.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(d_idx, idx.data(), idx.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemset(d_perm, 0xee, want.size() * sizeof(int32_t)));
+  flashmsa::cuda::attn_fwd::Args a;
+  a.seqs.cu_seqlens = static_cast<const int*>(d_cu);
+  a.seqs.batch = int(cu.size() - 1);
+  a.indices.ptr = static_cast<const int32_t*>(d_idx);
+  a.indices.head = T * K;
+  a.indices.tok = K;
+  a.Hp = Hp, a.topk = K, a.NT = NT;
+  a.total = T;
+  int64_t max_len = 0;
+  for (size_t b = 0; b + 1 < cu.size(); ++b) max_len = std::max(max_len, cu[b + 1] - cu[b]);
+  flashmsa::cuda::attn_fwd::launch_regroup(a, max_len, static_cast<int32_t*>(d_perm), T, nullptr);
+  CUDA_OK(cudaDeviceSynchronize());
+  std::vector<int32_t> got(want.size(), 0);
+  CUDA_OK(cudaMemcpy(got.data(), d_perm, got.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
+  int64_t mismatched = 0, moved = 0;
+  for (size_t x = 0; x < want.size(); ++x) mismatched += got[x] != want[x];
+  for (int grp = 0; grp < Hp; ++grp)
+    for (size_t q = 0; q + 1 < cu.size(); ++q)
+      for (int64_t i = 0; i < cu[q + 1] - cu[q]; ++i) moved += want[size_t(grp) * size_t(T) + size_t(cu[q] + i)] != i;
+  EXPECT_EQ(mismatched, 0) << "the device regrouping differs from the host rule at " << mismatched << " of " << want.size() << " slots";
+  EXPECT_GT(moved, 0) << "the inputs exercise no regrouping (every token stays at its slot)";
+}
+// m3's tiles (8 tokens, topk 16: the candidates' slots in registers on the D > 256 path) and topk 64 with tiles of 32
+// (fmsa's; the slots read from shared memory)
+TEST(Regroup, EveryPathK16Nt8) { run_regroup_paths(16, 8); }
+TEST(Regroup, EveryPathK64Nt32) { run_regroup_paths(64, 32); }
 
 TEST(Errors, BadRegroupKnob) { expect_knob_refused("FLASHMSA_FWD_REGROUP", {"2", "yes", " 1", "on", "true"}); }
 

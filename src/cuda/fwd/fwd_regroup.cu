@@ -3,11 +3,20 @@
 // a tile's union of blocks (the forward's work: every row of a tile runs over it) shrinks. Greedy:
 // a tile starts with the earliest token left; each next token is the one whose selection adds the
 // fewest blocks to the tile's union (ties: the earliest). A slot counts as the forward counts it
-// (0 <= j <= the token's own block, which for every token of the span is the span's block).
+// (0 <= j <= the token's own block, which for every token of the span is the span's block), and a
+// block a token selected twice counts once (the forward pays a block once).
 // Writes perm[grp * perm_head + s0 + i]: the in-sequence position of the token at slot i; every
 // slot of a span gets exactly one of the span's tokens. No CuTe.
+//
+// Two paths, the same rule. Where the span's distinct selected blocks number at most 256 (every span
+// of a sequence up to 32k tokens, and clustered selections at any length), they are renumbered
+// 0..D-1 and each candidate's selection becomes a bit mask of W = 2, 4 or 8 words in registers; a
+// placement then costs W and-not-popcounts per candidate and a W-word broadcast, no shared memory.
+// Otherwise each candidate's slots are looked up in the tile's union bitmap, slot by slot, after
+// each token's repeated slots are cleared.
 #include <climits>
 
+#include "cuda/common/bitmap.cuh"
 #include "cuda/common/constants.h"
 #include "cuda/common/error.cuh"
 #include "cuda/fwd/fwd.h"
@@ -20,12 +29,51 @@ constexpr int kWarps = 4;                   // spans per CTA
 constexpr int kCands = kRegroupSpan / 32;   // a lane's candidates: tokens lane + 32 k
 constexpr int kWords = kMaxBlocks / 32;     // the union bitmap of a span's blocks 0..span
 constexpr int kRegSlots = 16;               // a candidate's slots held in registers (topk <= 16)
+constexpr int kMaskWords = 8;               // the mask path: at most 256 distinct blocks per span
 static_assert(kRegroupSpan == 4 * 32 && kRegroupSpan <= 256, "candidate ids in 8 bits, 4 per lane");
 // a span's tokens all have its block as their own (the forward's and the router's tile bound use it)
 static_assert(kRegroupSpan == kBlockKeys, "a span is one key block of tokens");
 
-__host__ __device__ constexpr size_t warp_smem_bytes(int topk) {
-  return size_t(kRegroupSpan) * topk * sizeof(int32_t) + kWords * sizeof(uint32_t);
+__host__ __device__ constexpr size_t warp_smem_bytes(int topk) {  // slots, the bitmap, its word prefix
+  return size_t(kRegroupSpan) * topk * sizeof(int32_t) + 2 * kWords * sizeof(uint32_t);
+}
+
+// The mask path's greedy (W words per mask): sel[k] is candidate lane + 32 k's selection over the
+// span's renumbered blocks; U the tile's union (the same in every lane).
+template <int W>
+__device__ __forceinline__ void greedy_masks(const uint32_t (&sel)[kCands][kMaskWords], uint32_t& left, int n, int NT,
+                                             int64_t st, int32_t* out, int lane) {
+  for (int pos = 0; pos < n;) {
+    uint32_t U[W];
+#pragma unroll
+    for (int w = 0; w < W; ++w) U[w] = 0u;
+    auto place = [&](int c) {  // c (the same in every lane) joins the tile
+      const int kc = c / 32, src = c % 32;
+#pragma unroll
+      for (int w = 0; w < W; ++w) {
+        uint32_t v = sel[0][w];
+#pragma unroll
+        for (int k = 1; k < kCands; ++k) v = kc == k ? sel[k][w] : v;
+        U[w] |= __shfl_sync(0xffffffffu, v, src);
+      }
+      if (lane == src) left &= ~(1u << kc);
+      if (lane == 0) out[pos] = int32_t(st + c);
+      ++pos;
+    };
+    const unsigned first = left ? unsigned(lane + 32 * (__ffs(left) - 1)) : unsigned(INT_MAX);
+    place(int(__reduce_min_sync(0xffffffffu, first)));
+    for (int m = 1; m < NT && pos < n; ++m) {
+      unsigned key = unsigned(INT_MAX);  // (blocks added) << 8 | candidate: the fewest, then the earliest
+#pragma unroll
+      for (int k = 0; k < kCands; ++k) {
+        unsigned add = 0;
+#pragma unroll
+        for (int w = 0; w < W; ++w) add += __popc(sel[k][w] & ~U[w]);
+        if ((left >> k) & 1u) key = min(key, add << 8 | unsigned(lane + 32 * k));
+      }
+      place(int(__reduce_min_sync(0xffffffffu, key) & 0xffu));
+    }
+  }
 }
 
 __global__ void __launch_bounds__(kWarps * 32)
@@ -42,6 +90,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int K = a.topk, NT = a.NT;
   int32_t* idx = reinterpret_cast<int32_t*>(reinterpret_cast<char*>(smem) + warp * warp_smem_bytes(K));
   uint32_t* ubits = reinterpret_cast<uint32_t*>(idx + kRegroupSpan * K);
+  int32_t* wprefix = reinterpret_cast<int32_t*>(ubits + kWords);
   const int nwords = span / 32 + 1;  // blocks 0..span
   // the span's slots, slot-major (idx[s * 128 + t]: the candidates' reads below are conflict-free);
   // a slot the forward would not count reads -1
@@ -55,6 +104,54 @@ __global__ void __launch_bounds__(kWarps * 32)
   for (int k = 0; k < kCands; ++k)
     if (lane + 32 * k < n) left |= 1u << k;
   int32_t* out = perm + grp * perm_head + s0 + st;
+  __syncwarp();
+  // the span's distinct blocks: a bitmap over blocks 0..span and its exclusive word prefix (the
+  // forward's prologue does the same for a tile), D of them
+  for (int w = lane; w < nwords; w += 32) ubits[w] = 0u;
+  __syncwarp();
+  for (int e = lane; e < K * kRegroupSpan; e += 32) {
+    const int j = e % kRegroupSpan < n ? idx[e] : -1;  // (slot-major: slots of tokens past n unwritten)
+    if (j >= 0) atomicOr(&ubits[j / 32], 1u << (j % 32));
+  }
+  __syncwarp();
+  const int D = warp_word_prefix(ubits, nwords, wprefix, lane);
+  __syncwarp();
+  if (D <= 32 * kMaskWords) {
+    // each candidate's selection as a mask over the renumbered blocks (a repeated block sets its bit once)
+    uint32_t sel[kCands][kMaskWords];
+#pragma unroll
+    for (int k = 0; k < kCands; ++k) {
+#pragma unroll
+      for (int w = 0; w < kMaskWords; ++w) sel[k][w] = 0u;
+      const int c = lane + 32 * k;
+      if (c >= n) continue;
+      for (int u = 0; u < K; ++u) {
+        const int j = idx[u * kRegroupSpan + c];
+        if (j < 0) continue;
+        const int id = wprefix[j / 32] + __popc(ubits[j / 32] & ((1u << (j % 32)) - 1u));
+#pragma unroll
+        for (int w = 0; w < kMaskWords; ++w) sel[k][w] |= id / 32 == w ? 1u << (id % 32) : 0u;
+      }
+    }
+    if (D <= 64) greedy_masks<2>(sel, left, n, NT, st, out, lane);
+    else if (D <= 128) greedy_masks<4>(sel, left, n, NT, st, out, lane);
+    else greedy_masks<8>(sel, left, n, NT, st, out, lane);
+    return;
+  }
+  // more than 256 distinct blocks: a token's repeated slots cleared (each lane its own candidates'),
+  // then the union bitmap read slot by slot
+#pragma unroll
+  for (int k = 0; k < kCands; ++k) {
+    const int c = lane + 32 * k;
+    if (c >= n) continue;
+    for (int u = 1; u < K; ++u) {
+      const int j = idx[u * kRegroupSpan + c];
+      if (j < 0) continue;
+      bool seen = false;
+      for (int v = 0; v < u && !seen; ++v) seen = idx[v * kRegroupSpan + c] == j;
+      if (seen) idx[u * kRegroupSpan + c] = -1;
+    }
+  }
   __syncwarp();
   // the candidates' slots in registers where they fit (topk <= 16, the default), so that a step reads
   // only the union bitmap; every load of a step is independent (unrolled), a slot of -1 reads word 0
