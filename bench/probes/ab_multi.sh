@@ -3,7 +3,8 @@
 # .gpu/flashmsa_bench_$v of VARS alternated, ROUNDS rounds over ALT_ARGS (JSON rows tagged with the binary in
 # $OUT/ab.jsonl; per variant and case the means of METRIC and step_ms against the default in $OUT/ab-summary.txt);
 # then, with TESTS=1, per variant its GPU tests (filter TESTS_$v) and memcheck (filter MEMCHECK_$v), and
-# racecheck (RACECHECK_$v) where given; NCU_$v (a kernel-name regex) times those kernels of the default and the
+# racecheck (RACECHECK_$v) where given (TESTS=auto: only for a variant whose METRIC, default fwd_train_ms, at m3 32k
+# clustered is below the default's in the A/B); NCU_$v (a kernel-name regex) times those kernels of the default and the
 # variant under ncu at m3 32k and fmsa 16k clustered. Steps are skipped once BUDGET_S seconds have passed.
 # Run from the repository root with .gpu_pack carried:
 #   VARS="rm fd pf" AB=1 bash bench/probes/ab_multi.sh
@@ -67,8 +68,19 @@ for v in $VARS; do
     done
   fi
 done
-if [ "${TESTS:-0}" = 1 ]; then
+faster() {  # the variant's METRIC mean at m3 32k clustered below the default's
+  python3 - "$OUT/ab.jsonl" "flashmsa_bench_$1" "${METRIC_T:-fwd_train_ms}" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+def mean(b):
+    xs = [r[sys.argv[3]] for r in rows if r['bin'] == b and r['config'] == 'm3' and r['seqlen'] == 32768 and r['pattern'] == 'clustered']
+    return sum(xs) / len(xs) if xs else float('nan')
+sys.exit(0 if mean(sys.argv[2]) < mean('flashmsa_bench') else 1)
+PY
+}
+if [ "${TESTS:-0}" = 1 ] || [ "${TESTS:-0}" = auto ]; then
   for v in $VARS; do
+    if [ "${TESTS:-0}" = auto ] && ! faster "$v"; then echo "== $v not faster at m3 32k clustered: no tests"; continue; fi
     tf=TESTS_$v mf=MEMCHECK_$v rf=RACECHECK_$v ts=TESTS_S_$v
     if [ -n "${!tf:-}" ]; then
       lim=${!ts:-200}; [ "$(left)" -lt "$lim" ] && lim=$(left)
