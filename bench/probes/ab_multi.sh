@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One device call for several prepared variants at once (session 25): the default .gpu/flashmsa_bench and each
+# One device call for one or several prepared variants (session 25; it replaces session 24's ab_then_tests.sh, which
+# did the same for one variant: VARS=nl TESTS=auto ... here): the default .gpu/flashmsa_bench and each
 # .gpu/flashmsa_bench_$v of VARS alternated, ROUNDS rounds over ALT_ARGS (JSON rows tagged with the binary in
 # $OUT/ab.jsonl; per variant and case the means of METRIC and step_ms against the default in $OUT/ab-summary.txt);
 # then, with TESTS=1, per variant its GPU tests (filter TESTS_$v) and memcheck (filter MEMCHECK_$v), and
@@ -10,7 +11,7 @@
 #   VARS="rm fd pf" AB=1 bash bench/probes/ab_multi.sh
 #   VARS="rm fd pf" AB=0 TESTS=1 TESTS_rm='Regroup.*' MEMCHECK_rm='Regroup.*' ... bash bench/probes/ab_multi.sh
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" .gpu
-VARS=${VARS:?VARS: the variants} METRIC=${METRIC:-step_ms} ROUNDS=${ROUNDS:-2} BUDGET_S=${BUDGET_S:-560}
+VARS=${VARS:?VARS: the variants} ROUNDS=${ROUNDS:-2} BUDGET_S=${BUDGET_S:-560}
 ALT_ARGS=${ALT_ARGS:-"--config m3 --seqlens 32768 --patterns clustered,random;--config fmsa --seqlens 16384 --patterns clustered,random"}
 t0=$(date +%s)
 left() { echo $(( BUDGET_S - ($(date +%s) - t0) )); }

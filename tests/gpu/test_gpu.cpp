@@ -1784,6 +1784,27 @@ std::vector<int32_t> host_regroup(const Problem& pb, const std::vector<int32_t>&
   return host_regroup_cu(pb.offsets(), pb.Hp, idx, K, NT);
 }
 
+// The device regrouping (attn_fwd::launch_regroup) into a poisoned Hp x T buffer (an unwritten slot fails), then
+// its slots against the host rule's: none may differ, and some token must have left its own slot.
+void expect_device_regroup(const flashmsa::cuda::attn_fwd::Args& a, int64_t max_len, const std::vector<int64_t>& cu,
+                           const std::vector<int32_t>& want) {
+  const int64_t T = cu.back();
+  std::vector<int32_t> got(want.size(), 0);
+  void* d_perm = Pool::get().take(got.size() * sizeof(int32_t));
+  ASSERT_TRUE(d_perm);
+  CUDA_OK(cudaMemset(d_perm, 0xee, got.size() * sizeof(int32_t)));
+  flashmsa::cuda::attn_fwd::launch_regroup(a, max_len, static_cast<int32_t*>(d_perm), T, nullptr);
+  CUDA_OK(cudaMemcpy(got.data(), d_perm, got.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
+  int64_t mismatched = 0, moved = 0;
+  for (size_t x = 0; x < want.size(); ++x) mismatched += got[x] != want[x];
+  for (size_t grp = 0; grp < want.size() / size_t(T); ++grp)
+    for (size_t q = 0; q + 1 < cu.size(); ++q)
+      for (int64_t i = 0; i < cu[q + 1] - cu[q]; ++i) moved += want[grp * size_t(T) + size_t(cu[q] + i)] != i;
+  EXPECT_EQ(mismatched, 0) << "the device regrouping differs from the host rule at " << mismatched << " of " << want.size() << " slots";
+  std::printf("    slots whose token moved: %lld of %zu\n", (long long)moved, want.size());
+  EXPECT_GT(moved, 0) << "the inputs exercise no regrouping (every token stays at its slot)";
+}
+
 // The device regrouping (poisoned output) against the host rule, then the forward with the tiles
 // regrouped (FLASHMSA_FWD_REGROUP unset: the default) against the forward without (=0): the same
 // out and lse bit for bit for every kernel choice, in GIVEN mode and in SPARSE mode, and the
@@ -1802,20 +1823,7 @@ void run_regroup(const Problem& pb0, flashmsa_numerics_t num, bool against_fp64 
     const std::vector<int32_t> want = host_regroup(pb, idx, K, h.NT);
     flashmsa::cuda::attn_fwd::Args a;
     ASSERT_EQ(tile_args(pb, in, idx, K, h, a), cudaSuccess);
-    std::vector<int32_t> got(want.size(), 0);
-    void* d_perm = Pool::get().take(got.size() * sizeof(int32_t));
-    ASSERT_EQ(cudaMemset(d_perm, 0xee, got.size() * sizeof(int32_t)), cudaSuccess);
-    flashmsa::cuda::attn_fwd::launch_regroup(a, pb.max_len(), static_cast<int32_t*>(d_perm), pb.total(), nullptr);
-    ASSERT_EQ(cudaMemcpy(got.data(), d_perm, got.size() * sizeof(int32_t), cudaMemcpyDeviceToHost), cudaSuccess);
-    int64_t mismatched = 0, moved = 0;
-    for (size_t x = 0; x < want.size(); ++x) mismatched += got[x] != want[x];
-    const auto cu = pb.offsets();
-    for (int grp = 0; grp < pb.Hp; ++grp)
-      for (size_t q = 0; q + 1 < cu.size(); ++q)
-        for (int64_t i = 0; i < cu[q + 1] - cu[q]; ++i) moved += want[size_t(grp) * size_t(pb.total()) + size_t(cu[q] + i)] != i;
-    EXPECT_EQ(mismatched, 0) << "the device regrouping differs from the host rule at " << mismatched << " of " << want.size() << " slots";
-    std::printf("    slots whose token moved: %lld of %zu\n", (long long)moved, want.size());
-    EXPECT_GT(moved, 0) << "the inputs exercise no regrouping (every token stays at its slot)";
+    expect_device_regroup(a, pb.max_len(), pb.offsets(), want);
   }
   FwdRun base;
   {
@@ -1893,7 +1901,7 @@ void run_regroup_paths(int K, int NT) {
           std::iota(all.begin(), all.end(), 0);
           std::shuffle(all.begin(), all.end(), rng);
           all.resize(size_t(std::min<int64_t>(want, sp + 1)));
-          pool = all;
+          pool = std::move(all);
         }
         std::set<int32_t> distinct;
         for (int t = 0; t < n; ++t) {
@@ -1919,11 +1927,9 @@ void run_regroup_paths(int K, int NT) {
   std::vector<int32_t> cu32(cu.begin(), cu.end());
   void* d_cu = Pool::get().take(cu32.size() * sizeof(int32_t));
   void* d_idx = Pool::get().take(idx.size() * sizeof(int32_t));
-  void* d_perm = Pool::get().take(want.size() * sizeof(int32_t));
-  ASSERT_TRUE(d_cu && d_idx && d_perm);
+  ASSERT_TRUE(d_cu && d_idx);
   CUDA_OK(cudaMemcpy(d_cu, cu32.data(), cu32.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
   CUDA_OK(cudaMemcpy(d_idx, idx.data(), idx.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
-  CUDA_OK(cudaMemset(d_perm, 0xee, want.size() * sizeof(int32_t)));
   flashmsa::cuda::attn_fwd::Args a;
   a.seqs.cu_seqlens = static_cast<const int*>(d_cu);
   a.seqs.batch = int(cu.size() - 1);
@@ -1934,17 +1940,7 @@ void run_regroup_paths(int K, int NT) {
   a.total = T;
   int64_t max_len = 0;
   for (size_t b = 0; b + 1 < cu.size(); ++b) max_len = std::max(max_len, cu[b + 1] - cu[b]);
-  flashmsa::cuda::attn_fwd::launch_regroup(a, max_len, static_cast<int32_t*>(d_perm), T, nullptr);
-  CUDA_OK(cudaDeviceSynchronize());
-  std::vector<int32_t> got(want.size(), 0);
-  CUDA_OK(cudaMemcpy(got.data(), d_perm, got.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
-  int64_t mismatched = 0, moved = 0;
-  for (size_t x = 0; x < want.size(); ++x) mismatched += got[x] != want[x];
-  for (int grp = 0; grp < Hp; ++grp)
-    for (size_t q = 0; q + 1 < cu.size(); ++q)
-      for (int64_t i = 0; i < cu[q + 1] - cu[q]; ++i) moved += want[size_t(grp) * size_t(T) + size_t(cu[q] + i)] != i;
-  EXPECT_EQ(mismatched, 0) << "the device regrouping differs from the host rule at " << mismatched << " of " << want.size() << " slots";
-  EXPECT_GT(moved, 0) << "the inputs exercise no regrouping (every token stays at its slot)";
+  expect_device_regroup(a, max_len, cu, want);
 }
 // m3's tiles (8 tokens, topk 16: the candidates' slots in registers on the D > 256 path) and topk 64 with tiles of 32
 // (fmsa's; the slots read from shared memory)

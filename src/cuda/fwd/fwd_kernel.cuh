@@ -153,7 +153,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) fwd_kernel(const __grid_consta
       const int64_t i = S.tpos[tok];
       const int j = p.indices.at(grp, s0 + i)[s];
       if (j >= 0 && int64_t(j) <= i / C::kBlockN) {
-        const int pos = S.wordprefix[j / 32] + __popc(S.blockbits[j / 32] & ((1u << (j % 32)) - 1u));
+        const int pos = bit_rank(S.blockbits, S.wordprefix, j);
         atomicOr(&S.tokmask[pos][tok / 32], 1u << (tok % 32));
       }
     }

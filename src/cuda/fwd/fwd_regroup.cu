@@ -128,7 +128,7 @@ __global__ void __launch_bounds__(kWarps * 32)
       for (int u = 0; u < K; ++u) {
         const int j = idx[u * kRegroupSpan + c];
         if (j < 0) continue;
-        const int id = wprefix[j / 32] + __popc(ubits[j / 32] & ((1u << (j % 32)) - 1u));
+        const int id = bit_rank(ubits, wprefix, j);
 #pragma unroll
         for (int w = 0; w < kMaskWords; ++w) sel[k][w] |= id / 32 == w ? 1u << (id % 32) : 0u;
       }
