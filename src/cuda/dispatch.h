@@ -145,6 +145,9 @@ struct FwdRings {
   // FLASHMSA_FWD_REGROUP (unset or "1": on; "0": off; anything else refused as FLASHMSA_FWD_RINGS
   // is): SPARSE/GIVEN tiles of tokens regrouped by selection (attn_fwd::launch_regroup)
   bool regroup = true;
+  // FLASHMSA_FWD_PERSISTENT (unset or "1": on; "0": off; anything else refused the same way): the
+  // shared-stream kernel with one CTA per SM over the tiles, or one CTA per tile (attn_fwd::Args::persistent)
+  bool persistent = true;
 };
 FwdRings fwd_rings_policy();
 attn_bwd::InversionArgs inversion_args(const int32_t* idx, int64_t idx_head, int64_t idx_tok,
@@ -172,6 +175,7 @@ BwdLayout bwd_layout(const flashmsa_bwd_args_t& a, const Geometry& g);
 // then for compute_kl the padded lse2, the inversion, the proxy lse (when not an output), the kl
 // partials, the teacher scratch and the item counter.
 struct FwdLayout {
+  size_t sched = 0;  // the persistent forward's tile counter (8 bytes, every mode)
   size_t route = 0;  // the forward router's per-tile bytes (SPARSE/GIVEN)
   size_t perm = 0;   // the regrouping's token order, Hp x total int32 (SPARSE/GIVEN)
   size_t idx = 0, lse2 = 0, inv = 0, plse = 0, kl = 0, teach = 0, next_item = 0, total = 0;

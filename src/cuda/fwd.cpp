@@ -12,7 +12,8 @@ namespace {
 // default where R >= 8, FLASHMSA_FWD_RINGS) both over one grid, each running the tiles that the
 // router gave it (fwd/fwd_route.cu; `route`: the workspace's byte per tile). DENSE: the shared stream.
 void run_fwd(const flashmsa_fwd_args_t& a, const Geometry& g, const int32_t* idx, int64_t idx_head,
-             int64_t idx_tok, const FwdRings& rings, uint8_t* route, int32_t* perm, cudaStream_t st) {
+             int64_t idx_tok, const FwdRings& rings, uint8_t* route, int32_t* perm, unsigned long long* sched,
+             cudaStream_t st) {
   attn_fwd::Args p;
   p.q = token_tensor<const void>(a.q, g);
   p.k = token_tensor<const void>(a.k, g);
@@ -35,6 +36,8 @@ void run_fwd(const flashmsa_fwd_args_t& a, const Geometry& g, const int32_t* idx
   p.scale = float(g.scale);
   p.num_m_tiles = int(tiles::fwd_m_tiles(g, tile));
   p.total = g.total;
+  p.persistent = rings.persistent;
+  p.tile_counter = sched;
   if (idx != nullptr && rings.regroup && attn_fwd::regroup_applies(p.NT, p.topk)) {
     attn_fwd::launch_regroup(p, g.max_seqlen, perm, g.total, st);  // before the router, which reads it
     p.perm = perm;
@@ -151,7 +154,7 @@ void fwd(const flashmsa_fwd_args_t& user, const Geometry& g, void* ws_raw, size_
   }
 
   run_fwd(a, g, idx, idx_head, idx_tok, rings, reinterpret_cast<uint8_t*>(ws + l.route),
-          reinterpret_cast<int32_t*>(ws + l.perm), st);
+          reinterpret_cast<int32_t*>(ws + l.perm), reinterpret_cast<unsigned long long*>(ws + l.sched), st);
   if (a.compute_kl) run_fwd_kl(a, g, idx, idx_head, idx_tok, plse_t, ws, l, st);
   finish_guard(gd, st);
 }

@@ -38,14 +38,22 @@ int kl_segment(const Geometry& g) {
   return int((seg + 63) / 64 * 64);
 }
 
+namespace {
+// An on/off knob: unset or empty -> dflt; "1" / "0"; anything else refused (what: the meaning of "1").
+bool onoff_knob(const char* name, const char* what, bool dflt) {
+  const char* x = std::getenv(name);
+  if (x == nullptr || *x == 0) return dflt;
+  const std::string v(x);
+  if (v != "0" && v != "1")
+    fail(FLASHMSA_ERROR_INVALID_ARGUMENT, std::string(name) + ": expected '1' (" + what + ") or '0', got '" + v + "'");
+  return v == "1";
+}
+}  // namespace
+
 FwdRings fwd_rings_policy() {
   FwdRings r;
-  if (const char* x = std::getenv("FLASHMSA_FWD_REGROUP"); x != nullptr && *x != 0) {
-    const std::string v(x);
-    if (v != "0" && v != "1")
-      fail(FLASHMSA_ERROR_INVALID_ARGUMENT, "FLASHMSA_FWD_REGROUP: expected '1' (tokens regrouped by selection) or '0', got '" + v + "'");
-    r.regroup = v == "1";
-  }
+  r.regroup = onoff_knob("FLASHMSA_FWD_REGROUP", "tokens regrouped by selection", true);
+  r.persistent = onoff_knob("FLASHMSA_FWD_PERSISTENT", "one CTA per SM over the tiles", true);
   const char* e = std::getenv("FLASHMSA_FWD_RINGS");
   if (e == nullptr || *e == 0) return r;
   const std::string v(e);
@@ -141,6 +149,7 @@ FwdLayout fwd_layout(const flashmsa_fwd_args_t& a, const Geometry& g) {
   FwdLayout l;
   size_t off = 0;
   auto take = [&](size_t bytes) { const size_t o = off; off += align_up(bytes); return o; };
+  l.sched = take(sizeof(unsigned long long));
   if (a.mode != FLASHMSA_MODE_DENSE) {  // the router's byte per forward tile (fwd.cpp's grid)
     const tiles::FwdTile t = tiles::fwd_tile(g, g.topk);
     l.route = take(size_t(tiles::fwd_tiles(g, t)));

@@ -1949,5 +1949,67 @@ TEST(Regroup, EveryPathK64Nt32) { run_regroup_paths(64, 32); }
 
 TEST(Errors, BadRegroupKnob) { expect_knob_refused("FLASHMSA_FWD_REGROUP", {"2", "yes", " 1", "on", "true"}); }
 
+// The persistent shared-stream forward (the default) against the same kernel with one CTA per tile
+// (FLASHMSA_FWD_PERSISTENT=0): out and lse (SPARSE: and the indices) bit for bit, with the shared stream
+// alone and with the router's choice, then the persistent run against fp64. A tile's result does not
+// depend on the CTA that runs it, so any difference is a tile run from the wrong buffer or skipped (its
+// poisoned rows stay NaN); a fault common to both grids shows against fp64.
+void run_persistent(const Problem& pb, const FwdCall& call, const char* what) {
+  PoolScope scope;
+  std::mt19937_64 rng(fresh_seed());
+  Inputs in = make_inputs(pb, rng);
+  std::printf("    %s\n", what);
+  const char* policy[2] = {"0", "auto"};
+  for (int x = 0; x < 2; ++x) {
+    ScopedEnv rings("FLASHMSA_FWD_RINGS", policy[x]);
+    FwdRun base, r;
+    {
+      ScopedEnv e("FLASHMSA_FWD_PERSISTENT", "0");
+      base = run_fwd(pb, in, call);
+    }
+    {
+      ScopedEnv e("FLASHMSA_FWD_PERSISTENT", "1");  // (the default; set in case the environment says otherwise)
+      r = run_fwd(pb, in, call);
+    }
+    ASSERT_TRUE(all_finite(base.out.host)) << "FLASHMSA_FWD_PERSISTENT=0: out unwritten (NaN)";
+    for (const auto& [name, a, b] : {std::tuple{"out", &base.out, &r.out}, std::tuple{"lse", &base.lse, &r.lse},
+                                     std::tuple{"indices", &base.indices, &r.indices},
+                                     std::tuple{"out_lo", &base.out_lo, &r.out_lo}}) {
+      ASSERT_EQ(a->host.size(), b->host.size()) << name;
+      int64_t diff = 0;
+      for (size_t v = 0; v < a->host.size(); ++v) diff += std::memcmp(&a->host[v], &b->host[v], sizeof(double)) != 0;
+      EXPECT_EQ(diff, 0) << "FLASHMSA_FWD_RINGS=" << policy[x] << ": persistent " << name << " differs at " << diff
+                         << " of " << a->host.size() << " elements from one CTA per tile";
+    }
+    if (x == 1) check_forward(pb, in, r, call.mode, call.topk);
+  }
+}
+// m3 (16 heads x 8 tokens, 128 union entries: two tile buffers; ~35 tiles per CTA, both kernels routed),
+// odd lengths and an empty sequence, the output's low part staged through the tile's Q buffer too
+TEST(Persistent, M3TwoBuffers) {
+  run_persistent(m3().with_topk(16).seqlens({1000, 0, 2333, 5}), FwdCall().sparse(16).with_out_lo(),
+                 "m3 SPARSE, two buffers, out_lo");
+}
+// batched sequences (the tiles' TMA coordinates by batch index), fp16
+TEST(Persistent, FmsaBatched) {
+  run_persistent(fmsa().with_topk(8).batched(2, 700).fp16(), FwdCall().sparse(8), "fmsa SPARSE batched");
+}
+// fmsa topk 32 (32 tokens x 32 slots = 1024 entries > kTwoBufferUnion: one tile buffer), lazy numerics, fp16
+TEST(Persistent, FmsaOneBuffer) {
+  run_persistent(fmsa().with_topk(32).seqlens({3000, 129}).fp16(),
+                 FwdCall().sparse(32).with_numerics(FLASHMSA_NUMERICS_INFER), "fmsa SPARSE topk 32, one buffer");
+}
+// dense mode (no union list), and GIVEN sets over fewer tiles than SMs (5 m-tiles x 4 head units: a grid of one
+// tile per CTA either way, the launch's smaller grid)
+TEST(Persistent, M3Dense) { run_persistent(m3().seqlens({1500, 77}), FwdCall().dense(), "m3 DENSE"); }
+TEST(Persistent, FewTiles) {
+  const Problem pb = m3().with_topk(4).seqlens({40});
+  std::vector<int32_t> idx(size_t(pb.Hp) * size_t(pb.total()) * 4, -1);  // (every token's own block 0, then empty slots)
+  for (size_t x = 0; x < idx.size(); x += 4) idx[x] = 0;
+  run_persistent(pb, FwdCall().given(idx, 4), "m3 GIVEN, 20 tiles");
+}
+
+TEST(Errors, BadPersistentKnob) { expect_knob_refused("FLASHMSA_FWD_PERSISTENT", {"2", "yes", " 1", "on", "true"}); }
+
 }  // namespace
 }  // namespace gputest

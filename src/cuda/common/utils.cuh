@@ -88,14 +88,27 @@ enum class NamedBarrier : int {
   kConsumers,    // both consumer warpgroups (kConsumerThreads): staged tiles they share
   kGatherers,    // the standalone main backward's gathering producer warps (the dQ writer warp apart)
   kCta,          // every thread of the CTA, reached from each role's own code (bwd/fused_kernel.cuh)
+  kFwdBuilders,  // the persistent forward's builder warps (fwd/fwd_kernel.cuh)
 };
-static_assert(int(NamedBarrier::kCta) < 16, "sm_90 has 16 named barriers");
+static_assert(int(NamedBarrier::kFwdBuilders) < 16, "sm_90 has 16 named barriers");
 // The barrier of consumer warpgroup w (0 or 1) alone.
 __device__ __forceinline__ NamedBarrier consumer_wg_barrier(int w) {
   return w == 0 ? NamedBarrier::kConsumerWg0 : NamedBarrier::kConsumerWg1;
 }
 __device__ __forceinline__ void barrier_sync(NamedBarrier id, int threads) {
   ptx::named_barrier_sync(int(id), threads);
+}
+
+// The parameters of a CUTLASS PipelineTmaAsync of the warp-specialised shape: warpgroup 0 produces (thread 0
+// leads), the others consume; `bytes` per stage.
+template <class Pipeline>
+__device__ __forceinline__ typename Pipeline::Params tma_pipeline_params(int role_wg, int consumers, uint32_t bytes) {
+  typename Pipeline::Params pp;
+  pp.role = role_wg == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
+  pp.is_leader = threadIdx.x == 0;
+  pp.num_consumers = consumers;
+  pp.transaction_bytes = bytes;
+  return pp;
 }
 
 // One warpgroup GEMM issued as one batch (committed, not waited for): C (+)= A * B over all K

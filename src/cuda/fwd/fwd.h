@@ -1,7 +1,8 @@
 // The main forward's launch interface as the dispatcher sees it (CuTe-free): plain arguments and
 // one run<Dtype, kLazyRescale, kRings>() per instantiation TU (fwd_{bf16,fp16}_{train,infer}.cu: the
-// shared-stream kernel; fwd_*_rings.cu: the per-warpgroup rings kernel), which builds the TMA
-// descriptors of K and V and launches fwd_kernel (fwd_kernel.cuh); and the router (fwd_route.cu)
+// shared-stream kernel, fwd_persistent_kernel; fwd_*_rings.cu: the per-warpgroup rings kernel,
+// fwd_rings_kernel), which builds the TMA descriptors of K and V and launches the kernel
+// (fwd_kernel.cuh); and the router (fwd_route.cu)
 // that, in sparse mode, sends each tile to one of the two kernels.
 #pragma once
 
@@ -40,6 +41,12 @@ struct Args {
   // each 128-token span; null: slot i holds token i
   const int32_t* perm = nullptr;
   int64_t perm_head = 0;
+  // the shared-stream kernel: one CTA per SM over the tiles (persistent), or one CTA per tile
+  // (FLASHMSA_FWD_PERSISTENT=0, the same kernel; for tests and A/B)
+  bool persistent = true;
+  // the persistent kernel's tile counter (8 bytes of workspace, zeroed by its launch); null: tiles
+  // handed out statically (c, c + grid, ...)
+  unsigned long long* tile_counter = nullptr;
 };
 
 template <Dtype, bool kLazyRescale, bool kRings>

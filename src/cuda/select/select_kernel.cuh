@@ -164,12 +164,8 @@ __global__ void __launch_bounds__(kCtaThreads, 1) select_kernel(const __grid_con
   const int64_t last = s0 + L - 1;
 
   using Pipeline = typename C::Pipeline;
-  typename Pipeline::Params pp;
   const int role_wg = tid / kWarpGroupThreads;
-  pp.role = role_wg == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
-  pp.is_leader = tid == 0;
-  pp.num_consumers = C::kConsumers;
-  pp.transaction_bytes = C::kBlockN * C::kHeadDim * sizeof(Element);
+  const auto pp = tma_pipeline_params<Pipeline>(role_wg, C::kConsumers, C::kBlockN * C::kHeadDim * sizeof(Element));
   Pipeline pipeline(S.pipe, pp, Shape<_1, _1, _1>{});
   __syncthreads();  // barrier initialisation visible to every thread
 
