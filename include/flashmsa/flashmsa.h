@@ -175,7 +175,8 @@ FLASHMSA_API flashmsa_status_t flashmsa_fwd_workspace_size(const flashmsa_fwd_ar
 FLASHMSA_API flashmsa_status_t flashmsa_bwd_workspace_size(const flashmsa_bwd_args_t* args,
                                                            size_t* bytes);
 
-/* The operations. workspace may be NULL when the query returned 0. */
+/* The operations. workspace may be NULL when the query returned 0; otherwise it is device memory of at
+ * least the queried bytes, 16-byte aligned (cudaMalloc's and torch's allocations are). */
 FLASHMSA_API flashmsa_status_t flashmsa_select(const flashmsa_select_args_t* args, void* workspace,
                                                size_t workspace_bytes);
 FLASHMSA_API flashmsa_status_t flashmsa_fwd(const flashmsa_fwd_args_t* args, void* workspace,

@@ -2,6 +2,7 @@
 #include <cstring>
 #include <exception>
 #include <new>
+#include <cstdint>
 #include <string>
 
 #include "api/backends.hpp"
@@ -56,6 +57,12 @@ void workspace_ok(size_t need, void* ws, size_t bytes, const char* fn) {
                                        std::to_string(need) + " bytes, got " +
                                        std::to_string(ws ? bytes : 0) +
                                        " (ask flashmsa_*_workspace_size)");
+  // the kernels' bulk copies and 64-bit atomics on the workspace need 16-byte alignment; a misaligned
+  // pointer would fault on the device (and end the CUDA context) instead of failing here
+  if (need > 0 && reinterpret_cast<uintptr_t>(ws) % 16 != 0)
+    fail(FLASHMSA_ERROR_WORKSPACE, std::string(fn) + ": workspace: expected a 16-byte aligned pointer, got one at " +
+                                       std::to_string(reinterpret_cast<uintptr_t>(ws) % 16) +
+                                       " bytes past a 16-byte boundary (cudaMalloc and torch allocations are aligned)");
 }
 
 // The optional status words: int32 [FLASHMSA_STATUS_WORDS], contiguous; for a CUDA call in

@@ -1550,6 +1550,46 @@ TEST(Errors, BadSegmentKnob) {
   r.expect_untouched();
 }
 
+// A workspace pointer off a 16-byte boundary (the kernels' bulk copies and 64-bit atomics need it): the forward and
+// the backward refuse it with FLASHMSA_ERROR_WORKSPACE before any work, and write nothing; the forward on the same
+// buffer aligned runs.
+TEST(Errors, MisalignedWorkspace) {
+  PoolScope scope;
+  std::mt19937_64 rng(fresh_seed());
+  const Problem pb = fmsa().with_topk(2).seqlens({200});
+  RefusedBwd r(pb, rng);
+  size_t need = 0;
+  ASSERT_EQ(flashmsa_bwd_workspace_size(&r.b, &need), FLASHMSA_SUCCESS) << flashmsa_last_error();
+  ASSERT_GT(need, 0u);
+  char* ws = static_cast<char*>(Pool::get().take(need + 64));
+  ASSERT_NE(ws, nullptr);
+  for (size_t off : {size_t(4), size_t(8)}) {
+    EXPECT_EQ(flashmsa_bwd(&r.b, ws + off, need), FLASHMSA_ERROR_WORKSPACE) << off;
+    EXPECT_NE(std::string(flashmsa_last_error()).find("16-byte aligned"), std::string::npos) << flashmsa_last_error();
+  }
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  r.expect_untouched();
+
+  Tensor out = output(token_shape(pb, pb.Hq, pb.D), pb.dtype), lse = output({pb.Hq, pb.total()}, FLASHMSA_DTYPE_FP32);
+  flashmsa::FwdArgs a;
+  a.q = dev_view(r.in.q); a.k = dev_view(r.in.k); a.v = dev_view(r.in.v);
+  a.qp = dev_view(r.in.qp); a.kp = dev_view(r.in.kp);
+  a.cu_seqlens = dev_view(r.in.cu);
+  a.max_seqlen = pb.max_len();
+  a.topk = 2;
+  a.out = dev_view(out);
+  a.lse = dev_view(lse);
+  ASSERT_EQ(flashmsa_fwd_workspace_size(&a, &need), FLASHMSA_SUCCESS) << flashmsa_last_error();
+  char* fws = static_cast<char*>(Pool::get().take(need + 64));
+  ASSERT_NE(fws, nullptr);
+  EXPECT_EQ(flashmsa_fwd(&a, fws + 8, need), FLASHMSA_ERROR_WORKSPACE);
+  EXPECT_NE(std::string(flashmsa_last_error()).find("16-byte aligned"), std::string::npos) << flashmsa_last_error();
+  download(out);
+  for (double x : out.host) ASSERT_TRUE(std::isnan(x)) << "output written by a refused call";
+  EXPECT_EQ(flashmsa_fwd(&a, fws, need), FLASHMSA_SUCCESS) << flashmsa_last_error();
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+}
+
 // ---- the forward's two kernels (fwd_kernel.cuh) and its router (fwd_route.cu) -----------------
 // In SPARSE/GIVEN mode a tile runs in the shared-stream kernel or in the per-warpgroup rings
 // kernel; by default the router picks per tile. A row that did not select a block adds exactly

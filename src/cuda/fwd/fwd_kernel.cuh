@@ -140,13 +140,19 @@ inline PersistentPlan persistent_plan(int NT, int topk) {
   pl.bytes = sizeof(typename C::PSmem) + size_t(pl.nbuf - 1) * C::kQBytes + size_t(pl.nbuf) * pl.ucap * per_entry + 1024;
   return pl;
 }
-// Both plans' worst cases (two buffers of kTwoBufferUnion entries; one of kMaxUnion) fit the SM.
+// The larger of the two plans' worst cases (two buffers of kTwoBufferUnion entries; one of kMaxUnion), which fits
+// the SM (persistent_plans_fit).
 template <class Element>
-constexpr bool persistent_plans_fit() {
+constexpr size_t persistent_max_bytes() {
   using C = Config<Element>;
   constexpr size_t per_entry = sizeof(int) + sizeof(uint32_t) * (C::kBlockM / 32);
-  return sizeof(typename C::PSmem) + C::kQBytes + 2 * kTwoBufferUnion * per_entry + 1024 <= kMaxSmemBytes &&
-         sizeof(typename C::PSmem) + kMaxUnion * per_entry + 1024 <= kMaxSmemBytes;
+  constexpr size_t two = sizeof(typename C::PSmem) + C::kQBytes + 2 * kTwoBufferUnion * per_entry + 1024;
+  constexpr size_t one = sizeof(typename C::PSmem) + kMaxUnion * per_entry + 1024;
+  return two > one ? two : one;
+}
+template <class Element>
+constexpr bool persistent_plans_fit() {
+  return persistent_max_bytes<Element>() <= kMaxSmemBytes;
 }
 
 // A tile's coordinates: from its grid position (m_tile, unit: its head unit, b: its sequence), or from its index t
@@ -835,7 +841,10 @@ void launch(Params<Element>& p, bool persistent, cudaStream_t stream) {
     const PersistentPlan pl = persistent_plan<Element>(p.NT, p.topk);
     p.nbuf = pl.nbuf;
     p.ucap = pl.ucap;
-    FLASHMSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(pl.bytes)));
+    // the attribute at the largest plan (both worst cases fit: persistent_plans_fit), not this launch's: set per
+    // launch, another host thread's smaller plan could lower it between this thread's set and its launch
+    FLASHMSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             int(persistent_max_bytes<Element>())));
     int dev = 0, sms = 0;
     FLASHMSA_CUDA_CHECK(cudaGetDevice(&dev));
     FLASHMSA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
