@@ -18,7 +18,15 @@ git apply "$patch"
 restore() { git apply -R "$patch" || echo "patch_variant: could not revert $patch: check git status" >&2; }
 trap restore EXIT
 echo "[patch_variant] building $name ($(date +%T))"
-ninja -C "$build" 2>&1 | grep -E "error|warning|FAILED|spill" || true
+log=$(mktemp)
+if ! ninja -C "$build" > "$log" 2>&1; then
+  grep -E "error|FAILED" "$log" | head -20 >&2
+  echo "patch_variant: $name does not build (no variant copied)" >&2
+  rm -f "$log"
+  exit 1  # (the trap reverts the patch; the default's objects rebuild at the next ninja)
+fi
+grep -E "error|warning|spill" "$log" || true
+rm -f "$log"
 cp "$build/flashmsa_bench" ".gpu/flashmsa_bench_$name"
 cp "$build/tests/flashmsa_gpu_tests" ".gpu/flashmsa_gpu_tests_$name"
 cp "$build/libflashmsa.so" ".gpu/libflashmsa_$name.so"
