@@ -12,6 +12,7 @@ build=${FLASHMSA_BUILD_DIR:-build}
 git diff --quiet -- src tests include || { echo "patch_variant: src/, tests/ or include/ has uncommitted changes" >&2; exit 2; }
 [ -x "$build/flashmsa_bench" ] || { echo "patch_variant: no $build/flashmsa_bench (run scripts/setup.sh first)" >&2; exit 2; }
 mkdir -p .gpu
+rm -f ".gpu/flashmsa_bench_$name" ".gpu/flashmsa_gpu_tests_$name" ".gpu/libflashmsa_$name.so"  # (an earlier run's)
 before=$(mktemp)
 cp "$build/flashmsa_bench" "$before"
 git apply "$patch"
@@ -20,10 +21,13 @@ trap restore EXIT
 echo "[patch_variant] building $name ($(date +%T))"
 log=$(mktemp)
 if ! ninja -C "$build" > "$log" 2>&1; then
-  grep -E "error|FAILED" "$log" | head -20 >&2
-  echo "patch_variant: $name does not build (no variant copied)" >&2
-  rm -f "$log"
-  exit 1  # (the trap reverts the patch; the default's objects rebuild at the next ninja)
+  grep -m 20 -E "error|FAILED" "$log" >&2 || true
+  echo "patch_variant: $name does not build (no variant copied); rebuilding the default" >&2
+  rm -f "$log" "$before"
+  trap - EXIT
+  restore
+  ninja -C "$build" > /dev/null || true  # (outputs that linked before the failure are the variant's)
+  exit 1
 fi
 grep -E "error|warning|spill" "$log" || true
 rm -f "$log"
