@@ -4,21 +4,7 @@
 # (fwd_kernel) and of pf3 (fwd_persistent_kernel) at fmsa 16k clustered, the SASS summaries, and the forward of
 # pf3 one CTA per SM against one CTA per tile (FLASHMSA_FWD_PERSISTENT=0) next to the default, two rounds.
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-mkdir -p .gpu && tar -xJf .gpu_pack/bins.tar.xz -C .gpu
-for r in 1 2; do
-  for mode in base pf1 pf0; do
-    b=flashmsa_bench; [ $mode != base ] && b=flashmsa_bench_pf3
-    FLASHMSA_FWD_PERSISTENT=$([ $mode = pf0 ] && echo 0 || echo 1) timeout 60 ./.gpu/$b --config fmsa --seqlens 16384 \
-      --patterns clustered --options 0 2>/dev/null | grep '^{' | sed "s/^{/{\"mode\": \"$mode\", \"round\": $r, /" >> $OUT/probe-pf3.jsonl
-  done
-done
-python3 -c "
-import json,collections
-d=collections.defaultdict(list)
-for l in open('$OUT/probe-pf3.jsonl'):
-    j=json.loads(l); d[(j['config'],j['seqlen'],j['mode'])].append(j['fwd_train_ms'])
-for k in sorted(d): print(k, 'fwd_train_ms', [round(x,4) for x in d[k]])
-" | tee $OUT/probe-pf3.txt
+PF=pf3 CASES="fmsa 16384" NAME=probe-pf3 OUT=$OUT bash bench/probes/persistent_probe.sh
 for pair in "flashmsa_bench fwd_kernel" "flashmsa_bench_pf3 fwd_persistent_kernel"; do
   set -- $pair
   echo "== profile $1 $2 ($(date +%T))"
