@@ -146,7 +146,7 @@ struct FwdRings {
   // is): SPARSE/GIVEN tiles of tokens regrouped by selection (attn_fwd::launch_regroup)
   bool regroup = true;
   // FLASHMSA_FWD_PERSISTENT (unset or "1": on; "0": off; anything else refused the same way): the
-  // shared-stream kernel with one CTA per SM over the tiles, or one CTA per tile (attn_fwd::Args::persistent)
+  // shared-stream kernel with one CTA per SM over the tiles, or one CTA per tile (attn_fwd::Args::tile_counter)
   bool persistent = true;
 };
 FwdRings fwd_rings_policy();

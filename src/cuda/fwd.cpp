@@ -36,8 +36,7 @@ void run_fwd(const flashmsa_fwd_args_t& a, const Geometry& g, const int32_t* idx
   p.scale = float(g.scale);
   p.num_m_tiles = int(tiles::fwd_m_tiles(g, tile));
   p.total = g.total;
-  p.persistent = rings.persistent;
-  p.tile_counter = sched;
+  p.tile_counter = rings.persistent ? sched : nullptr;
   if (idx != nullptr && rings.regroup && attn_fwd::regroup_applies(p.NT, p.topk)) {
     attn_fwd::launch_regroup(p, g.max_seqlen, perm, g.total, st);  // before the router, which reads it
     p.perm = perm;

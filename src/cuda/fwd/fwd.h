@@ -41,11 +41,9 @@ struct Args {
   // each 128-token span; null: slot i holds token i
   const int32_t* perm = nullptr;
   int64_t perm_head = 0;
-  // the shared-stream kernel: one CTA per SM over the tiles (persistent), or one CTA per tile
-  // (FLASHMSA_FWD_PERSISTENT=0, the same kernel; for tests and A/B)
-  bool persistent = true;
-  // the persistent kernel's tile counter (8 bytes of workspace, zeroed by its launch); null: tiles
-  // handed out statically (c, c + grid, ...)
+  // the shared-stream kernel's tile counter (8 bytes of workspace, zeroed by its launch): one CTA per
+  // SM takes tiles from it (persistent); null (FLASHMSA_FWD_PERSISTENT=0, for tests and A/B): the same
+  // kernel with one CTA per tile
   unsigned long long* tile_counter = nullptr;
 };
 

@@ -386,40 +386,28 @@ __device__ __forceinline__ void store_rows(const Args& p, const TileCoord& c, co
 #pragma unroll
     for (int x = 0; x < size<1>(oRC); ++x) oRC(r, x) *= inv;
   }
-  barrier_sync(consumer_wg_barrier(wg), kWarpGroupThreads);  // Q slice no longer read
-#pragma unroll
-  for (int x = 0; x < size(accO); ++x) {
-    const int row = wg * 64 + get<0>(cO(x));
-    sQ(row, get<1>(cO(x))) = Element(accO(x));
-  }
-  barrier_sync(consumer_wg_barrier(wg), kWarpGroupThreads);
-  Element* optr = static_cast<Element*>(p.out.ptr);
-  for (int x = tid % kWarpGroupThreads; x < 64 * 16; x += kWarpGroupThreads) {
-    const int row = wg * 64 + x / 16, col = (x % 16) * 8;  // this warpgroup's rows
-    const int tok = row / p.R;
-    if (tok >= c.ntok) continue;
-    const int h = c.h0 + row % p.R;
-    Element* dst = optr + c.b * p.out.batch_corr + (c.s0 + tpos[tok]) * p.out.tok + h * p.out.head + col;
-    *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(&sQ(row, col));
-  }
-  if (p.out_lo.ptr) {  // the low part, staged through the same rows once they are stored
+  // O (then its low part) staged through this warpgroup's rows of sQ, each once the rows are free (Q no longer
+  // read; the previous store done), and stored as 16-byte row pieces
+  auto stage_and_store = [&](const auto& dst_t, auto value) {
     barrier_sync(consumer_wg_barrier(wg), kWarpGroupThreads);
 #pragma unroll
     for (int x = 0; x < size(accO); ++x) {
       const int row = wg * 64 + get<0>(cO(x));
-      sQ(row, get<1>(cO(x))) = Element(accO(x) - float(Element(accO(x))));
+      sQ(row, get<1>(cO(x))) = value(accO(x));
     }
     barrier_sync(consumer_wg_barrier(wg), kWarpGroupThreads);
-    Element* lptr = static_cast<Element*>(p.out_lo.ptr);
+    Element* base = static_cast<Element*>(dst_t.ptr);
     for (int x = tid % kWarpGroupThreads; x < 64 * 16; x += kWarpGroupThreads) {
-      const int row = wg * 64 + x / 16, col = (x % 16) * 8;
+      const int row = wg * 64 + x / 16, col = (x % 16) * 8;  // this warpgroup's rows
       const int tok = row / p.R;
       if (tok >= c.ntok) continue;
       const int h = c.h0 + row % p.R;
-      Element* dst = lptr + c.b * p.out_lo.batch_corr + (c.s0 + tpos[tok]) * p.out_lo.tok + h * p.out_lo.head + col;
+      Element* dst = base + c.b * dst_t.batch_corr + (c.s0 + tpos[tok]) * dst_t.tok + h * dst_t.head + col;
       *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(&sQ(row, col));
     }
-  }
+  };
+  stage_and_store(p.out, [](float a) { return Element(a); });
+  if (p.out_lo.ptr) stage_and_store(p.out_lo, [](float a) { return Element(a - float(Element(a))); });
   if ((lane & 3) == 0) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -827,7 +815,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) fwd_persistent_kernel(const __
 }
 
 template <class Element, bool kLazyRescale, bool kRings>
-void launch(Params<Element>& p, bool persistent, cudaStream_t stream) {
+void launch(Params<Element>& p, cudaStream_t stream) {
   using C = Config<Element>;
   const int64_t ntiles = num_tiles(p);
   if (ntiles == 0) return;
@@ -848,11 +836,11 @@ void launch(Params<Element>& p, bool persistent, cudaStream_t stream) {
     int dev = 0, sms = 0;
     FLASHMSA_CUDA_CHECK(cudaGetDevice(&dev));
     FLASHMSA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    // one CTA per SM taking tiles from the zeroed counter (persistent), or one per tile in the static order
-    // (FLASHMSA_FWD_PERSISTENT=0: the same kernel, for A/B)
+    // one CTA per SM taking tiles from the zeroed counter (persistent), or, without a counter, one per tile in the
+    // static order (FLASHMSA_FWD_PERSISTENT=0: the same kernel, for A/B)
+    const bool persistent = p.tile_counter != nullptr;
     const int64_t grid = persistent ? std::min<int64_t>(ntiles, sms) : ntiles;
-    if (!persistent) p.tile_counter = nullptr;
-    if (p.tile_counter != nullptr) FLASHMSA_CUDA_CHECK(cudaMemsetAsync(p.tile_counter, 0, sizeof(unsigned long long), stream));
+    if (persistent) FLASHMSA_CUDA_CHECK(cudaMemsetAsync(p.tile_counter, 0, sizeof(unsigned long long), stream));
     kernel<<<unsigned(grid), C::kThreads, pl.bytes, stream>>>(p);
   }
   FLASHMSA_CUDA_CHECK(cudaGetLastError());
@@ -871,7 +859,7 @@ void run(const Args& a, cudaStream_t stream) {
   p.tma_k = tk.copy;
   p.tma_v = tv.copy;
   p.tma_shape_k = tk.shape;
-  launch<Element, kLazyRescale, kRings>(p, a.persistent, stream);
+  launch<Element, kLazyRescale, kRings>(p, stream);
 }
 
 }  // namespace flashmsa::cuda::attn_fwd
