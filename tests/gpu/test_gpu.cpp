@@ -1468,20 +1468,27 @@ TEST(Graph, SparseForwardCaptureReplay) {
 }
 
 // The CUDA backend refuses what it does not instantiate, before running anything.
+// A SPARSE forward of make_inputs' inputs with the problem's topk into out and lse (NaN-poisoned outputs), for the
+// tests of refused calls.
+flashmsa::FwdArgs sparse_fwd_args(const Problem& pb, const Inputs& in, const Tensor& out, const Tensor& lse) {
+  flashmsa::FwdArgs a;
+  a.q = dev_view(in.q); a.k = dev_view(in.k); a.v = dev_view(in.v);
+  a.qp = dev_view(in.qp); a.kp = dev_view(in.kp);
+  a.cu_seqlens = dev_view(in.cu);
+  a.max_seqlen = pb.max_len();
+  a.topk = pb.topk;
+  a.out = dev_view(out);
+  a.lse = dev_view(lse);
+  return a;
+}
+
 TEST(Errors, UnsupportedHeadDim) {
   PoolScope scope;
   std::mt19937_64 rng(fresh_seed());
   Problem pb = Problem().heads(4, 2).proxy_heads(2, 1).with_topk(2).seqlens({200}).head_dim(64);
   Inputs in = make_inputs(pb, rng);
   Tensor out = output(token_shape(pb, pb.Hq, pb.D), pb.dtype), lse = output({pb.Hq, pb.total()}, FLASHMSA_DTYPE_FP32);
-  flashmsa::FwdArgs a;
-  a.q = dev_view(in.q); a.k = dev_view(in.k); a.v = dev_view(in.v);
-  a.qp = dev_view(in.qp); a.kp = dev_view(in.kp);
-  a.cu_seqlens = dev_view(in.cu);
-  a.max_seqlen = pb.max_len();
-  a.topk = 2;
-  a.out = dev_view(out);
-  a.lse = dev_view(lse);
+  const flashmsa::FwdArgs a = sparse_fwd_args(pb, in, out, lse);
   EXPECT_EQ(flashmsa_fwd(&a, nullptr, 0), FLASHMSA_ERROR_NOT_SUPPORTED);
   EXPECT_NE(std::string(flashmsa_last_error()).find("D = 64"), std::string::npos) << flashmsa_last_error();
   download(out);
@@ -1571,14 +1578,7 @@ TEST(Errors, MisalignedWorkspace) {
   r.expect_untouched();
 
   Tensor out = output(token_shape(pb, pb.Hq, pb.D), pb.dtype), lse = output({pb.Hq, pb.total()}, FLASHMSA_DTYPE_FP32);
-  flashmsa::FwdArgs a;
-  a.q = dev_view(r.in.q); a.k = dev_view(r.in.k); a.v = dev_view(r.in.v);
-  a.qp = dev_view(r.in.qp); a.kp = dev_view(r.in.kp);
-  a.cu_seqlens = dev_view(r.in.cu);
-  a.max_seqlen = pb.max_len();
-  a.topk = 2;
-  a.out = dev_view(out);
-  a.lse = dev_view(lse);
+  const flashmsa::FwdArgs a = sparse_fwd_args(pb, r.in, out, lse);
   ASSERT_EQ(flashmsa_fwd_workspace_size(&a, &need), FLASHMSA_SUCCESS) << flashmsa_last_error();
   char* fws = static_cast<char*>(Pool::get().take(need + 64));
   ASSERT_NE(fws, nullptr);
