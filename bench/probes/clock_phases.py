@@ -1,0 +1,38 @@
+"""Busy phases of an nvidia-smi clock log (timestamp, clocks.sm, power.draw, event reasons; one row per sample):
+a phase is a run of samples at a clock above idle (> 1000 MHz) whose gaps are shorter than 0.5 s. For each phase:
+its length (trimmed to the samples between the first and the last below the top clock), the mean and
+minimum SM clock, and the share of samples with the SW power cap (reason bit 0x4).
+In the bench's run (flashmsa_bench --iters 50) the first phase holds select and the forwards, the last the backward
+and the step (the host prepares the backward's inputs in between).
+    python3 bench/probes/clock_phases.py clocks.csv"""
+import sys
+from datetime import datetime
+
+rows = []
+for line in open(sys.argv[1]):
+    f = [x.strip() for x in line.split(",")]
+    if len(f) < 4 or "MHz" not in f[1]:
+        continue
+    t = datetime.strptime(f[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
+    watts = next(x for x in f if x.endswith(" W"))  # (extra columns, e.g. the memory clock, are skipped)
+    rows.append((t, float(f[1].split()[0]), float(watts.split()[0]), int(f[-1], 16)))
+phases, cur = [], []
+for r in rows:
+    busy = r[1] > 1000 and r[2] > 150  # (the idle clock is 345 MHz; 1980 with ~120 W: awake, no work)
+    if busy and cur and r[0] - cur[-1][0] > 0.5:
+        phases.append(cur); cur = []
+    if busy:
+        cur.append(r)
+if cur:
+    phases.append(cur)
+for i, p in enumerate(phases):
+    # trimmed to its first and last sample below the top clock (the power column is a ~1 s average that lags;
+    # the clock is the cap's real-time answer)
+    top = max(r[1] for r in p)
+    low = [j for j, r in enumerate(p) if r[1] < top]
+    if low:
+        p = p[low[0]:low[-1] + 1]
+    clk = [r[1] for r in p]
+    cap = sum(1 for r in p if r[3] & 4) / len(p)
+    print(f"  phase {i}: {p[-1][0] - p[0][0]:.2f} s, {len(p)} samples, SM clock mean {sum(clk) / len(clk):.0f} MHz, "
+          f"min {min(clk):.0f}, power-capped {100 * cap:.0f}% of samples, last power {p[-1][2]:.0f} W")
