@@ -4,12 +4,14 @@ its length (trimmed to the samples between the first and the last below the top 
 minimum SM clock, and the share of samples with the SW power cap (reason bit 0x4).
 In the bench's run (flashmsa_bench --iters 50) the first phase holds select and the forwards, the last the backward
 and the step (the host prepares the backward's inputs in between).
-    python3 bench/probes/clock_phases.py clocks.csv"""
+    python3 bench/probes/clock_phases.py [--bwd] clocks.csv
+--bwd: also the mean clock over the first 0.8 s of the last phase (with --iters 50 at m3 32k, the backward's calls)."""
 import sys
 from datetime import datetime
 
 rows = []
-for line in open(sys.argv[1]):
+bwd = "--bwd" in sys.argv
+for line in open([a for a in sys.argv[1:] if a != "--bwd"][0]):
     f = [x.strip() for x in line.split(",")]
     if len(f) < 4 or "MHz" not in f[1]:
         continue
@@ -36,3 +38,10 @@ for i, p in enumerate(phases):
     cap = sum(1 for r in p if r[3] & 4) / len(p)
     print(f"  phase {i}: {p[-1][0] - p[0][0]:.2f} s, {len(p)} samples, SM clock mean {sum(clk) / len(clk):.0f} MHz, "
           f"min {min(clk):.0f}, power-capped {100 * cap:.0f}% of samples, last power {p[-1][2]:.0f} W")
+if bwd and phases:
+    p = phases[-1]
+    top = max(r[1] for r in p)
+    low = [j for j, r in enumerate(p) if r[1] < top]
+    p = p[low[0]:] if low else p
+    head = [r[1] for r in p if r[0] - p[0][0] < 0.8]
+    print(f"  last phase's first 0.8 s (the backward at --iters 50): SM clock mean {sum(head) / len(head):.0f} MHz")
