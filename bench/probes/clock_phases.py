@@ -27,21 +27,21 @@ for r in rows:
         cur.append(r)
 if cur:
     phases.append(cur)
-for i, p in enumerate(phases):
-    # trimmed to its first and last sample below the top clock (the power column is a ~1 s average that lags;
-    # the clock is the cap's real-time answer)
+def from_first_low(p, to_last_low):
+    """The samples of phase p from its first below the top clock (to its last below it with to_last_low): the power
+    column is a ~1 s average that lags, the clock is the cap's real-time answer."""
     top = max(r[1] for r in p)
     low = [j for j, r in enumerate(p) if r[1] < top]
-    if low:
-        p = p[low[0]:low[-1] + 1]
+    return p[low[0]:low[-1] + 1 if to_last_low else len(p)] if low else p
+
+
+for i, p in enumerate(phases):
+    p = from_first_low(p, True)
     clk = [r[1] for r in p]
     cap = sum(1 for r in p if r[3] & 4) / len(p)
     print(f"  phase {i}: {p[-1][0] - p[0][0]:.2f} s, {len(p)} samples, SM clock mean {sum(clk) / len(clk):.0f} MHz, "
           f"min {min(clk):.0f}, power-capped {100 * cap:.0f}% of samples, last power {p[-1][2]:.0f} W")
 if bwd and phases:
-    p = phases[-1]
-    top = max(r[1] for r in p)
-    low = [j for j, r in enumerate(p) if r[1] < top]
-    p = p[low[0]:] if low else p
+    p = from_first_low(phases[-1], False)
     head = [r[1] for r in p if r[0] - p[0][0] < 0.8]
     print(f"  last phase's first 0.8 s (the backward at --iters 50): SM clock mean {sum(head) / len(head):.0f} MHz")
