@@ -8,7 +8,7 @@
 # was 1.3-1.7% slower (docs/kernels/bwd.md "Session 28").
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" .gpu
 tar -xJf .gpu_pack/bins.tar.xz -C .gpu
-stamp() { echo "== $1 ($(date +%T))"; }
+source bench/probes/callkit.sh
 stamp tests
 timeout 240 ./.gpu/flashmsa_gpu_tests_sf \
   --gtest_filter='Proxy.*:Kl.*:Bwd.Small*:Bwd.FmsaVarlenOddLengthsPoisonedWorkspace:Bwd.M3SparseDlse:Given.*:Graph.*:Deterministic.Small*:Errors.*' \
@@ -23,22 +23,8 @@ timeout 120 compute-sanitizer --tool memcheck --error-exitcode 1 ./.gpu/flashmsa
 echo "memcheck rc=$?"; tail -1 "$OUT/memcheck-sf.log"
 stamp ab
 for args in "--config m3 --seqlens 32768 --patterns clustered --iters 30" "--config m3 --seqlens 32768 --patterns random --iters 30" "--config fmsa --seqlens 16384 --patterns clustered --iters 100"; do
-  for round in 1 2; do
-    for b in flashmsa_bench flashmsa_bench_sf; do
-      tag=$b-$(echo "$args" | awk '{print $2"-"$6}')-r$round
-      ./.gpu/$b $args --options 0 > "$OUT/bench-$tag.json" 2>&1
-      echo "$tag $(python3 -c "import json,sys; r=json.loads(open(sys.argv[1]).read().splitlines()[-1]); print('bwd', r['bwd_ms'], 'step', r['step_ms'])" "$OUT/bench-$tag.json" 2>&1 | tail -1)"
-    done
-  done
+  bench_ab "$args" 2 flashmsa_bench flashmsa_bench_sf
 done
-for r in 1 2; do
-  for v in "" _sf; do
-    [ $SECONDS -lt 520 ] || { echo "user $v skipped (time)"; continue; }
-    d=$OUT/user$v-r$r; mkdir -p $d
-    FLASHMSA_LIBRARY=$PWD/.gpu/libflashmsa$v.so PYTHONUNBUFFERED=1 timeout 90 python3 bench/run_bench.py --user-only \
-      --out $d --configs m3 --seqlens 32768 --patterns clustered > $d/log.txt 2>&1
-    echo "user lib$v round $r rc=$?"; grep -E "^\| m3" $d/*.md || tail -5 $d/log.txt
-  done
-done
+user_ab 2 520 "" _sf
 stamp done
 (cd "$OUT" && tar czf /tmp/bundle.tgz . && find . -mindepth 1 -delete && mv /tmp/bundle.tgz .)

@@ -1,0 +1,31 @@
+# Helpers for device-call scripts (sourced): the A/B of bench binaries and of libraries on the user's path, with the
+# binaries and libraries alternated by round. Session 28's calls repeated these loops inline (records of what ran).
+#   source bench/probes/callkit.sh; bench_ab "ARGS" ROUNDS BIN...; user_ab ROUNDS DEADLINE_S LIBSUFFIX...
+stamp() { echo "== $1 ($(date +%T))"; }
+# One line per run: backward and step ms of flashmsa_bench's last JSON line; the JSON under $OUT.
+bench_ab() {
+  local args=$1 rounds=$2 round b tag
+  shift 2
+  for round in $(seq 1 "$rounds"); do
+    for b in "$@"; do
+      tag=$b-$(echo "$args" | awk '{print $2"-"$4"-"$6}')-r$round
+      ./.gpu/$b $args --options 0 > "$OUT/bench-$tag.json" 2>&1
+      echo "$tag $(python3 -c "import json,sys; r=json.loads(open(sys.argv[1]).read().splitlines()[-1]); print('bwd', r['bwd_ms'], 'step', r['step_ms'], 'fwd', r['fwd_train_ms'])" "$OUT/bench-$tag.json" 2>&1 | tail -1)"
+    done
+  done
+}
+# The README call (bench/run_bench.py --user-only, m3 32k clustered, cuDNN beside it) with .gpu/libflashmsa$SUFFIX.so
+# for each suffix ("" the default), alternated by round; skipped once the call has run DEADLINE_S seconds.
+user_ab() {
+  local rounds=$1 deadline=$2 r v d
+  shift 2
+  for r in $(seq 1 "$rounds"); do
+    for v in "$@"; do
+      [ $SECONDS -lt "$deadline" ] || { echo "user lib$v skipped (time)"; continue; }
+      d=$OUT/user$v-r$r; mkdir -p "$d"
+      FLASHMSA_LIBRARY=$PWD/.gpu/libflashmsa$v.so PYTHONUNBUFFERED=1 timeout 90 python3 bench/run_bench.py --user-only \
+        --out "$d" --configs m3 --seqlens 32768 --patterns clustered > "$d/log.txt" 2>&1
+      echo "user lib$v round $r rc=$?"; grep -E "^\| m3" "$d"/*.md || tail -5 "$d/log.txt"
+    done
+  done
+}
