@@ -54,7 +54,6 @@ def main():
     ap.add_argument("--patterns", default="clustered,random")
     a = ap.parse_args()
     cfg = CONFIGS[a.config]
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     for pattern in a.patterns.split(","):
         _, _, _, qp, kp, _ = make_inputs(cfg, a.seqlen, pattern, "cpu", dtype=torch.float32)
         idx, nblk = select(qp.detach(), kp.detach(), a.topk)
