@@ -118,15 +118,21 @@ void check_aligned(const char* fn, const char* name, const flashmsa_tensor_t& t)
 // ---- workspace.cpp ----
 // Every varlen call's workspace starts with the guard's (the safe cu_seqlens); then the call's.
 size_t guard_bytes(const Geometry& g);
-// The fused kernel's teacher scratch (fused_kernel.cuh): one slot of kl_segment(g) fp32 rows of
+// The fused kernel's teacher scratch (fused_kernel.cuh): one slot of kl_segment(g, ctas) fp32 rows of
 // 128 keys per persistent CTA, kl_ctas(g) CTAs (the device's SMs: one CTA each). SPARSE/GIVEN
-// only: in DENSE mode the recomputing proxy kernel runs instead. The segment: kKlSegment list
-// entries (FLASHMSA_KL_SEGMENT overrides it for tests and tuning), at most max_seqlen, rounded up
-// to a multiple of 64. Measured: docs/kernels/bwd.md ("Session 13"). The layouts keep both
-// numbers (kl_seg, kl_ctas), so the kernel runs with exactly what its scratch was sized for.
-constexpr int kKlSegment = 1024;
+// only: in DENSE mode the recomputing proxy kernel runs instead. The segment (list entries per
+// alternation of the main and the kl walk): a quarter of the dq accumulator's bytes for the scratch
+// (total x Hq / (4 x ctas) entries, rounded down to 64), clamped to [kKlSegment, kKlSegmentMax];
+// FLASHMSA_KL_SEGMENT overrides it for tests and tuning; at most max_seqlen, rounded up to a
+// multiple of 64. Each segment boundary drains both walks' pipelines, adds dK/dV (or dKp) and
+// reloads K/V (or Kp): ~19 us per boundary on the H200 (m3 32k: 4096 against 1024 entries, backward
+// -1.2%; docs/kernels/bwd.md "Session 30"). The quarter keeps the step's peak memory within ~5% of
+// what it was at 1024 (m3 32k: 3.81 -> 4.02 GB against cuDNN's 5.05) and leaves the small problems
+// (fmsa 16k, 32k) at 1024, where the step's memory is at cuDNN's. The layouts keep both numbers
+// (kl_seg, kl_ctas), so the kernel runs with exactly what its scratch was sized for.
+constexpr int kKlSegment = 1024, kKlSegmentMax = 4096;
 int kl_ctas(const Geometry& g);
-int kl_segment(const Geometry& g);
+int kl_segment(const Geometry& g, int ctas);
 // The forward's kernel choice in SPARSE/GIVEN mode (FLASHMSA_FWD_RINGS, for tests and tuning;
 // docs/kernels/fwd.md): unset or "auto": the router decides per tile at its default ratio where a
 // warpgroup holds at most kRingsMaxTokens tokens (R >= 8), else the shared stream; a ratio "0.x"

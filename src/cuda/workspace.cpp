@@ -19,8 +19,11 @@ int kl_ctas(const Geometry& g) {
   return n;
 }
 
-int kl_segment(const Geometry& g) {
-  int64_t seg = kKlSegment;
+int kl_segment(const Geometry& g, int ctas) {
+  // The default grows with the problem: a quarter of the dq accumulator's bytes (total x Hq x 128 fp32) for the
+  // scratch (ctas x seg x 512 bytes), at least kKlSegment and at most kKlSegmentMax entries.
+  int64_t seg = int64_t(g.total) * g.Hq / (4 * int64_t(ctas > 0 ? ctas : 1)) / 64 * 64;
+  seg = seg < kKlSegment ? kKlSegment : seg > kKlSegmentMax ? kKlSegmentMax : seg;
   if (const char* e = std::getenv("FLASHMSA_KL_SEGMENT"); e && *e) {  // tests and tuning (docs/kernels/bwd.md)
     int64_t v = 0;
     bool ok = true;
@@ -83,8 +86,8 @@ void take_kl_side(Layout& l, Take& take, const Geometry& g, flashmsa_mode_t mode
   if (plse) l.plse = take(size_t(g.Hp) * g.total * 4);
   l.kl = take(size_t(g.Hp) * global_blocks_bound(g) * 4);
   if (mode != FLASHMSA_MODE_DENSE) {  // the fused kernel's teacher scratch and its items' counter
-    l.kl_seg = kl_segment(g);
     l.kl_ctas = kl_ctas(g);
+    l.kl_seg = kl_segment(g, l.kl_ctas);
     l.teach = take(size_t(l.kl_ctas) * size_t(l.kl_seg) * kBlockKeys * 4);
     l.next_item = take(4);
     l.has_teacher = true;

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <numeric>
 #include <set>
 #include <tuple>
@@ -694,6 +695,13 @@ TEST(Proxy, SegmentedLists) {
 TEST(Proxy, SegmentedListsM3Given) {  // 16 head slots per token (4 tokens per main chunk); 100: rounded to 128
   ScopedEnv seg("FLASHMSA_KL_SEGMENT", "100");
   run_bwd_case(m3().with_topk(8).seqlens({1300, 40}), BwdCase().given().with_dkl(0.7).with_kl_value());
+}
+// One long segment (FLASHMSA_KL_SEGMENT = 4096, clipped to the longest sequence, 3008): the early blocks' lists
+// of the 3000-token sequence (up to ~3000 entries) walked in one main walk and one kl walk, the teacher scratch
+// written and read at entries past 1024 (the default's scale at m3 32k: docs/kernels/bwd.md "Session 30").
+TEST(Proxy, LongSegment) {
+  ScopedEnv seg("FLASHMSA_KL_SEGMENT", "4096");
+  run_bwd_case(fmsa().with_topk(16).seqlens({3000, 129}), BwdCase().sparse().with_dlse().with_dkl(1.0).with_kl_value());
 }
 TEST(Deterministic, SegmentedLists) {
   ScopedEnv seg("FLASHMSA_KL_SEGMENT", "64");
@@ -1540,6 +1548,35 @@ TEST(Errors, ProxyGradientAcrossKvHeads) {
 TEST(Kl, SegmentedSparse) {  // the forward's kl through the fused kernel's teacher-only walk (Proxy.SegmentedLists)
   ScopedEnv seg("FLASHMSA_KL_SEGMENT", "64");
   run_kl_case(m3().with_topk(16).seqlens({2000}), KlCase().sparse());
+}
+
+// The default segment (dispatch.h kl_segment): a quarter of the dq accumulator for the scratch, clamped to
+// [1024, 4096] entries. The workspace without the knob equals the workspace with the knob at the rule's value:
+// m3 at 9000 tokens, 9000 x 64 / (4 x SMs) entries rounded down to 64 (1088 on 132 SMs); fmsa at 2000 tokens, 1024.
+TEST(Workspace, KlSegmentRule) {
+  PoolScope scope;
+  std::mt19937_64 rng(fresh_seed());
+  int sms = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
+  auto bytes_with = [](RefusedBwd& r, const char* seg) {
+    std::unique_ptr<ScopedEnv> env(seg ? new ScopedEnv("FLASHMSA_KL_SEGMENT", seg) : nullptr);
+    size_t n = 0;
+    EXPECT_EQ(flashmsa_bwd_workspace_size(&r.b, &n), FLASHMSA_SUCCESS) << flashmsa_last_error();
+    return n;
+  };
+  {
+    RefusedBwd r(m3().with_topk(2).seqlens({9000}), rng);
+    int64_t want = int64_t(9000) * 64 / (4 * int64_t(sms)) / 64 * 64;
+    want = std::min<int64_t>(std::max<int64_t>(want, 1024), 4096);
+    const std::string w = std::to_string(want);
+    const size_t dflt = bytes_with(r, nullptr), at_rule = bytes_with(r, w.c_str()), at_1024 = bytes_with(r, "1024");
+    EXPECT_EQ(dflt, at_rule) << "rule " << want << " entries, " << sms << " SMs";
+    EXPECT_EQ(int64_t(dflt) - int64_t(at_1024), int64_t(sms) * (want - 1024) * 512);
+  }
+  {
+    RefusedBwd r(fmsa().with_topk(2).seqlens({2000}), rng);
+    EXPECT_EQ(bytes_with(r, nullptr), bytes_with(r, "1024"));
+  }
 }
 
 // A bad FLASHMSA_KL_SEGMENT: the workspace query and the call refuse it, and nothing is written.
