@@ -262,15 +262,18 @@ __device__ __forceinline__ void kl_consume(const Params& P, typename KlConfig<El
           const int64_t pos = int64_t(t) - s0;
 #pragma unroll
           for (int e1 = 0; e1 < 2; ++e1) {
+            // branch-free: every row of a stage is readable (the producer zero-fills the rows past the range,
+            // their plse too) and the masked elements' values are dropped by selects. A branch per element
+            // (BSSY/BSYNC regions, the teacher's address recomputed in each) serialised the 32 elements: 5% of
+            // the consumers' time (ncu, docs/kernels/bwd.md "Session 30")
             const int x = 4 * i + 2 * e1 + e0;
-            float dz = 0.f;
-            if (t >= 0 && kpos0 + 8 * e1 <= pos) {
-              const float zl2 = accZ(x) * psl2 - pl2;  // log2 of the student
-              const float tv = teach[(8 * i + e0) * C::kTeachStride + 8 * e1];
-              if constexpr (decltype(want_kl)::value) dz = kl_element(tv, zl2, coef, kl_sum);
-              else dz = kl_gradient(tv, zl2, coef);
-            }
-            accZ(x) = dz;
+            const bool ok = t >= 0 && kpos0 + 8 * e1 <= pos;
+            const float zl2 = accZ(x) * psl2 - pl2;  // log2 of the student
+            const float tv = teach[(8 * i + e0) * C::kTeachStride + 8 * e1];
+            float dz;
+            if constexpr (decltype(want_kl)::value) dz = kl_element(tv, zl2, coef, kl_sum, ok);
+            else dz = kl_gradient(tv, zl2, coef);
+            accZ(x) = ok ? dz : 0.f;
           }
         }
       }

@@ -19,9 +19,12 @@ namespace flashmsa::cuda::attn_bwd {
 __device__ __forceinline__ float kl_gradient(float teacher, float zl2, float g) {
   return g * (ptx::exp2f_approx(zl2) - teacher);
 }
-__device__ __forceinline__ float kl_element(float teacher, float zl2, float g, float& kl_sum) {
+// `valid` false: nothing added (a masked element; its dz is the caller's to drop). The term is formed either way
+// and selected, not branched to (the kl walk's element loop stays branch-free; + 0.f leaves kl_sum's bits).
+__device__ __forceinline__ float kl_element(float teacher, float zl2, float g, float& kl_sum, bool valid = true) {
   const float dz = kl_gradient(teacher, zl2, g);
-  if (teacher > 0.f) kl_sum += teacher * (__logf(teacher) - zl2 * kLn2);
+  const float term = teacher * (__logf(teacher) - zl2 * kLn2);
+  kl_sum += (valid && teacher > 0.f) ? term : 0.f;
   return dz;
 }
 
