@@ -7,13 +7,13 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" .gpu
 tar -xJf .gpu_pack/bins.tar.xz -C .gpu
 source bench/probes/callkit.sh
 stamp tests
-timeout 150 ./.gpu/flashmsa_gpu_tests --gtest_filter='Kl.SmallSparseG1:Kl.M3Sparse:Kl.FmsaGivenWithEmptySlots:Kl.Gcd3PaddedHeadSlots:Kl.SparseWithoutProxyLseOutput:Proxy.SmallSparse:Proxy.GivenWithEmptyRows:Proxy.Gcd3PaddedHeadSlots:Proxy.ZeroGradientIsExactlyZero:Proxy.G8:Proxy.M3SparseWithProxyLse:Deterministic.SmallSparse:Deterministic.GivenWithEmptyRows:Proxy.BatchedFp16:Proxy.SegmentedListsM3Given:Deterministic.SegmentedLists:Kl.SegmentedSparse' \
+timeout 120 ./.gpu/flashmsa_gpu_tests --gtest_filter='Kl.SmallSparseG1:Kl.M3Sparse:Kl.FmsaGivenWithEmptySlots:Kl.Gcd3PaddedHeadSlots:Proxy.SmallSparse:Proxy.GivenWithEmptyRows:Proxy.Gcd3PaddedHeadSlots:Proxy.ZeroGradientIsExactlyZero:Proxy.G8:Deterministic.SmallSparse:Kl.SegmentedSparse:Proxy.M3SparseWithProxyLse' \
   > "$OUT/tests.log" 2>&1
 echo "tests rc=$?"; grep -E "^\[  (PASSED|FAILED)|FAILED  \]|OK \]" "$OUT/tests.log" | head -30
 stamp ab
-for args in "--config m3 --seqlens 32768 --patterns clustered --iters 30" "--config m3 --seqlens 32768 --patterns random --iters 30" ; do
+for args in "--config m3 --seqlens 32768 --patterns clustered --iters 30" ; do
   bench_ab "$args" 2 flashmsa_bench flashmsa_bench_old
 done
-user_ab 1 420 "" _old
+user_ab 1 330 "" _old
 stamp done
 (cd "$OUT" && tar czf /tmp/bundle.tgz . && find . -mindepth 1 -delete && mv /tmp/bundle.tgz .)
