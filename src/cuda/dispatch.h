@@ -125,9 +125,9 @@ size_t guard_bytes(const Geometry& g);
 // (total x Hq / (4 x ctas) entries, rounded down to 64), clamped to [kKlSegment, kKlSegmentMax];
 // FLASHMSA_KL_SEGMENT overrides it for tests and tuning; at most max_seqlen, rounded up to a
 // multiple of 64. Each segment boundary drains both walks' pipelines, adds dK/dV (or dKp) and
-// reloads K/V (or Kp): ~19 us per boundary on the H200 (m3 32k: 4096 against 1024 entries, backward
-// -1.2%; docs/kernels/bwd.md "Session 30"). The quarter keeps the step's peak memory within ~5% of
-// what it was at 1024 (m3 32k: 3.81 -> 4.02 GB against cuDNN's 5.05) and leaves the small problems
+// reloads K/V (or Kp): ~20 us per boundary on the H200 (m3 32k: the rule against 1024 entries, backward
+// -1.1%; docs/kernels/bwd.md "Session 30"). The quarter keeps the step's peak memory within ~5% of
+// what it was at 1024 (m3 32k: 3.81 -> 4.01 GB against cuDNN's 5.05) and leaves the small problems
 // (fmsa 16k, 32k) at 1024, where the step's memory is at cuDNN's. The layouts keep both numbers
 // (kl_seg, kl_ctas), so the kernel runs with exactly what its scratch was sized for.
 constexpr int kKlSegment = 1024, kKlSegmentMax = 4096;

@@ -1,5 +1,6 @@
 // The workspace layouts of the three calls (dispatch.h describes each). A query and its call
 // compute the same layout from the same arguments.
+#include <algorithm>
 #include <cstdlib>
 #include <string>
 
@@ -23,7 +24,7 @@ int kl_segment(const Geometry& g, int ctas) {
   // The default grows with the problem: a quarter of the dq accumulator's bytes (total x Hq x 128 fp32) for the
   // scratch (ctas x seg x 512 bytes), at least kKlSegment and at most kKlSegmentMax entries.
   int64_t seg = int64_t(g.total) * g.Hq / (4 * int64_t(ctas > 0 ? ctas : 1)) / 64 * 64;
-  seg = seg < kKlSegment ? kKlSegment : seg > kKlSegmentMax ? kKlSegmentMax : seg;
+  seg = std::clamp<int64_t>(seg, kKlSegment, kKlSegmentMax);
   if (const char* e = std::getenv("FLASHMSA_KL_SEGMENT"); e && *e) {  // tests and tuning (docs/kernels/bwd.md)
     int64_t v = 0;
     bool ok = true;

@@ -6,7 +6,6 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
-#include <memory>
 #include <numeric>
 #include <set>
 #include <tuple>
@@ -1559,11 +1558,12 @@ TEST(Workspace, KlSegmentRule) {
   std::mt19937_64 rng(fresh_seed());
   int sms = 0;
   ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
-  auto bytes_with = [](RefusedBwd& r, const char* seg) {
-    if (!seg) unsetenv("FLASHMSA_KL_SEGMENT");  // the default, whatever the caller's environment holds
-    std::unique_ptr<ScopedEnv> env(seg ? new ScopedEnv("FLASHMSA_KL_SEGMENT", seg) : nullptr);
+  auto bytes_with = [](RefusedBwd& r, const char* seg) {  // seg nullptr: the default, whatever the environment held
+    if (seg) setenv("FLASHMSA_KL_SEGMENT", seg, 1);
+    else unsetenv("FLASHMSA_KL_SEGMENT");
     size_t n = 0;
     EXPECT_EQ(flashmsa_bwd_workspace_size(&r.b, &n), FLASHMSA_SUCCESS) << flashmsa_last_error();
+    unsetenv("FLASHMSA_KL_SEGMENT");
     return n;
   };
   {

@@ -265,7 +265,7 @@ __device__ __forceinline__ void kl_consume(const Params& P, typename KlConfig<El
             // branch-free: every row of a stage is readable (the producer zero-fills the rows past the range,
             // their plse too) and the masked elements' values are dropped by selects. A branch per element
             // (BSSY/BSYNC regions, the teacher's address recomputed in each) serialised the 32 elements: 5% of
-            // the consumers' time (ncu, docs/kernels/bwd.md "Session 30")
+            // the consumers' stall samples; without it the backward is 0.5% faster (docs/kernels/bwd.md "Session 30")
             const int x = 4 * i + 2 * e1 + e0;
             const bool ok = t >= 0 && kpos0 + 8 * e1 <= pos;
             const float zl2 = accZ(x) * psl2 - pl2;  // log2 of the student
