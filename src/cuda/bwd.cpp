@@ -38,8 +38,10 @@ void run_bwd(const flashmsa_bwd_args_t& a, const Geometry& g, char* ws, const Bw
   float* dq_acc = reinterpret_cast<float*>(ws + l.dq);
   float* dk_acc = reinterpret_cast<float*>(ws + l.dk);
   float* dv_acc = reinterpret_cast<float*>(ws + l.dv);
-  // the accumulators start at zero (this launch initialises them; nothing else does)
-  FLASHMSA_CUDA_CHECK(cudaMemsetAsync(ws + l.dq, 0, l.inv - l.dq, st));
+  // the accumulators start at zero (this launch initialises them; nothing else does), dq's unless its first
+  // contributions store (l.dq_store_first: the fused kernel's dq writer, dq_writer.cuh; its words are zeroed here)
+  const size_t zero_from = l.dq_store_first ? l.dk : l.dq;
+  FLASHMSA_CUDA_CHECK(cudaMemsetAsync(ws + zero_from, 0, l.inv - zero_from, st));
   // deterministic mode: the bounds and units of the fixed-point sums (before the preprocess, which
   // reads them for the dq rows' units)
   float* const fix = l.deterministic ? reinterpret_cast<float*>(ws + l.fix) : nullptr;
@@ -139,7 +141,8 @@ void run_bwd(const flashmsa_bwd_args_t& a, const Geometry& g, char* ws, const Bw
   }
   float* const kl_out = present(a.kl) ? static_cast<float*>(a.kl.data) : nullptr;
   if (l.has_teacher) {  // (has_teacher: SPARSE/GIVEN with the proxy side; R = G here, bwd_features)
-    run_fused(g, cp, r, false, fused_scratch(l, ws), kl_out, st);
+    run_fused(g, cp, r, false, fused_scratch(l, ws), kl_out, st,
+              l.dq_store_first ? reinterpret_cast<uint64_t*>(ws + l.dq_word) : nullptr);
   } else {
     attn_bwd::MainArgs mp;
     mp.c = c;
@@ -158,8 +161,12 @@ void run_bwd(const flashmsa_bwd_args_t& a, const Geometry& g, char* ws, const Bw
     convert_fixed(d, ws + l.dv, token_tensor<void>(a.dv, g), seqs, g.max_seqlen, g.Hkv, 1.f,
                   fix + attn_bwd::kUnitDv, 0, bad + 2, st);
   } else {
-    convert(d, dq_acc, token_tensor<void>(a.dq, g), seqs, g.max_seqlen, g.Hq, float(g.scale), st,
-            {c.R, tiles::head_slots(c.R)});
+    attn_bwd::DqLayout dl{c.R, tiles::head_slots(c.R)};
+    if (l.dq_store_first) {  // rows nobody stored (no list entry) convert to zeros
+      dl.words = reinterpret_cast<const uint64_t*>(ws + l.dq_word);
+      dl.total = g.total;
+    }
+    convert(d, dq_acc, token_tensor<void>(a.dq, g), seqs, g.max_seqlen, g.Hq, float(g.scale), st, dl);
     convert(d, dk_acc, token_tensor<void>(a.dk, g), seqs, g.max_seqlen, g.Hkv, float(g.scale), st);
     convert(d, dv_acc, token_tensor<void>(a.dv, g), seqs, g.max_seqlen, g.Hkv, 1.f, st);
   }

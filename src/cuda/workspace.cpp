@@ -54,6 +54,17 @@ bool onoff_knob(const char* name, const char* what, bool dflt) {
 }
 }  // namespace
 
+BwdDqPath bwd_dq_path() {
+  const char* e = std::getenv("FLASHMSA_BWD_DQ");
+  if (e == nullptr || *e == 0) return BwdDqPath::kAuto;
+  const std::string v(e);
+  if (v == "store") return BwdDqPath::kStoreFirst;
+  if (v == "add") return BwdDqPath::kAddOnly;
+  fail(FLASHMSA_ERROR_INVALID_ARGUMENT,
+       "FLASHMSA_BWD_DQ: expected 'store' (the first contribution to a dq row stores it) or 'add' (dq zeroed, adds "
+       "only), got '" + v + "'");
+}
+
 FwdRings fwd_rings_policy() {
   FwdRings r;
   r.regroup = onoff_knob("FLASHMSA_FWD_REGROUP", "tokens regrouped by selection", true);
@@ -133,6 +144,16 @@ BwdLayout bwd_layout(const flashmsa_bwd_args_t& a, const Geometry& g) {
     l.dqp = take(size_t(g.total) * g.Hp * kHeadDim * fixp);
     l.dkp = take(size_t(g.total) * g.Hpk * kHeadDim * fixp);
   }
+  // the fused kernel (SPARSE/GIVEN with the proxy side), default mode: store-first dq rows (dq_writer.cuh), their words
+  // zeroed with the accumulators. By default where a chunk holds at most a quarter of a first store on average: its
+  // 64 / Rp token slots each get one of up to topk contributions, so Rp x topk >= 256 (H200, session 31: m3 at 256
+  // -1.1% clustered / -1.6% random backward at 32k; fmsa at 64 +10% at 16k, each first store's publication waits for
+  // its chunk's bulk operations).
+  const BwdDqPath dq_path = bwd_dq_path();
+  l.dq_store_first = a.mode != FLASHMSA_MODE_DENSE && bwd_proxy_side(a, g) && !a.deterministic &&
+                     (dq_path == BwdDqPath::kStoreFirst ||
+                      (dq_path == BwdDqPath::kAuto && int64_t(tiles::head_slots(g.Hq / g.Hp)) * g.topk >= 256));
+  if (l.dq_store_first) l.dq_word = take(size_t(g.Hp) * g.total * 8);
   if (a.deterministic) {  // zeroed with the accumulators (the range [dq, inv))
     l.fix = take(attn_bwd::kFixWords * 4);
     if (a.mode == FLASHMSA_MODE_DENSE) {
@@ -182,6 +203,7 @@ size_t fwd_workspace(const flashmsa_fwd_args_t& a, const Geometry& g) {
 
 size_t bwd_workspace(const flashmsa_bwd_args_t& a, const Geometry& g) {
   bwd_features(a, g);
+  bwd_dq_path();  // a bad FLASHMSA_BWD_DQ fails every backward query (and call: api.cpp), whatever the mode
   return guard_bytes(g) + (g.total == 0 ? 0 : bwd_layout(a, g).total);
 }
 

@@ -686,6 +686,22 @@ struct ScopedEnv {
   ~ScopedEnv() { unsetenv(name_); }
   const char* name_;
 };
+// The fused backward's dq paths (FLASHMSA_BWD_DQ; unset, the rule picks 'store' for the m3 heads at topk 16 and 'add'
+// for the fmsa heads, so the other Proxy tests run both): the first contribution to a row stores it into the poisoned
+// workspace's dq accumulator (no zeroing; GIVEN rows with no block at all convert to zeros through their words),
+// varlen with empty and odd sequences; and 'add' (dq_acc zeroed).
+TEST(Proxy, DqStoreFirstGiven) {
+  ScopedEnv knob("FLASHMSA_BWD_DQ", "store");
+  run_bwd_case(fmsa().with_topk(8).seqlens({1500, 33, 0, 129}), BwdCase().given().with_dlse().with_dkl(1.0));
+}
+TEST(Proxy, DqStoreFirstM3) {
+  ScopedEnv knob("FLASHMSA_BWD_DQ", "store");
+  run_bwd_case(m3().with_topk(8).seqlens({1300, 40}), BwdCase().sparse().with_dkl(0.7).with_kl_value());
+}
+TEST(Proxy, DqAddOnly) {
+  ScopedEnv knob("FLASHMSA_BWD_DQ", "add");
+  run_bwd_case(fmsa().with_topk(8).seqlens({700, 129}), BwdCase().sparse().with_dkl(1.0));
+}
 TEST(Proxy, SegmentedLists) {
   ScopedEnv seg("FLASHMSA_KL_SEGMENT", "64");
   run_bwd_case(fmsa().with_topk(16).seqlens({0, 1, 127, 129, 1000, 2100, 2100}),
@@ -1591,6 +1607,49 @@ TEST(Errors, BadSegmentKnob) {
     size_t bytes = 0;
     EXPECT_EQ(flashmsa_bwd_workspace_size(&r.b, &bytes), FLASHMSA_ERROR_INVALID_ARGUMENT) << bad;
     EXPECT_NE(std::string(flashmsa_last_error()).find("FLASHMSA_KL_SEGMENT"), std::string::npos) << flashmsa_last_error();
+    EXPECT_EQ(flashmsa_bwd(&r.b, nullptr, 0), FLASHMSA_ERROR_INVALID_ARGUMENT) << bad;
+  }
+  r.expect_untouched();
+}
+
+// The store-first rule (workspace.cpp, bwd_layout): without the knob, store-first where Rp x topk >= 256, whose
+// workspace holds the rows' words (Hp x total x 8 bytes) beside the same accumulators.
+TEST(Workspace, BwdDqRule) {
+  PoolScope scope;
+  std::mt19937_64 rng(fresh_seed());
+  auto bytes_with = [](RefusedBwd& r, const char* path) {  // path nullptr: the rule, whatever the environment held
+    if (path) setenv("FLASHMSA_BWD_DQ", path, 1);
+    else unsetenv("FLASHMSA_BWD_DQ");
+    size_t n = 0;
+    EXPECT_EQ(flashmsa_bwd_workspace_size(&r.b, &n), FLASHMSA_SUCCESS) << flashmsa_last_error();
+    unsetenv("FLASHMSA_BWD_DQ");
+    return n;
+  };
+  {
+    RefusedBwd r(m3().with_topk(16).seqlens({3000}), rng);  // 16 head slots x 16 = 256: store-first
+    const size_t dflt = bytes_with(r, nullptr), store = bytes_with(r, "store"), add = bytes_with(r, "add");
+    EXPECT_EQ(dflt, store);
+    EXPECT_GE(store - add, size_t(4) * 3000 * 8);
+    EXPECT_LT(store - add, size_t(4) * 3000 * 8 + 1024);
+  }
+  {
+    RefusedBwd r(fmsa().with_topk(16).seqlens({3000}), rng);  // 4 x 16 = 64: adds only
+    EXPECT_EQ(bytes_with(r, nullptr), bytes_with(r, "add"));
+    EXPECT_GT(bytes_with(r, "store"), bytes_with(r, "add"));
+  }
+}
+
+// A bad FLASHMSA_BWD_DQ (the fused backward's dq path): the workspace query and the call refuse it whatever the mode,
+// and nothing is written.
+TEST(Errors, BadBwdDqKnob) {
+  PoolScope scope;
+  std::mt19937_64 rng(fresh_seed());
+  RefusedBwd r(fmsa().with_topk(2).seqlens({200}), rng);
+  for (const char* bad : {"x", "Store", "1", " store", "add ", "last"}) {
+    ScopedEnv knob("FLASHMSA_BWD_DQ", bad);
+    size_t bytes = 0;
+    EXPECT_EQ(flashmsa_bwd_workspace_size(&r.b, &bytes), FLASHMSA_ERROR_INVALID_ARGUMENT) << bad;
+    EXPECT_NE(std::string(flashmsa_last_error()).find("FLASHMSA_BWD_DQ"), std::string::npos) << flashmsa_last_error();
     EXPECT_EQ(flashmsa_bwd(&r.b, nullptr, 0), FLASHMSA_ERROR_INVALID_ARGUMENT) << bad;
   }
   r.expect_untouched();

@@ -2,7 +2,10 @@
 """Checks on the compiled kernels' machine code (SASS) that CI can run without a GPU.
 
 The default (non-deterministic, kDet = false) backward kernels must add their gradients with
-REDG (a reduction that does not wait for a reply), never ATOMG; the main and fused kernels add dQ
+REDG (a reduction that does not wait for a reply), never ATOMG (the default fused kernel's store-first dq words,
+dq_writer.cuh, are the one exception: a 64-bit acquire ATOMG whose reply says whether the contribution is a row's
+first, and a 64-bit release REDG that publishes a first store; no gradient is added with them); the main and fused
+kernels add dQ
 through their dQ writer warp's bulk reductions (cp.reduce.async.bulk: UBLKRED ... ADD.F32, the
 TMA engine adding a token slot's rows of the shared-memory dQ tile), which must be there; the
 fused kernel's kl walk adds its dQp the same way, so the fused kernel holds at least twice the
@@ -79,6 +82,12 @@ GPU_FENCE = re.compile(r"\bMEMBAR\.[A-Z.]*GPU\b")
 # (one copy in each role's loop), whose returned value is the item. Not a gradient add.
 ITEM_COUNTER = re.compile(r"\bATOMG\.E\.ADD\.STRONG\.GPU\s")
 ITEM_COUNTERS = {"bwd_fused_kernel": 2}
+# The default fused kernel's dQ writer keeps a 64-bit word per (token, proxy head) (dq_writer.cuh): the arrivals'
+# ATOMG.E.ADD.64 (the reply: is this the row's first contribution) and the first stores' release REDG.E.ADD.64. In that
+# kernel only, and there they must be; they add no gradient.
+DQ_WORD_ATOM = re.compile(r"\bATOMG\.E\.ADD\.64\.STRONG\.GPU\s")
+DQ_WORD_RED = re.compile(r"\bREDG\.E\.ADD\.64\.STRONG\.GPU\s")
+DQ_WORD_KERNELS = ("bwd_fused_kernel",)
 HGMMA = re.compile(r"\bHGMMA\.")
 DEPBAR = re.compile(r"\bWARPGROUP\.DEPBAR\b")
 # a named barrier of the 96 gathering producer threads (NamedBarrier::kGatherers, bar.sync id, 0x60)
@@ -124,8 +133,19 @@ def main(argv: list[str]) -> int:
             if counters != ITEM_COUNTERS.get(kernel, 0):
                 failures.append(f"{kname}: {counters} item-counter ATOMG, expected {ITEM_COUNTERS.get(kernel, 0)}")
             atomics -= counters
+            word_atoms, word_reds = 0, 0
+            if det == 0:
+                word_atoms, word_reds = len(DQ_WORD_ATOM.findall(text)), len(DQ_WORD_RED.findall(text))
+                if (kernel in DQ_WORD_KERNELS) != (word_atoms > 0 and word_reds > 0) or (
+                        kernel not in DQ_WORD_KERNELS and (word_atoms or word_reds)):
+                    failures.append(f"{kname}: {word_atoms} 64-bit ATOMG and {word_reds} 64-bit REDG of the dq words "
+                                    f"(the default fused kernel's store-first dQ writer must have both, no other "
+                                    f"default kernel either)")
+                atomics -= word_atoms
+                reds -= word_reds
+                fixed -= word_reds
             print(f"{kernel} kDet={det} ({os.path.basename(obj)}): REDG {reds} (64-bit integer {fixed}), "
-                  f"bulk fp32 adds {bulk}, ATOMG/ATOM {atomics}, GPU fences {fences}, HGMMA {mmas}, wgmma waits {waits}")
+                  f"bulk fp32 adds {bulk}, dq words {word_atoms} ATOMG + {word_reds} REDG, ATOMG/ATOM {atomics}, GPU fences {fences}, HGMMA {mmas}, wgmma waits {waits}")
             if det == 0 and (atomics or not reds or fixed):
                 failures.append(f"{kname}: {atomics} ATOMG/ATOM, {reds} REDG, {fixed} 64-bit (the default kernel "
                                 f"must add fp32 with REDG only)")

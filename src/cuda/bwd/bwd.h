@@ -36,6 +36,10 @@ struct FusedArgs {
   int seg = 0;                 // list entries per segment (a multiple of 64)
   int ctas = 0;                // persistent CTAs (at most this many; the scratch has a slot for each)
   int32_t* next_item = nullptr;  // the items' counter, zero at the launch
+  // The dQ rows' words (default mode; dq_writer.cuh): the first contribution to a (token, proxy head)'s rows stores
+  // them, so dq_acc is not zeroed. [Hp, total]: arrivals (low 32 bits), the first stored (high 32); zero at the launch.
+  // Null: dq_acc zeroed, adds only.
+  uint64_t* dq_word = nullptr;
 };
 
 // The recomputing proxy kernel (proxy_kernel.cuh, DENSE mode): the teacher from the group's S.

@@ -32,6 +32,7 @@
 
 #include "cuda/bwd/bwd.h"
 #include "cuda/bwd/bwd_common.cuh"
+#include "cuda/bwd/dq_writer.cuh"
 #include "cuda/common/utils.cuh"
 #include "cuda/ptx/cp_async.cuh"
 #include "cuda/ptx/order.cuh"
@@ -84,6 +85,7 @@ struct MainConfig {
     alignas(16) float dq[kRows][kDqStride];  // the chunk's dQ tile (rows x d, unpadded; columns swizzled so that
                                              // float2 stores take 2 wavefronts: bwd_params.cuh, dq_swizzle)
     int64_t dq_row[kRows];                   // dq_acc offset of each row; -1: nothing to add
+    int32_t dq_tok[kRows];                   // the global token of each row; -1: none (the fused writer's words)
   };
   // the pipeline's barriers and the resident block's (outside Smem: the fused kernel overlays the
   // two walks' Smem and keeps both Syncs)
@@ -236,6 +238,9 @@ __device__ __forceinline__ void main_produce(const Params& P, typename MainConfi
   Tensor sdO = make_tensor(make_smem_ptr(S.dout.data()), typename C::SmemLayoutRows{});
   if (tid >= C::kProducers) {  // the dQ writer warp: per chunk, lane 0 has each token slot of the tile added
     if (Params::kDetMode || P.teacher_only) return;
+    if constexpr (Params::kFusedWalk) {  // the first contribution to a row stores it (dq_writer.cuh)
+      if (P.dq_word) return store_first_dq_writer<C>(P, S, sync, state, m, nchunks, NTc);
+    }
     const int lane = tid % 32;
     for (int c = 0; c < nchunks; ++c) {
       sync.dq_full.wait(state.count() & 1);  // (the producer state counts the chunks as the consumers' does)
@@ -495,7 +500,10 @@ __device__ __forceinline__ void main_consume(const Params& P, typename MainConfi
         for (int i = 0; i < 8; ++i)
           *reinterpret_cast<float2*>(&S.dq[rq0 + 8 * e1][(dq0 + 8 * i) ^ sw]) =
               make_float2(accdQ(4 * i + 2 * e1), accdQ(4 * i + 2 * e1 + 1));
-        if (w == 0 && (wtid & 3) == 0) S.dq_row[rq0 + 8 * e1] = t < 0 ? int64_t(-1) : row - dq0;
+        if (w == 0 && (wtid & 3) == 0) {
+          S.dq_row[rq0 + 8 * e1] = t < 0 ? int64_t(-1) : row - dq0;
+          S.dq_tok[rq0 + 8 * e1] = t;
+        }
         if (e1 == 1) {
           ptx::fence_proxy_async_smem();  // the tile is read by the TMA engine (async proxy)
           sync.dq_full.arrive();

@@ -239,13 +239,16 @@ inline dim3 convert_grid(int64_t max_seqlen, int heads, int batch) {
 // in the aligned block d ^ s; 0 for every other accumulator (no swizzle).
 template <class Element>
 __global__ void convert_kernel(const float* acc, TokenTensor<void> out, Seqs seqs, int heads, float scale,
-                               int unit_heads, int unit_rp) {
+                               DqLayout dq) {
   ConvertSite c;
   if (!convert_site(seqs, c)) return;
-  const int s = unit_heads > 0 ? dq_swizzle(c.t, c.h % unit_heads, unit_rp) : 0;
+  const int s = dq.unit_heads > 0 ? dq_swizzle(c.t, c.h % dq.unit_heads, dq.unit_rp) : 0;
   const float* src = acc + (c.t * heads + c.h) * kHeadDimInst + (c.d ^ s);
   Element* dst = out.template row<Element>(c.b, c.t, c.h) + c.d;
-  const float4 x0 = *reinterpret_cast<const float4*>(src), x1 = *reinterpret_cast<const float4*>(src + 4);
+  float4 x0 = make_float4(0.f, 0.f, 0.f, 0.f), x1 = x0;
+  // (a store-first row group that no contribution reached holds the workspace's bytes: zeros instead)
+  if (!dq.words || uint32_t(dq.words[(c.h / dq.unit_heads) * dq.total + c.t]) != 0)
+    x0 = *reinterpret_cast<const float4*>(src), x1 = *reinterpret_cast<const float4*>(src + 4);
   alignas(16) Element v[8] = {Element(x0.x * scale), Element(x0.y * scale), Element(x0.z * scale), Element(x0.w * scale),
                               Element(x1.x * scale), Element(x1.y * scale), Element(x1.z * scale), Element(x1.w * scale)};
   *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(v);
@@ -395,7 +398,7 @@ void launch_convert(const float* acc, TokenTensor<void> out, const Seqs& seqs, i
                     float scale, cudaStream_t st, DqLayout dq_layout) {
   if (seqs.batch == 0 || max_seqlen == 0) return;
   convert_kernel<typename ElementOf<D>::type><<<convert_grid(max_seqlen, heads, seqs.batch), 256, 0, st>>>(
-      acc, out, seqs, heads, scale, dq_layout.unit_heads, dq_layout.unit_rp);
+      acc, out, seqs, heads, scale, dq_layout);
   FLASHMSA_CUDA_CHECK(cudaGetLastError());
 }
 

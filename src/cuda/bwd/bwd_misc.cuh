@@ -51,8 +51,12 @@ const int32_t* build_blk_off(const Seqs& seqs, void* ws, cudaStream_t st);
 // out[t, h, :] = scale * acc[t, h, :] in the output dtype. dq_layout: for the main backward's dq_acc, its heads per
 // unit (R) and their head slots (Rp: R rounded up to a power of two), whose column order (bwd_params.cuh, dq_swizzle)
 // the convert undoes; the default (unit_heads 0) for every other accumulator.
+// words: the store-first rows' words (dq_writer.cuh; [Hp, total], one per unit of unit_heads heads), whose zero
+// arrival count marks a row group that no contribution stored (converted to zeros); null: dq_acc was zeroed.
 struct DqLayout {
   int unit_heads = 0, unit_rp = 0;
+  const uint64_t* words = nullptr;
+  int64_t total = 0;
 };
 template <Dtype>
 void launch_convert(const float* acc, TokenTensor<void> out, const Seqs& seqs, int64_t max_seqlen, int heads,
