@@ -1565,6 +1565,17 @@ TEST(Kl, SegmentedSparse) {  // the forward's kl through the fused kernel's teac
   run_kl_case(m3().with_topk(16).seqlens({2000}), KlCase().sparse());
 }
 
+// The backward's workspace bytes with the knob `name` at `value` (nullptr: unset, whatever the environment held);
+// the knob is unset afterwards.
+size_t bwd_bytes_with(RefusedBwd& r, const char* name, const char* value) {
+  if (value) setenv(name, value, 1);
+  else unsetenv(name);
+  size_t n = 0;
+  EXPECT_EQ(flashmsa_bwd_workspace_size(&r.b, &n), FLASHMSA_SUCCESS) << name << ": " << flashmsa_last_error();
+  unsetenv(name);
+  return n;
+}
+
 // The default segment (dispatch.h kl_segment): a quarter of the dq accumulator for the scratch, clamped to
 // [1024, 4096] entries. The workspace without the knob equals the workspace with the knob at the rule's value:
 // m3 at 12000 tokens, 12000 x 64 / (4 x SMs) entries rounded down to 64 (1408 on 132 SMs; above 1024 up to 187
@@ -1574,14 +1585,7 @@ TEST(Workspace, KlSegmentRule) {
   std::mt19937_64 rng(fresh_seed());
   int sms = 0;
   ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
-  auto bytes_with = [](RefusedBwd& r, const char* seg) {  // seg nullptr: the default, whatever the environment held
-    if (seg) setenv("FLASHMSA_KL_SEGMENT", seg, 1);
-    else unsetenv("FLASHMSA_KL_SEGMENT");
-    size_t n = 0;
-    EXPECT_EQ(flashmsa_bwd_workspace_size(&r.b, &n), FLASHMSA_SUCCESS) << flashmsa_last_error();
-    unsetenv("FLASHMSA_KL_SEGMENT");
-    return n;
-  };
+  auto bytes_with = [](RefusedBwd& r, const char* seg) { return bwd_bytes_with(r, "FLASHMSA_KL_SEGMENT", seg); };
   {
     RefusedBwd r(m3().with_topk(2).seqlens({12000}), rng);
     int64_t want = int64_t(12000) * 64 / (4 * int64_t(sms)) / 64 * 64;
@@ -1617,14 +1621,7 @@ TEST(Errors, BadSegmentKnob) {
 TEST(Workspace, BwdDqRule) {
   PoolScope scope;
   std::mt19937_64 rng(fresh_seed());
-  auto bytes_with = [](RefusedBwd& r, const char* path) {  // path nullptr: the rule, whatever the environment held
-    if (path) setenv("FLASHMSA_BWD_DQ", path, 1);
-    else unsetenv("FLASHMSA_BWD_DQ");
-    size_t n = 0;
-    EXPECT_EQ(flashmsa_bwd_workspace_size(&r.b, &n), FLASHMSA_SUCCESS) << flashmsa_last_error();
-    unsetenv("FLASHMSA_BWD_DQ");
-    return n;
-  };
+  auto bytes_with = [](RefusedBwd& r, const char* path) { return bwd_bytes_with(r, "FLASHMSA_BWD_DQ", path); };
   {
     RefusedBwd r(m3().with_topk(16).seqlens({3000}), rng);  // 16 head slots x 16 = 256: store-first
     const size_t dflt = bytes_with(r, nullptr), store = bytes_with(r, "store"), add = bytes_with(r, "add");
