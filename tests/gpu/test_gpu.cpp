@@ -698,6 +698,18 @@ TEST(Proxy, DqStoreFirstM3) {
   ScopedEnv knob("FLASHMSA_BWD_DQ", "store");
   run_bwd_case(m3().with_topk(8).seqlens({1300, 40}), BwdCase().sparse().with_dkl(0.7).with_kl_value());
 }
+// store-first where the rule would add: fp16, the batched layout, 3 heads per proxy head in 4 head slots (R < Rp);
+// and lists walked in segments of 64 entries with GIVEN rows that repeat a block (counted once)
+TEST(Proxy, DqStoreFirstFp16BatchedPadded) {
+  ScopedEnv knob("FLASHMSA_BWD_DQ", "store");
+  run_bwd_case(Problem().heads(12, 2).proxy_heads(4, 2).with_topk(8).batched(2, 600).fp16(),
+               BwdCase().sparse().with_dkl(1.0));
+}
+TEST(Proxy, DqStoreFirstSegmentedRepeats) {
+  ScopedEnv knob("FLASHMSA_BWD_DQ", "store");
+  ScopedEnv seg("FLASHMSA_KL_SEGMENT", "64");
+  run_bwd_case(fmsa().with_topk(8).seqlens({1, 129, 900}), BwdCase().given().with_repeated_blocks().with_dkl(1.0));
+}
 TEST(Proxy, DqAddOnly) {
   ScopedEnv knob("FLASHMSA_BWD_DQ", "add");
   run_bwd_case(fmsa().with_topk(8).seqlens({700, 129}), BwdCase().sparse().with_dkl(1.0));
@@ -1524,11 +1536,12 @@ struct RefusedBwd {
   Inputs in;
   Tensor o, l, idx, g, dq, dk, dv, dqp, dkp;
   flashmsa::BwdArgs b;
-  RefusedBwd(const Problem& pb, std::mt19937_64& rng) : in(make_inputs(pb, rng)) {
+  // topk: the indices' last dimension (the backward's topk); the problem's own topk is not read
+  RefusedBwd(const Problem& pb, std::mt19937_64& rng, int topk = 2) : in(make_inputs(pb, rng)) {
     const int64_t T = pb.total();
     o = output(token_shape(pb, pb.Hq, pb.D), pb.dtype);
     l = output({pb.Hq, T}, FLASHMSA_DTYPE_FP32);
-    idx = output({pb.Hp, T, 2}, FLASHMSA_DTYPE_INT32);
+    idx = output({pb.Hp, T, topk}, FLASHMSA_DTYPE_INT32);
     g = output({}, FLASHMSA_DTYPE_FP32);
     cudaMemset(idx.dev, 0, idx.bytes());
     dq = output(token_shape(pb, pb.Hq, pb.D), pb.dtype);
@@ -1616,23 +1629,25 @@ TEST(Errors, BadSegmentKnob) {
   r.expect_untouched();
 }
 
-// The store-first rule (workspace.cpp, bwd_layout): without the knob, store-first where Rp x topk >= 256, whose
-// workspace holds the rows' words (Hp x total x 8 bytes) beside the same accumulators.
+// The store-first rule (workspace.cpp, bwd_layout): without the knob, store-first where Rp x topk >= 256 (topk: the
+// indices' last dimension), whose workspace holds the rows' words (Hp x total x 8 bytes) beside the same
+// accumulators; both sides of the threshold for two head counts.
 TEST(Workspace, BwdDqRule) {
   PoolScope scope;
   std::mt19937_64 rng(fresh_seed());
   auto bytes_with = [](RefusedBwd& r, const char* path) { return bwd_bytes_with(r, "FLASHMSA_BWD_DQ", path); };
-  {
-    RefusedBwd r(m3().with_topk(16).seqlens({3000}), rng);  // 16 head slots x 16 = 256: store-first
+  for (int topk : {16, 8}) {  // 16 head slots x topk: 256 store-first, 128 adds only
+    RefusedBwd r(m3().seqlens({3000}), rng, topk);
     const size_t dflt = bytes_with(r, nullptr), store = bytes_with(r, "store"), add = bytes_with(r, "add");
-    EXPECT_EQ(dflt, store);
+    EXPECT_EQ(dflt, topk == 16 ? store : add) << "topk " << topk;
     EXPECT_GE(store - add, size_t(4) * 3000 * 8);
     EXPECT_LT(store - add, size_t(4) * 3000 * 8 + 1024);
   }
-  {
-    RefusedBwd r(fmsa().with_topk(16).seqlens({3000}), rng);  // 4 x 16 = 64: adds only
-    EXPECT_EQ(bytes_with(r, nullptr), bytes_with(r, "add"));
-    EXPECT_GT(bytes_with(r, "store"), bytes_with(r, "add"));
+  for (int topk : {64, 32}) {  // fmsa: 4 head slots x topk: 256 store-first, 128 adds only
+    RefusedBwd r(fmsa().seqlens({9000}), rng, topk);
+    const size_t dflt = bytes_with(r, nullptr), store = bytes_with(r, "store"), add = bytes_with(r, "add");
+    EXPECT_EQ(dflt, topk == 64 ? store : add) << "topk " << topk;
+    EXPECT_GT(store, add);
   }
 }
 

@@ -88,6 +88,7 @@ ITEM_COUNTERS = {"bwd_fused_kernel": 2}
 DQ_WORD_ATOM = re.compile(r"\bATOMG\.E\.ADD\.64\.STRONG\.GPU\s")
 DQ_WORD_RED = re.compile(r"\bREDG\.E\.ADD\.64\.STRONG\.GPU\s")
 DQ_WORD_KERNELS = ("bwd_fused_kernel",)
+BULK_STORE = re.compile(r"\bUBLKCP\.G\.S\b")  # the first stores' bulk copies (shared -> global)
 HGMMA = re.compile(r"\bHGMMA\.")
 DEPBAR = re.compile(r"\bWARPGROUP\.DEPBAR\b")
 # a named barrier of the 96 gathering producer threads (NamedBarrier::kGatherers, bar.sync id, 0x60)
@@ -141,6 +142,8 @@ def main(argv: list[str]) -> int:
                     failures.append(f"{kname}: {word_atoms} 64-bit ATOMG and {word_reds} 64-bit REDG of the dq words "
                                     f"(the default fused kernel's store-first dQ writer must have both, no other "
                                     f"default kernel either)")
+                if kernel in DQ_WORD_KERNELS and not BULK_STORE.search(text):
+                    failures.append(f"{kname}: no bulk store (UBLKCP.G.S): the store-first dQ writer's first stores")
                 atomics -= word_atoms
                 reds -= word_reds
                 fixed -= word_reds

@@ -109,10 +109,10 @@ __device__ __forceinline__ void store_first_dq_writer(const Params& P, Smem& S, 
       publish(fa, fb, ta, tb);
       if (wa) dqw::wait_stored(word + ta);
       if (wb) dqw::wait_stored(word + tb);
-      __syncwarp();
       ready = ~first;
       first = 0;
     }
+    __syncwarp();  // the lanes' acquires before lane 0's fence and adds
     if (lane == 0) {
       dqw::fence_proxy_async_global();  // the acquired first stores before these adds
       dqw::issue<C::kHeadDim>(p.dq_acc, S.dq_row, S.dq, NTc, Rp, slot_bytes, ready, first);
