@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # Prepared in session 31 for the next session's first call. Before it:
-#   bash scripts/patch_variant.sh lag bench/probes/bwd-dq-store-first-lag.patch && bash scripts/pack_gpu.sh --from-build
-# (carry .gpu_pack). The lag variant publishes each chunk's first stores one chunk later (session 31's call 4 measured
+#   bash scripts/patch_variant.sh lag bench/probes/bwd-dq-store-first-lag.patch
+#   bash scripts/patch_variant.sh rlx bench/probes/bwd-dq-relaxed-arrivals-probe.patch   # timing only
+#   bash scripts/pack_gpu.sh --from-build
+# (carry .gpu_pack). rlx: the arrivals' atomics relaxed (no CCTL.IVALL per token slot; formally unordered: a probe).
+# The lag variant publishes each chunk's first stores one chunk later (session 31's call 4 measured
 # the shipped form, which waits for each chunk's bulk operations when it holds a first store: fmsa 16k +10% with
 # store-first, hence the rule Rp x topk >= 256). Its store-path tests, then the A/B with the paths forced
-# (FLASHMSA_BWD_DQ), alternated by round, then part 1 of the whole GPU suite on the default build (part 2: the
-# s31_first_call.sh filter's complement, `Workspace.BwdDqRule` included, next call).
+# (FLASHMSA_BWD_DQ), alternated by round, then part 1 of the whole GPU suite on the default build (Workspace.*,
+# Proxy.*, Kl.*, Bwd.*, Given.*: session 31's unrun tests included; part 2, the complement, as in s31_first_call.sh).
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" .gpu
 tar -xJf .gpu_pack/bins.tar.xz -C .gpu
 source bench/probes/callkit.sh
@@ -16,9 +19,9 @@ echo "lag tests rc=$?"; grep -E "^\[  (PASSED|FAILED)|FAILED  \]" "$OUT/lag-test
 stamp ab
 for args in "--config fmsa --seqlens 16384 --patterns clustered --iters 100" "--config m3 --seqlens 32768 --patterns clustered --iters 30"; do
   for round in 1 2; do
-    for v in add store lag; do
+    for v in add store lag rlx; do
       tag=$v-$(echo "$args" | awk '{print $2"-"$4"-"$6}')-r$round
-      case $v in add) b=flashmsa_bench; p=add;; store) b=flashmsa_bench; p=store;; lag) b=flashmsa_bench_lag; p=store;; esac
+      case $v in add) b=flashmsa_bench; p=add;; store) b=flashmsa_bench; p=store;; lag) b=flashmsa_bench_lag; p=store;; rlx) b=flashmsa_bench_rlx; p=store;; esac
       FLASHMSA_BWD_DQ=$p timeout 60 ./.gpu/$b $args --options 0 > "$OUT/bench-$tag.json" 2>&1
       echo "$tag $(python3 -c "import json,sys; r=json.loads(open(sys.argv[1]).read().splitlines()[-1]); print('bwd', r['bwd_ms'], 'step', r['step_ms'])" "$OUT/bench-$tag.json" 2>&1 | tail -1)"
     done
