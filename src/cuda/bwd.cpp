@@ -190,9 +190,16 @@ void run_bwd(const flashmsa_bwd_args_t& a, const Geometry& g, char* ws, const Bw
 
 }  // namespace
 
-void bwd(const flashmsa_bwd_args_t& user, const Geometry& g, void* ws_raw, size_t) {
+void bwd(const flashmsa_bwd_args_t& user, const Geometry& g, void* ws_raw, size_t ws_bytes) {
   const char* fn = "flashmsa_bwd";
   bwd_features(user, g);
+  // The layout this call uses, against the bytes given (the environment's knobs could have changed since the size
+  // was checked: never a layout past the buffer)
+  const BwdLayout l = g.total == 0 ? BwdLayout{} : bwd_layout(user, g);
+  if (guard_bytes(g) + l.total > ws_bytes)
+    fail(FLASHMSA_ERROR_WORKSPACE, std::string(fn) + ": workspace: this call's layout needs " +
+                                       std::to_string(guard_bytes(g) + l.total) + " bytes, got " +
+                                       std::to_string(ws_bytes) + " (did a FLASHMSA_* knob change since the query?)");
   auto st = static_cast<cudaStream_t>(user.stream);
   if (user.validate) {
     const auto cu = validate_offsets(user.cu_seqlens, g, st, fn);
@@ -206,7 +213,7 @@ void bwd(const flashmsa_bwd_args_t& user, const Geometry& g, void* ws_raw, size_
   if (present(a.kl)) FLASHMSA_CUDA_CHECK(cudaMemsetAsync(a.kl.data, 0, sizeof(float), st));  // no tokens: 0
   if (g.total == 0) return finish_guard(gd, st);
   char* ws = static_cast<char*>(ws_raw) + guard_bytes(g);
-  run_bwd(a, g, ws, bwd_layout(a, g), st);
+  run_bwd(a, g, ws, l, st);
   finish_guard(gd, st);
 }
 

@@ -95,10 +95,17 @@ void run_fwd_kl(const flashmsa_fwd_args_t& a, const Geometry& g, const int32_t* 
 
 }  // namespace
 
-void fwd(const flashmsa_fwd_args_t& user, const Geometry& g, void* ws_raw, size_t) {
+void fwd(const flashmsa_fwd_args_t& user, const Geometry& g, void* ws_raw, size_t ws_bytes) {
   const char* fn = "flashmsa_fwd";
   fwd_features(user, g);
   const FwdRings rings = fwd_rings_policy();  // a bad FLASHMSA_FWD_RINGS: refused before any work, whatever the mode
+  // The layout this call uses, against the bytes given (the environment's knobs could have changed since the size
+  // was checked: never a layout past the buffer)
+  const FwdLayout l = g.total == 0 ? FwdLayout{} : fwd_layout(user, g);
+  if (guard_bytes(g) + l.total > ws_bytes)
+    fail(FLASHMSA_ERROR_WORKSPACE, std::string(fn) + ": workspace: this call's layout needs " +
+                                       std::to_string(guard_bytes(g) + l.total) + " bytes, got " +
+                                       std::to_string(ws_bytes) + " (did a FLASHMSA_* knob change since the query?)");
   auto st = static_cast<cudaStream_t>(user.stream);
   if (user.validate) {
     const auto cu = validate_offsets(user.cu_seqlens, g, st, fn);
@@ -113,7 +120,6 @@ void fwd(const flashmsa_fwd_args_t& user, const Geometry& g, void* ws_raw, size_
   if (present(a.kl)) FLASHMSA_CUDA_CHECK(cudaMemsetAsync(a.kl.data, 0, sizeof(float), st));
   if (g.total == 0) return finish_guard(gd, st);
   char* ws = static_cast<char*>(ws_raw) + guard_bytes(g);
-  const FwdLayout l = fwd_layout(a, g);
 
   const int32_t* idx = nullptr;
   int64_t idx_head = 0, idx_tok = 0;
