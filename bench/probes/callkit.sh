@@ -1,6 +1,7 @@
 # Helpers for device-call scripts (sourced): the A/B of bench binaries and of libraries on the user's path, with the
 # binaries and libraries alternated by round. Session 28's calls repeated these loops inline (records of what ran).
-#   source bench/probes/callkit.sh; bench_ab "ARGS" ROUNDS BIN...; user_ab ROUNDS DEADLINE_S LIBSUFFIX...
+#   source bench/probes/callkit.sh; bench_ab "ARGS" ROUNDS BIN...; bench_variants "ARGS" ROUNDS TAG:BIN:ENV...;
+#   user_ab ROUNDS DEADLINE_S LIBSUFFIX...
 stamp() { echo "== $1 ($(date +%T))"; }
 # One line per run: backward and step ms of flashmsa_bench's last JSON line; the JSON under $OUT.
 bench_ab() {
@@ -11,6 +12,20 @@ bench_ab() {
       tag=$b-$(echo "$args" | awk '{print $2"-"$4"-"$6}')-r$round
       ./.gpu/$b $args --options 0 > "$OUT/bench-$tag.json" 2>&1
       echo "$tag $(python3 -c "import json,sys; r=json.loads(open(sys.argv[1]).read().splitlines()[-1]); print('bwd', r['bwd_ms'], 'step', r['step_ms'], 'fwd', r['fwd_train_ms'])" "$OUT/bench-$tag.json" 2>&1 | tail -1)"
+    done
+  done
+}
+# Like bench_ab, with variants "TAG:BIN:ENV" (ENV: VAR=VALUE pairs joined by commas, or empty), e.g.
+#   bench_variants "--config m3 --seqlens 32768 --patterns clustered --iters 30" 2 add:flashmsa_bench:FLASHMSA_BWD_DQ=add
+bench_variants() {
+  local args=$1 rounds=$2 round v tag name bin envs
+  shift 2
+  for round in $(seq 1 "$rounds"); do
+    for v in "$@"; do
+      IFS=: read -r name bin envs <<< "$v"
+      tag=$name-$(echo "$args" | awk '{print $2"-"$4"-"$6}')-r$round
+      env ${envs//,/ } timeout 60 ./.gpu/$bin $args --options 0 > "$OUT/bench-$tag.json" 2>&1
+      echo "$tag $(python3 -c "import json,sys; r=json.loads(open(sys.argv[1]).read().splitlines()[-1]); print('bwd', r['bwd_ms'], 'step', r['step_ms'])" "$OUT/bench-$tag.json" 2>&1 | tail -1)"
     done
   done
 }

@@ -18,14 +18,8 @@ timeout 90 ./.gpu/flashmsa_gpu_tests_lag --gtest_filter='Proxy.SmallSparse:Proxy
 echo "lag tests rc=$?"; grep -E "^\[  (PASSED|FAILED)|FAILED  \]" "$OUT/lag-tests.log" | head
 stamp ab
 for args in "--config fmsa --seqlens 16384 --patterns clustered --iters 100" "--config m3 --seqlens 32768 --patterns clustered --iters 30"; do
-  for round in 1 2; do
-    for v in add store lag rlx; do
-      tag=$v-$(echo "$args" | awk '{print $2"-"$4"-"$6}')-r$round
-      case $v in add) b=flashmsa_bench; p=add;; store) b=flashmsa_bench; p=store;; lag) b=flashmsa_bench_lag; p=store;; rlx) b=flashmsa_bench_rlx; p=store;; esac
-      FLASHMSA_BWD_DQ=$p timeout 60 ./.gpu/$b $args --options 0 > "$OUT/bench-$tag.json" 2>&1
-      echo "$tag $(python3 -c "import json,sys; r=json.loads(open(sys.argv[1]).read().splitlines()[-1]); print('bwd', r['bwd_ms'], 'step', r['step_ms'])" "$OUT/bench-$tag.json" 2>&1 | tail -1)"
-    done
-  done
+  bench_variants "$args" 2 add:flashmsa_bench:FLASHMSA_BWD_DQ=add store:flashmsa_bench:FLASHMSA_BWD_DQ=store \
+    lag:flashmsa_bench_lag:FLASHMSA_BWD_DQ=store rlx:flashmsa_bench_rlx:FLASHMSA_BWD_DQ=store
 done
 stamp suite-1
 timeout $((590 - SECONDS)) ./.gpu/flashmsa_gpu_tests --gtest_filter='Workspace.*:Proxy.*:Kl.*:Bwd.*:Given.*' > "$OUT/gpu-suite-1.log" 2>&1
