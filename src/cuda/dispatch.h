@@ -177,13 +177,15 @@ struct BwdLayout {
   // default-mode SPARSE/GIVEN with the proxy side, by bwd_dq_path's rule: the first contribution to a dq row stores it
   // (dq_writer.cuh), dq_acc is not zeroed; its rows' words [Hp, total] uint64 (in the zeroed range)
   bool dq_store_first = false;
+  bool dq_force_wait = false;  // FLASHMSA_BWD_DQ=store-wait (tests): the store-first writer's rare wait on every row
   size_t dq_word = 0;
 };
 BwdLayout bwd_layout(const flashmsa_bwd_args_t& a, const Geometry& g);
 // The fused backward's dq path (default mode), FLASHMSA_BWD_DQ (tests and tuning; docs/kernels/bwd.md "Session 31"):
 // 'store': the first contribution to a row stores it (dq_acc not zeroed); 'add': dq_acc zeroed, adds only; unset:
-// bwd_layout's rule (store-first where Rp x topk >= 256). Anything else is refused.
-enum class BwdDqPath { kAuto, kStoreFirst, kAddOnly };
+// bwd_layout's rule (store-first where Rp x topk >= 256); 'store-wait' (tests): 'store' with every later contribution
+// taking the writer's rare wait. Anything else is refused.
+enum class BwdDqPath { kAuto, kStoreFirst, kAddOnly, kStoreWait };
 BwdDqPath bwd_dq_path();
 
 // Workspace of the forward after the guard's: the indices (SPARSE without an indices output),
@@ -259,8 +261,10 @@ FusedScratch fused_scratch(const Layout& l, char* ws) {
 // SPARSE/GIVEN with a kl: the fused kernel (the main backward's walk and the kl walk per CTA, the
 // teacher in the scratch); c is the main backward's Common (the forward's kl: teacher_only); then
 // the kl value as run_proxy.
-// dq_word: the backward's store-first dq words (dq_writer.cuh; BwdLayout::dq_store_first), null: adds only.
+// dq_word: the backward's store-first dq words (dq_writer.cuh; BwdLayout::dq_store_first), null: adds only;
+// dq_force_wait: BwdLayout::dq_force_wait.
 void run_fused(const Geometry& g, const attn_bwd::Common& c, const ProxyRun& r, bool teacher_only,
-               const FusedScratch& s, float* kl_out, cudaStream_t st, uint64_t* dq_word = nullptr);
+               const FusedScratch& s, float* kl_out, cudaStream_t st, uint64_t* dq_word = nullptr,
+               bool dq_force_wait = false);
 
 }  // namespace flashmsa::cuda

@@ -128,7 +128,7 @@ void run_proxy(const Geometry& g, const attn_bwd::Common& c, const ProxyRun& r, 
 }
 
 void run_fused(const Geometry& g, const attn_bwd::Common& c, const ProxyRun& r, bool teacher_only,
-               const FusedScratch& s, float* kl_out, cudaStream_t st, uint64_t* dq_word) {
+               const FusedScratch& s, float* kl_out, cudaStream_t st, uint64_t* dq_word, bool dq_force_wait) {
   attn_bwd::FusedArgs fa;
   fa.c = proxy_common(g, c, r, st);
   fa.c.R = tiles::bwd_unit_heads(g);
@@ -145,6 +145,7 @@ void run_fused(const Geometry& g, const attn_bwd::Common& c, const ProxyRun& r, 
   fa.ctas = s.ctas;
   fa.next_item = s.next_item;
   fa.dq_word = teacher_only ? nullptr : dq_word;
+  fa.dq_force_wait = dq_force_wait;
   FLASHMSA_CUDA_CHECK(cudaMemsetAsync(s.next_item, 0, sizeof(int32_t), st));
   const bool det = fa.c.fix != nullptr;
   const bool ready = fa.c.dq_fix && fa.c.dk_fix && fa.c.dv_fix && fa.c.dq_unit.ptr && fa.c.dqp_fix && fa.c.dkp_fix;

@@ -60,9 +60,10 @@ BwdDqPath bwd_dq_path() {
   const std::string v(e);
   if (v == "store") return BwdDqPath::kStoreFirst;
   if (v == "add") return BwdDqPath::kAddOnly;
+  if (v == "store-wait") return BwdDqPath::kStoreWait;
   fail(FLASHMSA_ERROR_INVALID_ARGUMENT,
-       "FLASHMSA_BWD_DQ: expected 'store' (the first contribution to a dq row stores it) or 'add' (dq zeroed, adds "
-       "only), got '" + v + "'");
+       "FLASHMSA_BWD_DQ: expected 'store' (the first contribution to a dq row stores it), 'add' (dq zeroed, adds only) "
+       "or 'store-wait' (tests: 'store', every later contribution through the writer's wait), got '" + v + "'");
 }
 
 FwdRings fwd_rings_policy() {
@@ -151,8 +152,9 @@ BwdLayout bwd_layout(const flashmsa_bwd_args_t& a, const Geometry& g) {
   // its chunk's bulk operations).
   const BwdDqPath dq_path = bwd_dq_path();
   l.dq_store_first = a.mode != FLASHMSA_MODE_DENSE && bwd_proxy_side(a, g) && !a.deterministic &&
-                     (dq_path == BwdDqPath::kStoreFirst ||
+                     (dq_path == BwdDqPath::kStoreFirst || dq_path == BwdDqPath::kStoreWait ||
                       (dq_path == BwdDqPath::kAuto && int64_t(tiles::head_slots(g.Hq / g.Hp)) * g.topk >= 256));
+  l.dq_force_wait = l.dq_store_first && dq_path == BwdDqPath::kStoreWait;
   if (l.dq_store_first) l.dq_word = take(size_t(g.Hp) * g.total * 8);
   if (a.deterministic) {  // zeroed with the accumulators (the range [dq, inv))
     l.fix = take(attn_bwd::kFixWords * 4);

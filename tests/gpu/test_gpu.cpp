@@ -710,6 +710,13 @@ TEST(Proxy, DqStoreFirstSegmentedRepeats) {
   ScopedEnv seg("FLASHMSA_KL_SEGMENT", "64");
   run_bwd_case(fmsa().with_topk(8).seqlens({1, 129, 900}), BwdCase().given().with_repeated_blocks().with_dkl(1.0));
 }
+// the writer's rare path on every later contribution (FLASHMSA_BWD_DQ=store-wait): its own first stores issued and
+// published, then the wait for the row's first, then its adds; GIVEN rows without blocks, varlen; the m3 heads
+TEST(Proxy, DqStoreFirstWaitPath) {
+  ScopedEnv knob("FLASHMSA_BWD_DQ", "store-wait");
+  run_bwd_case(fmsa().with_topk(8).seqlens({1100, 0, 129}), BwdCase().given().with_dkl(1.0).with_kl_value());
+  run_bwd_case(m3().with_topk(4).seqlens({700}), BwdCase().sparse().with_dkl(0.5));
+}
 TEST(Proxy, DqAddOnly) {
   ScopedEnv knob("FLASHMSA_BWD_DQ", "add");
   run_bwd_case(fmsa().with_topk(8).seqlens({700, 129}), BwdCase().sparse().with_dkl(1.0));
@@ -1657,7 +1664,7 @@ TEST(Errors, BadBwdDqKnob) {
   PoolScope scope;
   std::mt19937_64 rng(fresh_seed());
   RefusedBwd r(fmsa().with_topk(2).seqlens({200}), rng);
-  for (const char* bad : {"x", "Store", "1", " store", "add ", "last"}) {
+  for (const char* bad : {"x", "Store", "1", " store", "add ", "last", "store-"}) {
     ScopedEnv knob("FLASHMSA_BWD_DQ", bad);
     size_t bytes = 0;
     EXPECT_EQ(flashmsa_bwd_workspace_size(&r.b, &bytes), FLASHMSA_ERROR_INVALID_ARGUMENT) << bad;

@@ -40,6 +40,8 @@ struct FusedArgs {
   // them, so dq_acc is not zeroed. [Hp, total]: arrivals (low 32 bits), the first stored (high 32); zero at the launch.
   // Null: dq_acc zeroed, adds only.
   uint64_t* dq_word = nullptr;
+  bool dq_force_wait = false;  // tests (FLASHMSA_BWD_DQ=store-wait): every later contribution waits as if its first
+                               // had not completed, so the rare path runs
 };
 
 // The recomputing proxy kernel (proxy_kernel.cuh, DENSE mode): the teacher from the group's S.

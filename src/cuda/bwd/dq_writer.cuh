@@ -97,7 +97,9 @@ __device__ __forceinline__ void store_first_dq_writer(const Params& P, Smem& S, 
     if (ta >= 0) oa = dqw::atom_add_acquire(word + ta, 1);
     if (tb >= 0) ob = dqw::atom_add_acquire(word + tb, 1);
     const bool fa = ta >= 0 && uint32_t(oa) == 0, fb = tb >= 0 && uint32_t(ob) == 0;  // this is the first
-    const bool wa = ta >= 0 && !fa && (oa >> 32) == 0, wb = tb >= 0 && !fb && (ob >> 32) == 0;  // its first is not done
+    // its first is not done (P.dq_force_wait, tests: every later contribution takes the rare path below)
+    const bool wa = ta >= 0 && !fa && ((oa >> 32) == 0 || P.dq_force_wait),
+               wb = tb >= 0 && !fb && ((ob >> 32) == 0 || P.dq_force_wait);
     uint64_t first = uint64_t(__ballot_sync(0xffffffffu, fa)) | uint64_t(__ballot_sync(0xffffffffu, fb)) << 32;
     uint64_t ready = ~uint64_t(0);
     if (__any_sync(0xffffffffu, wa || wb)) {
