@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 #include <numeric>
 #include <set>
 #include <tuple>
@@ -1621,19 +1622,25 @@ TEST(Workspace, KlSegmentRule) {
   }
 }
 
-// A bad FLASHMSA_KL_SEGMENT: the workspace query and the call refuse it, and nothing is written.
-TEST(Errors, BadSegmentKnob) {
+// A bad value of the backward's knob `name` (each of `bad`): the workspace query and the call refuse it with an error
+// naming the knob, and nothing is written.
+void expect_bwd_knob_refused(const char* name, std::initializer_list<const char*> bad) {
   PoolScope scope;
   std::mt19937_64 rng(fresh_seed());
   RefusedBwd r(fmsa().with_topk(2).seqlens({200}), rng);
-  for (const char* bad : {"0", "-5", "abc", "64x", " 64", "+64", "2000000"}) {
-    ScopedEnv seg("FLASHMSA_KL_SEGMENT", bad);
+  for (const char* v : bad) {
+    ScopedEnv knob(name, v);
     size_t bytes = 0;
-    EXPECT_EQ(flashmsa_bwd_workspace_size(&r.b, &bytes), FLASHMSA_ERROR_INVALID_ARGUMENT) << bad;
-    EXPECT_NE(std::string(flashmsa_last_error()).find("FLASHMSA_KL_SEGMENT"), std::string::npos) << flashmsa_last_error();
-    EXPECT_EQ(flashmsa_bwd(&r.b, nullptr, 0), FLASHMSA_ERROR_INVALID_ARGUMENT) << bad;
+    EXPECT_EQ(flashmsa_bwd_workspace_size(&r.b, &bytes), FLASHMSA_ERROR_INVALID_ARGUMENT) << v;
+    EXPECT_NE(std::string(flashmsa_last_error()).find(name), std::string::npos) << flashmsa_last_error();
+    EXPECT_EQ(flashmsa_bwd(&r.b, nullptr, 0), FLASHMSA_ERROR_INVALID_ARGUMENT) << v;
   }
   r.expect_untouched();
+}
+
+// A bad FLASHMSA_KL_SEGMENT: the workspace query and the call refuse it, and nothing is written.
+TEST(Errors, BadSegmentKnob) {
+  expect_bwd_knob_refused("FLASHMSA_KL_SEGMENT", {"0", "-5", "abc", "64x", " 64", "+64", "2000000"});
 }
 
 // The store-first rule (workspace.cpp, bwd_layout): without the knob, store-first where Rp x topk >= 256 (topk: the
@@ -1661,17 +1668,7 @@ TEST(Workspace, BwdDqRule) {
 // A bad FLASHMSA_BWD_DQ (the fused backward's dq path): the workspace query and the call refuse it whatever the mode,
 // and nothing is written.
 TEST(Errors, BadBwdDqKnob) {
-  PoolScope scope;
-  std::mt19937_64 rng(fresh_seed());
-  RefusedBwd r(fmsa().with_topk(2).seqlens({200}), rng);
-  for (const char* bad : {"x", "Store", "1", " store", "add ", "last", "store-"}) {
-    ScopedEnv knob("FLASHMSA_BWD_DQ", bad);
-    size_t bytes = 0;
-    EXPECT_EQ(flashmsa_bwd_workspace_size(&r.b, &bytes), FLASHMSA_ERROR_INVALID_ARGUMENT) << bad;
-    EXPECT_NE(std::string(flashmsa_last_error()).find("FLASHMSA_BWD_DQ"), std::string::npos) << flashmsa_last_error();
-    EXPECT_EQ(flashmsa_bwd(&r.b, nullptr, 0), FLASHMSA_ERROR_INVALID_ARGUMENT) << bad;
-  }
-  r.expect_untouched();
+  expect_bwd_knob_refused("FLASHMSA_BWD_DQ", {"x", "Store", "1", " store", "add ", "last", "store-"});
 }
 
 // A workspace pointer off a 16-byte boundary (the kernels' bulk copies and 64-bit atomics need it): the forward and
