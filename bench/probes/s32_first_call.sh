@@ -8,7 +8,8 @@
 # the shipped form, which waits for each chunk's bulk operations when it holds a first store: fmsa 16k +10% with
 # store-first, hence the rule Rp x topk >= 256). Its store-path tests, then the A/B with the paths forced
 # (FLASHMSA_BWD_DQ), alternated by round, then part 1 of the whole GPU suite on the default build (Workspace.*,
-# Proxy.*, Kl.*, Bwd.*, Given.*: session 31's unrun tests included; part 2, the complement, as in s31_first_call.sh).
+# Proxy.*, Kl.*, Given.*: session 31's unrun tests included; part 2, the complement, in the next call), with the m3 128k
+# backward between them.
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" .gpu
 tar -xJf .gpu_pack/bins.tar.xz -C .gpu
 source bench/probes/callkit.sh
@@ -21,8 +22,10 @@ for args in "--config fmsa --seqlens 16384 --patterns clustered --iters 100" "--
   bench_variants "$args" 2 add:flashmsa_bench:FLASHMSA_BWD_DQ=add store:flashmsa_bench:FLASHMSA_BWD_DQ=store \
     lag:flashmsa_bench_lag:FLASHMSA_BWD_DQ=store rlx:flashmsa_bench_rlx:FLASHMSA_BWD_DQ=store
 done
+stamp m3-128k
+bench_variants "--config m3 --seqlens 131072 --patterns clustered --iters 10" 1 def:flashmsa_bench:
 stamp suite-1
-timeout $((590 - SECONDS)) ./.gpu/flashmsa_gpu_tests --gtest_filter='Workspace.*:Proxy.*:Kl.*:Bwd.*:Given.*' > "$OUT/gpu-suite-1.log" 2>&1
+timeout $((590 - SECONDS)) ./.gpu/flashmsa_gpu_tests --gtest_filter='Workspace.*:Proxy.*:Kl.*:Given.*' > "$OUT/gpu-suite-1.log" 2>&1
 echo "suite-1 rc=$?"; grep -E "^\[  (PASSED|FAILED)|FAILED  \]" "$OUT/gpu-suite-1.log" | head
 stamp done
 (cd "$OUT" && tar czf /tmp/bundle.tgz . && find . -mindepth 1 -delete && mv /tmp/bundle.tgz .)
