@@ -11,7 +11,7 @@
 # - rot: the main walk's loop rotated, chunk c + 1's S^T = K Q^T issued right behind chunk c's dQ = dS K and run under
 #   c's dQ tile stores (the S^T wait was ~10% of the loop and the dQ stores and hand-off ~11%, session 22's profile);
 #   P^T in its own registers (accP) so that no in-flight register is copied (ptxas: no C7514/C7515/C7517). ptxas
-#   spills: ~15 local loads/stores per chunk and thread in the loop against ~1.
+#   spills: ~5 local loads/stores per chunk and thread in the loop against ~1.
 # Tests of poly2 and rot first, then the A/B alternated by round, the README call with each library. Results land in
 # $OUT as written.
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" .gpu
