@@ -193,13 +193,9 @@ void run_bwd(const flashmsa_bwd_args_t& a, const Geometry& g, char* ws, const Bw
 void bwd(const flashmsa_bwd_args_t& user, const Geometry& g, void* ws_raw, size_t ws_bytes) {
   const char* fn = "flashmsa_bwd";
   bwd_features(user, g);
-  // The layout this call uses, against the bytes given (the environment's knobs could have changed since the size
-  // was checked: never a layout past the buffer)
+  // the layout this call uses, against the bytes given
   const BwdLayout l = g.total == 0 ? BwdLayout{} : bwd_layout(user, g);
-  if (guard_bytes(g) + l.total > ws_bytes)
-    fail(FLASHMSA_ERROR_WORKSPACE, std::string(fn) + ": workspace: this call's layout needs " +
-                                       std::to_string(guard_bytes(g) + l.total) + " bytes, got " +
-                                       std::to_string(ws_bytes) + " (did a FLASHMSA_* knob change since the query?)");
+  check_layout_fits(fn, g, l.total, ws_bytes);
   auto st = static_cast<cudaStream_t>(user.stream);
   if (user.validate) {
     const auto cu = validate_offsets(user.cu_seqlens, g, st, fn);

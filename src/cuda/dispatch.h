@@ -118,6 +118,9 @@ void check_aligned(const char* fn, const char* name, const flashmsa_tensor_t& t)
 // ---- workspace.cpp ----
 // Every varlen call's workspace starts with the guard's (the safe cu_seqlens); then the call's.
 size_t guard_bytes(const Geometry& g);
+// A call's own layout (computed once, from the environment of the call) against the bytes given: the knobs could
+// have changed since the size query, and a layout past the buffer is refused (FLASHMSA_ERROR_WORKSPACE).
+void check_layout_fits(const char* fn, const Geometry& g, size_t layout_bytes, size_t ws_bytes);
 // The fused kernel's teacher scratch (fused_kernel.cuh): one slot of kl_segment(g, ctas) fp32 rows of
 // 128 keys per persistent CTA, kl_ctas(g) CTAs (the device's SMs: one CTA each). SPARSE/GIVEN
 // only: in DENSE mode the recomputing proxy kernel runs instead. The segment (list entries per

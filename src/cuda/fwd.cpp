@@ -99,13 +99,9 @@ void fwd(const flashmsa_fwd_args_t& user, const Geometry& g, void* ws_raw, size_
   const char* fn = "flashmsa_fwd";
   fwd_features(user, g);
   const FwdRings rings = fwd_rings_policy();  // a bad FLASHMSA_FWD_RINGS: refused before any work, whatever the mode
-  // The layout this call uses, against the bytes given (the environment's knobs could have changed since the size
-  // was checked: never a layout past the buffer)
+  // the layout this call uses, against the bytes given
   const FwdLayout l = g.total == 0 ? FwdLayout{} : fwd_layout(user, g);
-  if (guard_bytes(g) + l.total > ws_bytes)
-    fail(FLASHMSA_ERROR_WORKSPACE, std::string(fn) + ": workspace: this call's layout needs " +
-                                       std::to_string(guard_bytes(g) + l.total) + " bytes, got " +
-                                       std::to_string(ws_bytes) + " (did a FLASHMSA_* knob change since the query?)");
+  check_layout_fits(fn, g, l.total, ws_bytes);
   auto st = static_cast<cudaStream_t>(user.stream);
   if (user.validate) {
     const auto cu = validate_offsets(user.cu_seqlens, g, st, fn);

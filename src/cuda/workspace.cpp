@@ -14,6 +14,14 @@ using tiles::kHeadDim;
 
 size_t guard_bytes(const Geometry& g) { return g.batched ? 0 : guard::workspace(g.batch); }
 
+void check_layout_fits(const char* fn, const Geometry& g, size_t layout_bytes, size_t ws_bytes) {
+  const size_t need = guard_bytes(g) + layout_bytes;
+  if (need > ws_bytes)
+    fail(FLASHMSA_ERROR_WORKSPACE, std::string(fn) + ": workspace: this call's layout needs " + std::to_string(need) +
+                                       " bytes, got " + std::to_string(ws_bytes) +
+                                       " (did a FLASHMSA_* knob change since the query?)");
+}
+
 int kl_ctas(const Geometry& g) {
   int n = 0;
   FLASHMSA_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, g.device_id));
