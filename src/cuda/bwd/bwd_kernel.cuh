@@ -12,7 +12,7 @@
 // (deterministic mode: dQ, and dK_j, dV_j at the end, go to 64-bit fixed-point accumulators from
 // the consumers, whose integer adds give the same sum in any order; bwd_params.cuh). The other
 // three producer warps gather: the chunk's token ids (prefetched one chunk ahead), then the Q and
-// dO rows, lse (log2) and dpsum with cp.async into a two-stage mbarrier pipeline whose arrivals
+// dO rows, lse (log2) and dpsum with cp.async into a three-stage mbarrier pipeline whose arrivals
 // complete with the copies (the producer never waits for its own loads); K_j and V_j come once
 // by TMA.
 //
@@ -39,8 +39,8 @@
 
 // The dQ path (docs/kernels/bwd.md, "Session 15"): the consumers stage each chunk's dQ tile in shared memory and the
 // producer warpgroup's last warp has the TMA engine add it to dq_acc, one token slot's R head rows per operation
-// (cp.reduce.async.bulk; session 21), so no consumer waits for its reductions to drain; the tile takes the room of a
-// third pipeline stage (two stages: session 11 measured the third worth nothing). The deterministic mode keeps its
+// (cp.reduce.async.bulk; session 21), so no consumer waits for its reductions to drain. Three stages since session 33
+// (m3 -1% to -2%; the room of dS^T's second buffer: bwd.md "Session 33"). The deterministic mode keeps its
 // fixed-point adds in the consumers.
 
 namespace flashmsa::cuda::attn_bwd {
@@ -49,7 +49,7 @@ template <class Element>
 struct MainConfig {
   static constexpr int kBlockN = kBlockKeys, kRows = 64, kHeadDim = kHeadDimInst;
   // the producer warpgroup's last warp adds dQ (the dQ writer); the other three gather rows
-  static constexpr int kThreads = kCtaThreads, kStages = 2, kConsumers = kConsumerThreads,
+  static constexpr int kThreads = kCtaThreads, kStages = 3, kConsumers = kConsumerThreads,
                        kProducers = kWarpGroupThreads - 32,
                        kDqStride = kHeadDim;  // unpadded rows, swizzled columns (bwd_params.cuh, dq_swizzle)
   using Pipeline = cutlass::PipelineAsync<kStages>;
@@ -60,9 +60,10 @@ struct MainConfig {
   // chunk rows (rows, d) per stage, and their (d, rows) views for dV += P^T dO, dK += dS^T Q
   using SmemLayoutRows = SwizzledTiles<Element, kRows, kHeadDim, kStages>;
   using SmemLayoutRowsT = TransposedViews<SmemLayoutRows, kRows, kHeadDim, kStages>;
-  // dS^T staging (keys, rows), rows contiguous; double-buffered; and its (rows, keys) view
-  using SmemLayoutdS = SwizzledTiles<Element, kBlockN, kRows, 2>;
-  using SmemLayoutdSt = TransposedViews<SmemLayoutdS, kBlockN, kRows, 2>;
+  // dS^T staging (keys, rows), rows contiguous; one buffer (its room went to the third stage: the consumers meet
+  // after the dQ GEMM, before the next chunk's dS^T); and its (rows, keys) view
+  using SmemLayoutdS = SwizzledTiles<Element, kBlockN, kRows, 1>;
+  using SmemLayoutdSt = TransposedViews<SmemLayoutdS, kBlockN, kRows, 1>;
   // S^T = K Q^T and dP^T = V dO^T: (64 keys) x (64 rows) x d
   using MmaSdp = SsMma<Element, 64, kRows, kHeadDim>;
   // dV += P^T dO and dK += dS^T Q: (64 keys) x d x (64 rows), A from registers
@@ -454,7 +455,7 @@ __device__ __forceinline__ void main_consume(const Params& P, typename MainConfi
     wg_gemm<false>(mma_dkv, make_tensor(rP.data(), acc_to_a_regs(rP.layout())), tKVrdOt(_, _, _, st), accdV);
     wg_gemm<false>(mma_dkv, make_tensor(rdS.data(), acc_to_a_regs(rdS.layout())), tKVrQt(_, _, _, st), accdK);
     // stage dS^T (this warpgroup's 64 keys) for dQ = dS K over all 128 keys
-    const int buf = c & 1;
+    constexpr int buf = 0;  // (one buffer: the last chunk's dQ GEMMs are done, the barrier after them)
     copy(stsm_ds, thr_stsm.retile_S(rdS), thr_stsm.partition_D(local_tile(sdS(_, _, buf), Shape<_64, Int<C::kRows>>{},
                                                                           make_coord(w, _0{}))));
     // the tokens of this thread's dQ rows (and their fixed-point units), read before the stage
@@ -466,6 +467,7 @@ __device__ __forceinline__ void main_consume(const Params& P, typename MainConfi
     ptx::fence_proxy_async_smem();
     barrier_sync(NamedBarrier::kConsumers, kConsumerThreads);  // dS^T staged by both
     wg_gemm<true>(mma_dq, tQrdS(_, _, _, buf), tQrK, accdQ);
+    barrier_sync(NamedBarrier::kConsumers, kConsumerThreads);  // both warpgroups' dQ GEMMs have read dS^T
     // dQ rows of this chunk (unscaled: the convert kernel applies the softmax scale)
     const int dq0 = 64 * w + get<1>(cdQ(0));
     bool bad = false;
