@@ -15,12 +15,9 @@ import pathlib
 import sys
 
 import numpy as np
-import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from pair_overlap import CONFIGS, select  # noqa: E402
-from user_path import make_inputs  # noqa: E402
+from pair_overlap import CONFIGS, selection_args, selections  # noqa: E402
 
 
 def order(nblk, hp, span):
@@ -60,11 +57,7 @@ def simulate(lists, items, sms, ntc, item_cost, window):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--config", default="m3")
-    ap.add_argument("--seqlen", type=int, default=32768)
-    ap.add_argument("--topk", type=int, default=16)
-    ap.add_argument("--patterns", default="clustered,random")
+    ap = selection_args(argparse.ArgumentParser())
     ap.add_argument("--sms", type=int, default=132)
     ap.add_argument("--item-cost", type=float, default=6.0, help="fixed time of an item, in chunk times")
     ap.add_argument("--window", type=float, default=5.0, help="L2 lifetime of a line, in chunk times")
@@ -75,9 +68,7 @@ def main():
     cfg = CONFIGS[a.config]
     rp = 1 << (cfg["Hq"] // cfg["Hp"] - 1).bit_length()
     ntc = 64 // rp
-    for pattern in a.patterns.split(","):
-        _, _, _, qp, kp, _ = make_inputs(cfg, a.seqlen, pattern, "cpu", dtype=torch.float32)
-        idx, nblk = select(qp.detach(), kp.detach(), a.topk)
+    for pattern, idx, nblk in selections(a):
         idx = idx.numpy()
         lists = {}
         for h in range(cfg["Hp"]):

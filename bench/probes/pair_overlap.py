@@ -46,17 +46,27 @@ def select(qp, kp, topk, rows=2048):
     return out, nblk
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def selection_args(ap):
+    """The options of the probes that draw a bench pattern's selection on the CPU (this one, item_order_model.py)."""
     ap.add_argument("--config", default="m3")
     ap.add_argument("--seqlen", type=int, default=32768)
     ap.add_argument("--topk", type=int, default=16)
     ap.add_argument("--patterns", default="clustered,random")
-    a = ap.parse_args()
-    cfg = CONFIGS[a.config]
+    return ap
+
+
+def selections(a):
+    """(pattern, indices [Hp, T, topk], nblk) for each of a.patterns, drawn as bench/user_path.py draws them."""
     for pattern in a.patterns.split(","):
-        _, _, _, qp, kp, _ = make_inputs(cfg, a.seqlen, pattern, "cpu", dtype=torch.float32)
+        _, _, _, qp, kp, _ = make_inputs(CONFIGS[a.config], a.seqlen, pattern, "cpu", dtype=torch.float32)
         idx, nblk = select(qp.detach(), kp.detach(), a.topk)
+        yield pattern, idx, nblk
+
+
+def main():
+    a = selection_args(argparse.ArgumentParser()).parse_args()
+    cfg = CONFIGS[a.config]
+    for pattern, idx, nblk in selections(a):
         tot = inter = union = 0
         per_pair = []
         for p in range(cfg["Hp"]):
