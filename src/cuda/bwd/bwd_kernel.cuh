@@ -62,8 +62,8 @@ struct MainConfig {
   using SmemLayoutRowsT = TransposedViews<SmemLayoutRows, kRows, kHeadDim, kStages>;
   // dS^T staging (keys, rows), rows contiguous; one buffer (its room went to the third stage: the consumers meet
   // after the dQ GEMM, before the next chunk's dS^T); and its (rows, keys) view
-  using SmemLayoutdS = SwizzledTiles<Element, kBlockN, kRows, 1>;
-  using SmemLayoutdSt = TransposedViews<SmemLayoutdS, kBlockN, kRows, 1>;
+  using SmemLayoutdS = SwizzledTile<Element, kBlockN, kRows>;
+  using SmemLayoutdSt = TransposedView<SmemLayoutdS, kBlockN, kRows>;
   // S^T = K Q^T and dP^T = V dO^T: (64 keys) x (64 rows) x d
   using MmaSdp = SsMma<Element, 64, kRows, kHeadDim>;
   // dV += P^T dO and dK += dS^T Q: (64 keys) x d x (64 rows), A from registers
@@ -379,7 +379,7 @@ __device__ __forceinline__ void main_consume(const Params& P, typename MainConfi
   Tensor tSrdO = thr_sdp.partition_fragment_B(sdO);
   Tensor tKVrdOt = thr_dkv.partition_fragment_B(sdOt);  // (MMA, N=d, K=rows, stage)
   Tensor tKVrQt = thr_dkv.partition_fragment_B(sQt);
-  Tensor tQrdS = thr_dq.partition_fragment_A(sdSt);   // (MMA, M=rows, K=keys, buf)
+  Tensor tQrdS = thr_dq.partition_fragment_A(sdSt);   // (MMA, M=rows, K=keys)
   Tensor sKtw = local_tile(sKt, Shape<_64, Int<C::kBlockN>>{}, make_coord(w, _0{}));  // d half w
   Tensor tQrK = thr_dq.partition_fragment_B(sKtw);
   // dS^T to shared memory with stmatrix (8x8 tiles, 16 bytes per lane and instruction); the
@@ -455,8 +455,8 @@ __device__ __forceinline__ void main_consume(const Params& P, typename MainConfi
     wg_gemm<false>(mma_dkv, make_tensor(rP.data(), acc_to_a_regs(rP.layout())), tKVrdOt(_, _, _, st), accdV);
     wg_gemm<false>(mma_dkv, make_tensor(rdS.data(), acc_to_a_regs(rdS.layout())), tKVrQt(_, _, _, st), accdK);
     // stage dS^T (this warpgroup's 64 keys) for dQ = dS K over all 128 keys
-    constexpr int buf = 0;  // (one buffer: the last chunk's dQ GEMMs are done, the barrier after them)
-    copy(stsm_ds, thr_stsm.retile_S(rdS), thr_stsm.partition_D(local_tile(sdS(_, _, buf), Shape<_64, Int<C::kRows>>{},
+    // (one buffer: the last chunk's dQ GEMMs are done, the barrier after them)
+    copy(stsm_ds, thr_stsm.retile_S(rdS), thr_stsm.partition_D(local_tile(sdS, Shape<_64, Int<C::kRows>>{},
                                                                           make_coord(w, _0{}))));
     // the tokens of this thread's dQ rows (and their fixed-point units), read before the stage
     // goes back to the producer
@@ -466,7 +466,7 @@ __device__ __forceinline__ void main_consume(const Params& P, typename MainConfi
     pipeline.consumer_release(state);
     ptx::fence_proxy_async_smem();
     barrier_sync(NamedBarrier::kConsumers, kConsumerThreads);  // dS^T staged by both
-    wg_gemm<true>(mma_dq, tQrdS(_, _, _, buf), tQrK, accdQ);
+    wg_gemm<true>(mma_dq, tQrdS, tQrK, accdQ);
     barrier_sync(NamedBarrier::kConsumers, kConsumerThreads);  // both warpgroups' dQ GEMMs have read dS^T
     // dQ rows of this chunk (unscaled: the convert kernel applies the softmax scale)
     const int dq0 = 64 * w + get<1>(cdQ(0));
