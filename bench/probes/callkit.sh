@@ -1,6 +1,7 @@
 # Helpers for device-call scripts (sourced): the A/B of bench binaries and of libraries on the user's path, with the
 # binaries and libraries alternated by round. Session 28's calls repeated these loops inline (records of what ran).
 #   source bench/probes/callkit.sh; bench_ab "ARGS" ROUNDS BIN...; bench_variants "ARGS" ROUNDS TAG:BIN:ENV...;
+#   bench_three ROUNDS TAG:BIN:ENV...;
 #   user_ab ROUNDS DEADLINE_S LIBSUFFIX...
 stamp() { echo "== $1 ($(date +%T))"; }
 # One line per run: backward and step ms of flashmsa_bench's last JSON line; the JSON under $OUT.
@@ -27,6 +28,16 @@ bench_variants() {
       env ${envs//,/ } timeout 60 ./.gpu/$bin $args --options 0 > "$OUT/bench-$tag.json" 2>&1
       echo "$tag $(python3 -c "import json,sys; r=json.loads(open(sys.argv[1]).read().splitlines()[-1]); print('bwd', r['bwd_ms'], 'step', r['step_ms'])" "$OUT/bench-$tag.json" 2>&1 | tail -1)"
     done
+  done
+}
+# bench_variants over the three standard A/B cases (m3 32k clustered and random, 20 iterations; fmsa 16k clustered,
+# 100), as sessions 32-33's calls wrote the loop out: bench_three ROUNDS TAG:BIN:ENV...
+bench_three() {
+  local rounds=$1 args
+  shift
+  for args in "--config m3 --seqlens 32768 --patterns clustered --iters 20" "--config m3 --seqlens 32768 --patterns random --iters 20" \
+              "--config fmsa --seqlens 16384 --patterns clustered --iters 100"; do
+    bench_variants "$args" "$rounds" "$@"
   done
 }
 # The README call (bench/run_bench.py --user-only, m3 32k clustered, cuDNN beside it) with .gpu/libflashmsa$SUFFIX.so

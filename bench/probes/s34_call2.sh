@@ -27,10 +27,7 @@ timeout 120 compute-sanitizer --tool racecheck --error-exitcode 3 ./.gpu/flashms
 echo "nobar racecheck rc=$?"; grep -E "RACECHECK SUMMARY|PASSED|FAILED" "$R/nobar-racecheck.log" | head -4
 stamp ab
 OUT0=$OUT; OUT=$R
-for args in "--config m3 --seqlens 32768 --patterns clustered --iters 20" "--config m3 --seqlens 32768 --patterns random --iters 20" \
-            "--config fmsa --seqlens 16384 --patterns clustered --iters 100"; do
-  bench_variants "$args" 2 def:flashmsa_bench: span4:flashmsa_bench_span4: span8:flashmsa_bench_span8: late:flashmsa_bench_late:
-done
+bench_three 2 def:flashmsa_bench: span4:flashmsa_bench_span4: span8:flashmsa_bench_span8: late:flashmsa_bench_late:
 OUT=$OUT0
 stamp done
 tar -czf "$OUT/s34-call2.tgz" -C "$R" . && rm -rf "$R"
