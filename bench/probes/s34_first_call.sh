@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Prepared in session 33 for the next session's first call (carry [".gpu_pack"]). The pack (built in session 33 at
-# 79c412a's kernels; rebuild if .gpu_pack is missing) holds the tree's build and four variants for s34_call2.sh:
+# Prepared in session 33 for the next session's first call (carry [".gpu_pack"]). The pack (built at the end of session
+# 33 from its last tree; rebuild if .gpu_pack is missing) holds the tree's build and four variants for s34_call2.sh:
 #   bash scripts/patch_variant.sh span4 bench/probes/bwd-item-span4.patch   (span8, late: bwd-st3-late-barrier.patch,
 #   nobar: bwd-st3-no-barrier-control.patch likewise), then bash scripts/pack_gpu.sh --from-build.
 # This call: the 41 GPU tests that session 33's call 3 did not reach on
