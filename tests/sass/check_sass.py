@@ -93,6 +93,63 @@ HGMMA = re.compile(r"\bHGMMA\.")
 DEPBAR = re.compile(r"\bWARPGROUP\.DEPBAR\b")
 # a named barrier of the 96 gathering producer threads (NamedBarrier::kGatherers, bar.sync id, 0x60)
 GATHER_BARRIER = re.compile(r"\bBAR\.SYNC(?:\.DEFER_BLOCKING)?\s+(?:0x[0-9a-f]+|R\d+),\s*0x60\b")
+# A named barrier of both consumer warpgroups (NamedBarrier::kConsumers, 256 threads) and a stmatrix store.
+CONSUMER_BARRIER = re.compile(r"\bBAR\.SYNC(?:\.DEFER_BLOCKING)?\s+(?:0x[0-9a-f]+|R\d+),\s*0x100\b")
+STSM = re.compile(r"\bSTSM\.")
+INSTRUCTION = re.compile(r"/\*[0-9a-f]{4,}\*/")  # an instruction line of cuobjdump -sass: /*address*/ opcode ...
+BRANCH = re.compile(r"\b(?:BRA|BRX|JMP|JMX|RET|EXIT)\b")
+BRANCH_TARGET = re.compile(r"\bBRA(?:\.[A-Z]+)*\s+(?:`\()?0x([0-9a-f]+)")
+
+
+def address(line: str) -> int:
+    return int(INSTRUCTION.search(line).group(0).strip("/*"), 16)
+# The walks that stage a tile both consumer warpgroups read (the main walk's dS^T for dQ = dS K, the kl walk's dz^T for
+# dQp = dz Kp): each warpgroup stmatrix-stores its half, the consumers meet, and each issues a GEMM that reads both
+# halves from shared memory. The main walk's dS^T has one buffer (bwd_kernel.cuh, since session 33), so after that
+# GEMM's wait the consumers must meet again before either stores the next chunk's dS^T: a warpgroup that ran ahead would
+# overwrite the tile the other's GEMM is still reading. The tests cannot produce that skew (a warpgroup four GEMMs
+# behind the other) and compute-sanitizer racecheck does not see wgmma's reads (session 34: the barrier removed,
+# bench/probes/bwd-st3-no-barrier-control.patch, passed 13 tests and racecheck). So the code is checked here: after
+# every GEMM that follows a consumers' barrier, the next consumers' barrier comes before the next stmatrix store.
+# STAGED_GEMMS: how many such GEMMs each kernel holds at least (the check cannot pass by finding none).
+STAGED_GEMMS = {"bwd_main_kernel": 1, "bwd_fused_kernel": 2}
+
+
+def staged_gemm_barriers(text: str) -> tuple[int, list[str]]:
+    """(GEMMs after a consumers' barrier, the addresses of those whose wait is followed by a stmatrix store before
+    the next consumers' barrier), in the kernel's code order."""
+    lines = [line for line in text.splitlines() if INSTRUCTION.search(line)]
+    found, bad = 0, []
+    for i, line in enumerate(lines):
+        if not CONSUMER_BARRIER.search(line):
+            continue
+        j = i + 1  # a GEMM issued right after the barrier: an HGMMA within 16 instructions, no branch before it
+        while j < min(len(lines), i + 17) and not (HGMMA.search(lines[j]) or BRANCH.search(lines[j]) or
+                                                   CONSUMER_BARRIER.search(lines[j]) or STSM.search(lines[j])):
+            j += 1
+        if j >= len(lines) or not HGMMA.search(lines[j]):
+            continue
+        found += 1
+        while j < len(lines) and not DEPBAR.search(lines[j]):  # that GEMM's wait
+            j += 1
+        # then the next consumers' barrier or stmatrix store, in code order; at the first branch back to the barrier or
+        # before it (the chunk loop's back edge), on from its target (the loop's top) up to the barrier
+        here = address(lines[i])
+        k, ahead = j, None
+        while k < len(lines):
+            if CONSUMER_BARRIER.search(lines[k]) or STSM.search(lines[k]):
+                ahead = lines[k]
+                break
+            m = BRANCH_TARGET.search(lines[k])
+            if m and int(m.group(1), 16) <= here:
+                top = next((x for x, line in enumerate(lines) if address(line) >= int(m.group(1), 16)), i)
+                ahead = next((line for line in lines[top:i + 1] if CONSUMER_BARRIER.search(line) or
+                              STSM.search(line)), None)
+                break
+            k += 1
+        if ahead is not None and STSM.search(ahead):
+            bad.append(f"{here:x}")
+    return found, bad
 
 
 def main(argv: list[str]) -> int:
@@ -130,6 +187,13 @@ def main(argv: list[str]) -> int:
             if (kernel == "bwd_fused_kernel") == (gathers > 0) and kernel != "bwd_proxy_kernel":
                 failures.append(f"{kname}: {gathers} named barriers of the 96 gathering threads (the fused kernel "
                                 f"must hand its token slots over by shuffles, the main kernel by the barrier)")
+            staged, unguarded = staged_gemm_barriers(text) if kernel in STAGED_GEMMS else (0, [])
+            if kernel in STAGED_GEMMS:
+                if staged < STAGED_GEMMS[kernel] or unguarded:
+                    failures.append(f"{kname}: {staged} GEMMs on a tile both consumer warpgroups staged (expected at "
+                                    f"least {STAGED_GEMMS[kernel]}); no consumers' barrier between the GEMM's wait "
+                                    f"and the next stmatrix store after the barriers at {unguarded} (the next "
+                                    f"chunk's dS^T would overwrite the tile the other warpgroup still reads)")
             counters = len(ITEM_COUNTER.findall(text))
             if counters != ITEM_COUNTERS.get(kernel, 0):
                 failures.append(f"{kname}: {counters} item-counter ATOMG, expected {ITEM_COUNTERS.get(kernel, 0)}")
@@ -148,7 +212,8 @@ def main(argv: list[str]) -> int:
                 reds -= word_reds
                 fixed -= word_reds
             print(f"{kernel} kDet={det} ({os.path.basename(obj)}): REDG {reds} (64-bit integer {fixed}), "
-                  f"bulk fp32 adds {bulk}, dq words {word_atoms} ATOMG + {word_reds} REDG, ATOMG/ATOM {atomics}, GPU fences {fences}, HGMMA {mmas}, wgmma waits {waits}")
+                  f"bulk fp32 adds {bulk}, dq words {word_atoms} ATOMG + {word_reds} REDG, ATOMG/ATOM {atomics}, GPU fences {fences}, HGMMA {mmas}, wgmma waits {waits}, "
+                  f"GEMMs on staged tiles {staged}")
             if det == 0 and (atomics or not reds or fixed):
                 failures.append(f"{kname}: {atomics} ATOMG/ATOM, {reds} REDG, {fixed} 64-bit (the default kernel "
                                 f"must add fp32 with REDG only)")
