@@ -40,6 +40,20 @@ def test_missing_barrier_before_a_later_store_fails():
     assert check_sass.staged_gemm_barriers(text) == (1, ["40"])
 
 
+def test_missing_barrier_on_a_branch_out_of_line_fails():
+    # the barrier is on the straight path, but a predicated branch leads past the kernel's exit to a block that stores
+    # with stmatrix and branches back: a path without the barrier (the address order alone would not see it)
+    text = sass(*TOP, "@P2 BRA 0x00d0", "BAR.SYNC.DEFER_BLOCKING 0xa, 0x100", "@P1 BRA 0x0000", "EXIT",
+                "STSM.16.M88.4 [R13], R92", "BRA 0x00a0")
+    assert check_sass.staged_gemm_barriers(text) == (1, ["40"])
+
+
+def test_barrier_on_every_path_passes():
+    text = sass(*TOP, "@P2 BRA 0x00d0", "BAR.SYNC.DEFER_BLOCKING 0xa, 0x100", "@P1 BRA 0x0000", "EXIT",
+                "BAR.SYNC.DEFER_BLOCKING 0xa, 0x100", "STSM.16.M88.4 [R13], R92", "BRA 0x00b0")
+    assert check_sass.staged_gemm_barriers(text) == (1, [])
+
+
 def test_barrier_not_followed_by_a_gemm_is_not_counted():
     text = sass("BAR.SYNC.DEFER_BLOCKING 0xa, 0x100", "@!P0 BRA 0x0040", "STSM.16.M88.4 [R15], R168",
                 "HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ, !UPT, gsb0", "WARPGROUP.DEPBAR.LE gsb0, 0x0", "EXIT")

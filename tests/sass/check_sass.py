@@ -98,7 +98,7 @@ CONSUMER_BARRIER = re.compile(r"\bBAR\.SYNC(?:\.DEFER_BLOCKING)?\s+(?:0x[0-9a-f]
 STSM = re.compile(r"\bSTSM\.")
 INSTRUCTION = re.compile(r"/\*[0-9a-f]{4,}\*/")  # an instruction line of cuobjdump -sass: /*address*/ opcode ...
 BRANCH = re.compile(r"\b(?:BRA|BRX|JMP|JMX|RET|EXIT)\b")
-BRANCH_TARGET = re.compile(r"\bBRA(?:\.[A-Z]+)*\s+(?:`\()?0x([0-9a-f]+)")
+BRANCH_TARGET = re.compile(r"\bBRA(?:\.[A-Z]+)*\s+(?:[!A-Z0-9]+,\s*)?(?:`\()?0x([0-9a-f]+)")
 
 
 def address(line: str) -> int:
@@ -109,46 +109,69 @@ def address(line: str) -> int:
 # GEMM's wait the consumers must meet again before either stores the next chunk's dS^T: a warpgroup that ran ahead would
 # overwrite the tile the other's GEMM is still reading. The tests cannot produce that skew (a warpgroup four GEMMs
 # behind the other) and compute-sanitizer racecheck does not see wgmma's reads (session 34: the barrier removed,
-# bench/probes/bwd-st3-no-barrier-control.patch, passed 13 tests and racecheck). So the code is checked here: after
-# every GEMM that follows a consumers' barrier, the next consumers' barrier comes before the next stmatrix store.
-# STAGED_GEMMS: how many such GEMMs each kernel holds at least (the check cannot pass by finding none).
+# bench/probes/bwd-st3-no-barrier-control.patch, passed 13 tests and racecheck). So the code is checked here: from the
+# wait of every GEMM issued right after a consumers' barrier, every path of the control flow (branches followed, the
+# chunk loop's back edge included) meets a consumers' barrier before a stmatrix store. The removed barrier fails it in
+# all four main and fused instantiations.
+# STAGED_GEMMS: how many such GEMMs each kernel holds (the main walk's dQ; the fused kernel also the kl walk's dQp),
+# exactly: the check cannot pass by recognising fewer.
 STAGED_GEMMS = {"bwd_main_kernel": 1, "bwd_fused_kernel": 2}
 
 
+def successors(lines: list[str], k: int, at: dict[int, int]) -> list[int]:
+    """The instructions that can run after lines[k]: the next one unless k is an unconditional branch or exit, and a
+    branch's target. A branch with a predicate (@P, @!P) or a second operand (BRA.DIV URx, target; BRA.U !UPx, target)
+    is conditional. An indirect branch (BRX, JMX) or a return ends the path (none in the checked kernels' loops)."""
+    ins = lines[k].split("*/", 1)[-1].split(";", 1)[0].strip()
+    predicated = ins.startswith("@")
+    op = ins.split()[1] if predicated and len(ins.split()) > 1 else (ins.split() or [""])[0]
+    nxt = [k + 1] if k + 1 < len(lines) else []
+    if op.startswith("EXIT") or op.startswith("RET") or op.startswith(("BRX", "JMX")):
+        return nxt if predicated else []
+    m = BRANCH_TARGET.search(ins)
+    if op.startswith("BRA") and m:
+        target = at.get(int(m.group(1), 16))
+        targets = [target] if target is not None else []
+        conditional = predicated or "," in ins
+        return targets + (nxt if conditional else [])
+    return nxt
+
+
 def staged_gemm_barriers(text: str) -> tuple[int, list[str]]:
-    """(GEMMs after a consumers' barrier, the addresses of those whose wait is followed by a stmatrix store before
-    the next consumers' barrier), in the kernel's code order."""
+    """(GEMMs after a consumers' barrier, the addresses of the barriers before those from whose wait some path of the
+    control flow reaches a stmatrix store without passing a consumers' barrier)."""
     lines = [line for line in text.splitlines() if INSTRUCTION.search(line)]
+    at = {address(line): k for k, line in enumerate(lines)}
     found, bad = 0, []
     for i, line in enumerate(lines):
         if not CONSUMER_BARRIER.search(line):
             continue
-        j = i + 1  # a GEMM issued right after the barrier: an HGMMA within 16 instructions, no branch before it
-        while j < min(len(lines), i + 17) and not (HGMMA.search(lines[j]) or BRANCH.search(lines[j]) or
-                                                   CONSUMER_BARRIER.search(lines[j]) or STSM.search(lines[j])):
-            j += 1
-        if j >= len(lines) or not HGMMA.search(lines[j]):
+        # a GEMM issued right after the barrier: an HGMMA among the next 16 instructions, with no branch, barrier or
+        # stmatrix store before it (its descriptors' setup and the WARPGROUP.ARRIVE only)
+        j = next((x for x in range(i + 1, min(len(lines), i + 17))
+                  if HGMMA.search(lines[x]) or BRANCH.search(lines[x]) or CONSUMER_BARRIER.search(lines[x]) or
+                  STSM.search(lines[x])), None)
+        if j is None or not HGMMA.search(lines[j]):
             continue
         found += 1
         while j < len(lines) and not DEPBAR.search(lines[j]):  # that GEMM's wait
             j += 1
-        # then the next consumers' barrier or stmatrix store, in code order; at the first branch back to the barrier or
-        # before it (the chunk loop's back edge), on from its target (the loop's top) up to the barrier
-        here = address(lines[i])
-        k, ahead = j, None
-        while k < len(lines):
-            if CONSUMER_BARRIER.search(lines[k]) or STSM.search(lines[k]):
-                ahead = lines[k]
+        # every path from the wait (through branches, the chunk loop's back edge included) must meet a consumers'
+        # barrier before a stmatrix store
+        seen, todo, reached = set(), [j], False
+        while todo and not reached:
+            k = todo.pop()
+            if k in seen:
+                continue
+            seen.add(k)
+            if CONSUMER_BARRIER.search(lines[k]):
+                continue
+            if STSM.search(lines[k]):
+                reached = True
                 break
-            m = BRANCH_TARGET.search(lines[k])
-            if m and int(m.group(1), 16) <= here:
-                top = next((x for x, line in enumerate(lines) if address(line) >= int(m.group(1), 16)), i)
-                ahead = next((line for line in lines[top:i + 1] if CONSUMER_BARRIER.search(line) or
-                              STSM.search(line)), None)
-                break
-            k += 1
-        if ahead is not None and STSM.search(ahead):
-            bad.append(f"{here:x}")
+            todo.extend(successors(lines, k, at))
+        if reached:
+            bad.append(f"{address(lines[i]):x}")
     return found, bad
 
 
@@ -189,9 +212,9 @@ def main(argv: list[str]) -> int:
                                 f"must hand its token slots over by shuffles, the main kernel by the barrier)")
             staged, unguarded = staged_gemm_barriers(text) if kernel in STAGED_GEMMS else (0, [])
             if kernel in STAGED_GEMMS:
-                if staged < STAGED_GEMMS[kernel] or unguarded:
-                    failures.append(f"{kname}: {staged} GEMMs on a tile both consumer warpgroups staged (expected at "
-                                    f"least {STAGED_GEMMS[kernel]}); no consumers' barrier between the GEMM's wait "
+                if staged != STAGED_GEMMS[kernel] or unguarded:
+                    failures.append(f"{kname}: {staged} GEMMs on a tile both consumer warpgroups staged (expected "
+                                    f"{STAGED_GEMMS[kernel]}); no consumers' barrier between the GEMM's wait "
                                     f"and the next stmatrix store after the barriers at {unguarded} (the next "
                                     f"chunk's dS^T would overwrite the tile the other warpgroup still reads)")
             counters = len(ITEM_COUNTER.findall(text))
