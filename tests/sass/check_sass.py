@@ -103,6 +103,8 @@ BRANCH_TARGET = re.compile(r"\bBRA(?:\.[A-Z]+)*\s+(?:[!A-Z0-9]+,\s*)?(?:`\()?0x(
 
 def address(line: str) -> int:
     return int(INSTRUCTION.search(line).group(0).strip("/*"), 16)
+
+
 # The walks that stage a tile both consumer warpgroups read (the main walk's dS^T for dQ = dS K, the kl walk's dz^T for
 # dQp = dz Kp): each warpgroup stmatrix-stores its half, the consumers meet, and each issues a GEMM that reads both
 # halves from shared memory. The main walk's dS^T has one buffer (bwd_kernel.cuh, since session 33), so after that
@@ -156,6 +158,9 @@ def staged_gemm_barriers(text: str) -> tuple[int, list[str]]:
         found += 1
         while j < len(lines) and not DEPBAR.search(lines[j]):  # that GEMM's wait
             j += 1
+        if j >= len(lines):  # no wait at all: the GEMM's reads are never known to be done
+            bad.append(f"{address(lines[i]):x}")
+            continue
         # every path from the wait (through branches, the chunk loop's back edge included) must meet a consumers'
         # barrier before a stmatrix store
         seen, todo, reached = set(), [j], False
