@@ -128,7 +128,7 @@ def successors(lines: list[str], k: int, at: dict[int, int]) -> list[int]:
     predicated = ins.startswith("@")
     op = ins.split()[1] if predicated and len(ins.split()) > 1 else (ins.split() or [""])[0]
     nxt = [k + 1] if k + 1 < len(lines) else []
-    if op.startswith("EXIT") or op.startswith("RET") or op.startswith(("BRX", "JMX")):
+    if op.startswith(("EXIT", "RET", "BRX", "JMX")):
         return nxt if predicated else []
     m = BRANCH_TARGET.search(ins)
     if op.startswith("BRA") and m:
@@ -216,12 +216,11 @@ def main(argv: list[str]) -> int:
                 failures.append(f"{kname}: {gathers} named barriers of the 96 gathering threads (the fused kernel "
                                 f"must hand its token slots over by shuffles, the main kernel by the barrier)")
             staged, unguarded = staged_gemm_barriers(text) if kernel in STAGED_GEMMS else (0, [])
-            if kernel in STAGED_GEMMS:
-                if staged != STAGED_GEMMS[kernel] or unguarded:
-                    failures.append(f"{kname}: {staged} GEMMs on a tile both consumer warpgroups staged (expected "
-                                    f"{STAGED_GEMMS[kernel]}); no consumers' barrier between the GEMM's wait "
-                                    f"and the next stmatrix store after the barriers at {unguarded} (the next "
-                                    f"chunk's dS^T would overwrite the tile the other warpgroup still reads)")
+            if kernel in STAGED_GEMMS and (staged != STAGED_GEMMS[kernel] or unguarded):
+                failures.append(f"{kname}: {staged} GEMMs on a tile both consumer warpgroups staged (expected "
+                                f"{STAGED_GEMMS[kernel]}); no consumers' barrier between the GEMM's wait "
+                                f"and the next stmatrix store after the barriers at {unguarded} (the next "
+                                f"chunk's dS^T would overwrite the tile the other warpgroup still reads)")
             counters = len(ITEM_COUNTER.findall(text))
             if counters != ITEM_COUNTERS.get(kernel, 0):
                 failures.append(f"{kname}: {counters} item-counter ATOMG, expected {ITEM_COUNTERS.get(kernel, 0)}")
