@@ -607,4 +607,70 @@ inline RefBwd straightforward_proxy_bwd(const Problem& pb, const Tensor& q, cons
   return r;
 }
 
+// Straightforward same-dtype kl value (SPEC section 3's yardstick for the kl output): the teacher
+// and the student as straightforward_proxy_bwd forms them (each head's P rounded to the dtype, the
+// teacher their fp32 mean, the proxy logits rounded, the student softmax in fp32), each row's
+// sum of t (ln t - ln s) over t > 0 in fp32, the rows' mean over the Hp x total rows in double.
+inline double straightforward_kl(const Problem& pb, const Tensor& q, const Tensor& k, const Tensor& qp,
+                                 const Tensor& kp, const std::vector<int32_t>* indices, int topk,
+                                 flashmsa_mode_t mode) {
+  using flashmsa::round_to;
+  const auto dt = pb.dtype;
+  const flashmsa::ref::Problem rp = ref_problem(pb, topk, mode);
+  const double scale = 1.0 / std::sqrt(double(pb.D)), pscale = 1.0 / std::sqrt(double(pb.Dp));
+  const int G = pb.Hq / pb.Hp;
+  const int64_t n = int64_t(pb.Hp) * rp.total;
+  const int T = int(std::min<int64_t>(flashmsa::ref::num_threads(), std::max<int64_t>(n, 1)));
+  std::vector<double> part(static_cast<size_t>(T), 0.0);
+  flashmsa::ref::parallel_for(n, [&](int64_t first, int64_t, int tid) {
+    std::vector<int64_t> keys;
+    std::vector<float> teacher, s, z;
+    for (int64_t item = first; item < n; item += T) {
+      const int p = int(item / rp.total);
+      const int64_t t = item % rp.total;
+      flashmsa::ref::key_set(rp, indices ? indices->data() : nullptr, p, t, keys);
+      if (keys.empty()) continue;
+      const size_t nk = keys.size();
+      teacher.assign(nk, 0.f);
+      s.resize(nk);
+      for (int h = p * G; h < (p + 1) * G; ++h) {
+        const int c = rp.kv_of(h);
+        const size_t qo = (size_t(t) * pb.Hq + h) * pb.D;
+        float m = -INFINITY;
+        for (size_t j = 0; j < nk; ++j) {
+          float acc = 0.f;
+          const size_t ko = (size_t(keys[j]) * pb.Hkv + c) * pb.D;
+          for (int d = 0; d < pb.D; ++d) acc += float(round_to(dt, q.host[qo + d] * scale)) * float(k.host[ko + d]);
+          s[j] = float(round_to(dt, acc));
+          m = std::max(m, s[j]);
+        }
+        float sum = 0.f;
+        for (size_t j = 0; j < nk; ++j) sum += std::exp(s[j] - m);
+        for (size_t j = 0; j < nk; ++j) teacher[j] += float(round_to(dt, std::exp(s[j] - m) / sum)) / float(G);
+      }
+      const int c = rp.pk_of(p);
+      const size_t qo = (size_t(t) * pb.Hp + p) * pb.Dp;
+      z.resize(nk);
+      float m = -INFINITY;
+      for (size_t j = 0; j < nk; ++j) {
+        float acc = 0.f;
+        const size_t ko = (size_t(keys[j]) * pb.Hpk + c) * pb.Dp;
+        for (int d = 0; d < pb.Dp; ++d) acc += float(qp.host[qo + d]) * float(kp.host[ko + d]);
+        z[j] = float(round_to(dt, acc * pscale));
+        m = std::max(m, z[j]);
+      }
+      float sum = 0.f;
+      for (size_t j = 0; j < nk; ++j) sum += std::exp(z[j] - m);
+      const float lsum = std::log(sum);
+      float row = 0.f;
+      for (size_t j = 0; j < nk; ++j)
+        if (teacher[j] > 0.f) row += teacher[j] * (std::log(teacher[j]) - (z[j] - m - lsum));
+      part[size_t(tid)] += double(row);
+    }
+  });
+  double total = 0.0;
+  for (double x : part) total += x;
+  return total / double(n);
+}
+
 }  // namespace gputest
