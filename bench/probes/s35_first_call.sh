@@ -12,9 +12,13 @@
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" .gpu
 tar -xJf .gpu_pack/bins.tar.xz -C .gpu
 source bench/probes/callkit.sh
+stamp near-converged-default
+timeout 60 ./.gpu/flashmsa_gpu_tests --gtest_filter='*NearConverged*' > "$OUT/gpu-tests-near-default.log" 2>&1
+echo "default near-converged rc=$?"; grep -E "near converged|rel-L2|^\[  (PASSED|FAILED)|FAILED  \]" "$OUT/gpu-tests-near-default.log" | head -30
 stamp tests
-timeout 440 ./.gpu/flashmsa_gpu_tests_tf16 --gtest_filter='Kl.*:Proxy.*:Deterministic.*:Graph.*' > "$OUT/gpu-tests-tf16.log" 2>&1
+timeout 400 ./.gpu/flashmsa_gpu_tests_tf16 --gtest_filter='Kl.*:Proxy.*:Deterministic.*:Graph.*' > "$OUT/gpu-tests-tf16.log" 2>&1
 echo "tests rc=$?"; grep -E "^\[  (PASSED|FAILED)|FAILED  \]|tests ran" "$OUT/gpu-tests-tf16.log" | head -20
+grep -A12 "RUN.*NearConverged" "$OUT/gpu-tests-tf16.log" | grep -E "RUN|near converged|rel-L2|OK|FAILED" | head -30
 stamp sanitizers
 timeout 60 compute-sanitizer --tool memcheck --error-exitcode 3 ./.gpu/flashmsa_gpu_tests_tf16 \
   --gtest_filter='Proxy.SmallSparse:Kl.SmallSparseG1' > "$OUT/memcheck-tf16.log" 2>&1
