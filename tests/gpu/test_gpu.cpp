@@ -654,6 +654,8 @@ void run_bwd_case(const Problem& pb0, const BwdCase& c) {
       std::printf("    near converged: kl %.3e per row, kernel rel %.2e, straightforward rel %.2e\n", kref.kl[0], kerr, perr);
       EXPECT_LT(kref.kl[0], 1e-3) << "the construction must give a student near its teacher";
       EXPECT_LE(kerr, 2 * perr + 1e-5) << "kl";
+      // (the straightforward kl is 0.1-2 off here; the kernels' measured 2.2-2.6%: docs/numerics.md)
+      EXPECT_LT(kerr, 5e-2) << "kl near convergence";
     } else {
       EXPECT_LT(kerr, 1e-2) << "kl";
     }
@@ -668,6 +670,14 @@ void run_bwd_case(const Problem& pb0, const BwdCase& c) {
   RefBwd pplain = straightforward_proxy_bwd(pb, in.q, in.k, in.qp, in.kp, ip, K, ref_mode, dkl);
   expect_bar("dqp", dqp.host, pref.dqp, pplain.dqp);
   expect_bar("dkp", dkp.host, pref.dkp, pplain.dkp);
+  if (c.near_eps > 0) {
+    // Near convergence the straightforward reference's own error is its rounded logits' (~1 at bf16: s - t drowns
+    // in z's rounding), so SPEC's bar would pass even a zero gradient. The proxy's gradient must keep its
+    // direction: the kernels' error against fp64 is held to 1e-2 (measured ~2e-3 at bf16 and fp16, with dz's gain
+    // for fp16: kl_rule.cuh kl_gain; a teacher stored in fp16 gave ~5e-2).
+    EXPECT_LT(rel_l2(dqp.host, pref.dqp), 1e-2) << "dqp near convergence";
+    EXPECT_LT(rel_l2(dkp.host, pref.dkp), 1e-2) << "dkp near convergence";
+  }
 }
 
 TEST(Proxy, M3SparseWithProxyLse) {
@@ -1443,6 +1453,7 @@ void run_kl_case(const Problem& pb0, const KlCase& c) {
     std::printf("    near converged: kl %.3e per row, kernel rel %.2e, straightforward rel %.2e\n", rkl[0], kerr, perr);
     EXPECT_LT(rkl[0], 1e-3) << "the construction must give a student near its teacher";
     EXPECT_LE(kerr, 2 * perr + 1e-5) << "kl";
+    EXPECT_LT(kerr, 5e-2) << "kl near convergence";  // (measured 2.2-3.0%: docs/numerics.md)
   } else {
     EXPECT_LT(kerr, 1e-2) << "kl";
   }

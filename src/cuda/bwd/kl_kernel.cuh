@@ -231,7 +231,8 @@ __device__ __forceinline__ void kl_consume(const Params& P, typename KlConfig<El
   Tensor tDzs = thr_stsm.partition_D(local_tile(sDz, Shape<_64, Int<C::kTok>>{}, make_coord(w, _0{})));
 
   const float psl2 = p.proxy_scale * kLog2e;
-  const float coef = (P.grads && p.dkl) ? *p.dkl : 0.f;
+  const KlGain gain = kl_gain((P.grads && p.dkl) ? *p.dkl : 0.f);  // dz's gain, undone on dQp and dKp
+  const float coef = gain.gain;
   const bool want_kl = p.kl_acc != nullptr;  // the caller asked for the kl value (uniform)
   const float unit = kDet ? p.fix[kUnitDqp] : 0.f;  // deterministic mode: dQp's fixed-point unit
   bool bad = false;
@@ -294,6 +295,8 @@ __device__ __forceinline__ void kl_consume(const Params& P, typename KlConfig<El
       barrier_sync(NamedBarrier::kConsumers, kConsumerThreads);  // dz^T staged by both
       wg_gemm<true>(mma_dqp, tQprDz, tQprKp, accdQp);
 #pragma unroll
+      for (int x = 0; x < size(accdQp); ++x) accdQp(x) *= gain.unscale;
+#pragma unroll
       for (int x = 0; x < size(accdQp); x += 2) {
         const int r = get<0>(cQp(x)), d = 64 * w + get<1>(cQp(x));
         const int32_t t = (r == get<0>(cQp(0))) ? tok_a : tok_b;
@@ -324,6 +327,8 @@ __device__ __forceinline__ void kl_consume(const Params& P, typename KlConfig<El
   }
 
   if (kDet && bad) atomicOr(reinterpret_cast<int32_t*>(p.fix) + kBad + 3, 1);
+#pragma unroll
+  for (int x = 0; x < size(accdKp); ++x) accdKp(x) *= gain.unscale;
   add_dkp<C::kHeadDim, kDet>(p, P.grads, accdKp, thr_dkp, nullptr, grp, k.pk, key_base, k.L, s0);
 }
 

@@ -12,9 +12,29 @@
 
 namespace flashmsa::cuda::attn_bwd {
 
+// dz's gain. The kernels round dz to the input dtype for the proxy GEMMs; g (s - t) itself is
+// small where the student is close to its teacher (s - t ~ 1e-6 at a kl of ~1e-5 per row), below
+// fp16's normal range (6.1e-5) for g ~ 1: rounded as a subnormal it lost most of its bits (dqp
+// 67% off at fp16 in Proxy.NearConvergedG4Fp16). So dz is formed with g' = g 2^k, |g'| in
+// [2^13, 2^14): |dz| <= |g'| < 2^14 stays in range for every g, and (s - t) keeps fp16's 11 bits
+// down to 2^-27. The fp32 products (a dQp tile, dKp) are scaled back by 2^-k before they are
+// added anywhere: exact (powers of two), so the accumulators, the deterministic mode's fixed-point
+// units (from |g|) and bf16's results (the same rounding at any scale) are unchanged. g = 0, inf or
+// NaN: gain g, unscale 1 (exact zeros stay exact; non-finite values propagate).
+struct KlGain {
+  float gain, unscale;
+};
+__device__ __forceinline__ KlGain kl_gain(float g) {
+  if (!(fabsf(g) > 0.f) || !isfinite(g)) return {g, 1.f};
+  int e;
+  frexpf(g, &e);  // |g| = m 2^e, m in [0.5, 1)
+  const int k = max(-60, min(60, 14 - e));
+  return {ldexpf(g, k), ldexpf(1.f, -k)};
+}
+
 // One (token, key) of a proxy head: the student s = 2^zl2 (zl2 = log2 s, from the proxy logit and
-// the proxy lse), the teacher t. Returns dz = g (s - t), kept N / proxy_scale times larger than
-// SPEC's dz; kl_element also adds the kl term t (ln t - ln s) to kl_sum (a zero teacher adds
+// the proxy lse), the teacher t. Returns dz = g (s - t) for the g given (the kernels pass
+// kl_gain(g).gain), kept N / proxy_scale times larger than SPEC's dz; kl_element also adds the kl term t (ln t - ln s) to kl_sum (a zero teacher adds
 // nothing: t ln t -> 0), kl_gradient does not (the kl value not asked for: no log per element).
 __device__ __forceinline__ float kl_gradient(float teacher, float zl2, float g) {
   return g * (ptx::exp2f_approx(zl2) - teacher);

@@ -207,7 +207,8 @@ __global__ void __launch_bounds__(kCtaThreads, 1) bwd_proxy_kernel(const __grid_
   Tensor cQp = thr_dqp.partition_C(make_identity_tensor(Shape<_64, Int<kTok>>{}));    // (dp, token)
 
   const float sl2 = p.scale * kLog2e, psl2 = p.proxy_scale * kLog2e;
-  const float coef = (P.grads && p.dkl) ? *p.dkl : 0.f;
+  const KlGain gain = kl_gain((P.grads && p.dkl) ? *p.dkl : 0.f);  // dz's gain, undone on dQp and dKp
+  const float coef = gain.gain;
   const int64_t key_base = int64_t(j) * C::kBlockN + 64 * w;
   float kl_sum = 0.f;
   S.kv_bar.wait(0);
@@ -278,7 +279,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) bwd_proxy_kernel(const __grid_
         const int d = 64 * w + get<0>(cQp(x)), tc = get<1>(cQp(x));
         const int32_t t = my_tok[tc];
         if (t < 0) continue;
-        atomicAdd(p.dqp_acc + (int64_t(t) * p.Hp + grp) * C::kHeadDim + d, accdQp(x));
+        atomicAdd(p.dqp_acc + (int64_t(t) * p.Hp + grp) * C::kHeadDim + d, accdQp(x) * gain.unscale);
       }
     }
     if (P.grads && turn_rows) __threadfence();  // the adds visible before the turn passes on
@@ -288,6 +289,8 @@ __global__ void __launch_bounds__(kCtaThreads, 1) bwd_proxy_kernel(const __grid_
     ++state;
   }
 
+#pragma unroll
+  for (int x = 0; x < size(accdKp); ++x) accdKp(x) *= gain.unscale;
   proxy_cta_tail<C::kHeadDim>(p, P.grads, accdKp, thr_dkp, kp_turn, grp, pk, key_base, L, s0, kl_sum, S.kl_warp,
                               kl_slot);
 }
