@@ -527,6 +527,74 @@ inline RefBwd ideal_bwd(const Problem& pb, const Tensor& q, const Tensor& k, con
   return r;
 }
 
+// One (proxy head p, token t) row of the straightforward proxy side over its key set `keys`: the
+// teacher as the fp32 mean of the group's heads' P, each rounded to the dtype (scores from q scaled
+// and rounded, rounded again), and the student's logits z rounded to the dtype with their max m and
+// sum of exp(z - m) in fp32.
+struct StraightforwardRow {
+  std::vector<float> teacher, z, s;
+  float m = 0.f, sum = 0.f;
+  void form(const Problem& pb, const flashmsa::ref::Problem& rp, const Tensor& q, const Tensor& k, const Tensor& qp,
+            const Tensor& kp, int p, int64_t t, const std::vector<int64_t>& keys) {
+    using flashmsa::round_to;
+    const auto dt = pb.dtype;
+    const double scale = 1.0 / std::sqrt(double(pb.D)), pscale = 1.0 / std::sqrt(double(pb.Dp));
+    const int G = pb.Hq / pb.Hp;
+    const size_t nk = keys.size();
+    teacher.assign(nk, 0.f);
+    s.resize(nk);
+    for (int h = p * G; h < (p + 1) * G; ++h) {
+      const int c = rp.kv_of(h);
+      const size_t qo = (size_t(t) * pb.Hq + h) * pb.D;
+      float mh = -INFINITY;
+      for (size_t j = 0; j < nk; ++j) {
+        float acc = 0.f;
+        const size_t ko = (size_t(keys[j]) * pb.Hkv + c) * pb.D;
+        for (int d = 0; d < pb.D; ++d) acc += float(round_to(dt, q.host[qo + d] * scale)) * float(k.host[ko + d]);
+        s[j] = float(round_to(dt, acc));
+        mh = std::max(mh, s[j]);
+      }
+      float sh = 0.f;
+      for (size_t j = 0; j < nk; ++j) sh += std::exp(s[j] - mh);
+      for (size_t j = 0; j < nk; ++j) teacher[j] += float(round_to(dt, std::exp(s[j] - mh) / sh)) / float(G);
+    }
+    const int c = rp.pk_of(p);
+    const size_t qo = (size_t(t) * pb.Hp + p) * pb.Dp;
+    z.resize(nk);
+    m = -INFINITY;
+    for (size_t j = 0; j < nk; ++j) {
+      float acc = 0.f;
+      const size_t ko = (size_t(keys[j]) * pb.Hpk + c) * pb.Dp;
+      for (int d = 0; d < pb.Dp; ++d) acc += float(qp.host[qo + d]) * float(kp.host[ko + d]);
+      z[j] = float(round_to(dt, acc * pscale));
+      m = std::max(m, z[j]);
+    }
+    sum = 0.f;
+    for (size_t j = 0; j < nk; ++j) sum += std::exp(z[j] - m);
+  }
+};
+
+// Runs f(tid, p, t, row) for every (proxy head p, token t) row with a non-empty key set, the row formed
+// (StraightforwardRow), on T threads (row items tid, tid + T, ...).
+template <class F>
+void for_each_straightforward_row(const Problem& pb, const flashmsa::ref::Problem& rp, const Tensor& q,
+                                  const Tensor& k, const Tensor& qp, const Tensor& kp,
+                                  const std::vector<int32_t>* indices, int T, F f) {
+  const int64_t n = int64_t(pb.Hp) * rp.total;
+  flashmsa::ref::parallel_for(n, [&](int64_t first, int64_t, int tid) {
+    std::vector<int64_t> keys;
+    StraightforwardRow row;
+    for (int64_t item = first; item < n; item += T) {
+      const int p = int(item / rp.total);
+      const int64_t t = item % rp.total;
+      flashmsa::ref::key_set(rp, indices ? indices->data() : nullptr, p, t, keys);
+      if (keys.empty()) continue;
+      row.form(pb, rp, q, k, qp, kp, p, t, keys);
+      f(tid, p, t, keys, row);
+    }
+  });
+}
+
 // Straightforward same-dtype proxy gradient: P of the group's heads from the straightforward
 // forward (rounded), the teacher as their fp32 mean, proxy logits rounded, the student softmax in
 // fp32, dz rounded once, dqp and dkp accumulated in fp32 and rounded.
@@ -536,66 +604,30 @@ inline RefBwd straightforward_proxy_bwd(const Problem& pb, const Tensor& q, cons
   using flashmsa::round_to;
   const auto dt = pb.dtype;
   const flashmsa::ref::Problem rp = ref_problem(pb, topk, mode);
-  const double scale = 1.0 / std::sqrt(double(pb.D)), pscale = 1.0 / std::sqrt(double(pb.Dp));
-  const int G = pb.Hq / pb.Hp;
+  const double pscale = 1.0 / std::sqrt(double(pb.Dp));
   const int64_t n = int64_t(pb.Hp) * rp.total;
   const float coef = float(g / double(n));
   const int T = int(std::min<int64_t>(flashmsa::ref::num_threads(), std::max<int64_t>(n, 1)));
   std::vector<std::vector<float>> dkpb(static_cast<size_t>(T));
   RefBwd r;
   r.dqp.assign(qp.host.size(), 0.0);
-  flashmsa::ref::parallel_for(n, [&](int64_t first, int64_t, int tid) {
+  for (auto& b : dkpb) b.assign(kp.host.size(), 0.f);
+  for_each_straightforward_row(pb, rp, q, k, qp, kp, indices, T, [&](int tid, int p, int64_t t,
+                                                                     const std::vector<int64_t>& keys,
+                                                                     const StraightforwardRow& row) {
     auto& dkp = dkpb[size_t(tid)];
-    dkp.assign(kp.host.size(), 0.f);
-    std::vector<int64_t> keys;
-    std::vector<float> teacher, s, z;
-    for (int64_t item = first; item < n; item += T) {
-      const int p = int(item / rp.total);
-      const int64_t t = item % rp.total;
-      flashmsa::ref::key_set(rp, indices ? indices->data() : nullptr, p, t, keys);
-      if (keys.empty()) continue;
-      const size_t nk = keys.size();
-      teacher.assign(nk, 0.f);
-      s.resize(nk);
-      for (int h = p * G; h < (p + 1) * G; ++h) {
-        const int c = rp.kv_of(h);
-        const size_t qo = (size_t(t) * pb.Hq + h) * pb.D;
-        float m = -INFINITY;
-        for (size_t j = 0; j < nk; ++j) {
-          float acc = 0.f;
-          const size_t ko = (size_t(keys[j]) * pb.Hkv + c) * pb.D;
-          for (int d = 0; d < pb.D; ++d) acc += float(round_to(dt, q.host[qo + d] * scale)) * float(k.host[ko + d]);
-          s[j] = float(round_to(dt, acc));
-          m = std::max(m, s[j]);
-        }
-        float sum = 0.f;
-        for (size_t j = 0; j < nk; ++j) sum += std::exp(s[j] - m);
-        for (size_t j = 0; j < nk; ++j) teacher[j] += float(round_to(dt, std::exp(s[j] - m) / sum)) / float(G);
+    const int c = rp.pk_of(p);
+    const size_t qo = (size_t(t) * pb.Hp + p) * pb.Dp;
+    std::vector<float> dq(size_t(pb.Dp), 0.f);
+    for (size_t j = 0; j < keys.size(); ++j) {
+      const float dz = float(round_to(dt, coef * (std::exp(row.z[j] - row.m) / row.sum - row.teacher[j])));
+      const size_t ko = (size_t(keys[j]) * pb.Hpk + c) * pb.Dp;
+      for (int d = 0; d < pb.Dp; ++d) {
+        dq[size_t(d)] += dz * float(kp.host[ko + d]);
+        dkp[ko + d] += dz * float(qp.host[qo + d]);
       }
-      const int c = rp.pk_of(p);
-      const size_t qo = (size_t(t) * pb.Hp + p) * pb.Dp;
-      z.resize(nk);
-      float m = -INFINITY;
-      for (size_t j = 0; j < nk; ++j) {
-        float acc = 0.f;
-        const size_t ko = (size_t(keys[j]) * pb.Hpk + c) * pb.Dp;
-        for (int d = 0; d < pb.Dp; ++d) acc += float(qp.host[qo + d]) * float(kp.host[ko + d]);
-        z[j] = float(round_to(dt, acc * pscale));
-        m = std::max(m, z[j]);
-      }
-      float sum = 0.f;
-      for (size_t j = 0; j < nk; ++j) sum += std::exp(z[j] - m);
-      std::vector<float> dq(size_t(pb.Dp), 0.f);
-      for (size_t j = 0; j < nk; ++j) {
-        const float dz = float(round_to(dt, coef * (std::exp(z[j] - m) / sum - teacher[j])));
-        const size_t ko = (size_t(keys[j]) * pb.Hpk + c) * pb.Dp;
-        for (int d = 0; d < pb.Dp; ++d) {
-          dq[size_t(d)] += dz * float(kp.host[ko + d]);
-          dkp[ko + d] += dz * float(qp.host[qo + d]);
-        }
-      }
-      for (int d = 0; d < pb.Dp; ++d) r.dqp[qo + d] = round_to(dt, dq[size_t(d)] * pscale);
     }
+    for (int d = 0; d < pb.Dp; ++d) r.dqp[qo + d] = round_to(dt, dq[size_t(d)] * pscale);
   });
   r.dkp.assign(kp.host.size(), 0.0);
   for (size_t e = 0; e < kp.host.size(); ++e) {
@@ -614,59 +646,18 @@ inline RefBwd straightforward_proxy_bwd(const Problem& pb, const Tensor& q, cons
 inline double straightforward_kl(const Problem& pb, const Tensor& q, const Tensor& k, const Tensor& qp,
                                  const Tensor& kp, const std::vector<int32_t>* indices, int topk,
                                  flashmsa_mode_t mode) {
-  using flashmsa::round_to;
-  const auto dt = pb.dtype;
   const flashmsa::ref::Problem rp = ref_problem(pb, topk, mode);
-  const double scale = 1.0 / std::sqrt(double(pb.D)), pscale = 1.0 / std::sqrt(double(pb.Dp));
-  const int G = pb.Hq / pb.Hp;
   const int64_t n = int64_t(pb.Hp) * rp.total;
   const int T = int(std::min<int64_t>(flashmsa::ref::num_threads(), std::max<int64_t>(n, 1)));
   std::vector<double> part(static_cast<size_t>(T), 0.0);
-  flashmsa::ref::parallel_for(n, [&](int64_t first, int64_t, int tid) {
-    std::vector<int64_t> keys;
-    std::vector<float> teacher, s, z;
-    for (int64_t item = first; item < n; item += T) {
-      const int p = int(item / rp.total);
-      const int64_t t = item % rp.total;
-      flashmsa::ref::key_set(rp, indices ? indices->data() : nullptr, p, t, keys);
-      if (keys.empty()) continue;
-      const size_t nk = keys.size();
-      teacher.assign(nk, 0.f);
-      s.resize(nk);
-      for (int h = p * G; h < (p + 1) * G; ++h) {
-        const int c = rp.kv_of(h);
-        const size_t qo = (size_t(t) * pb.Hq + h) * pb.D;
-        float m = -INFINITY;
-        for (size_t j = 0; j < nk; ++j) {
-          float acc = 0.f;
-          const size_t ko = (size_t(keys[j]) * pb.Hkv + c) * pb.D;
-          for (int d = 0; d < pb.D; ++d) acc += float(round_to(dt, q.host[qo + d] * scale)) * float(k.host[ko + d]);
-          s[j] = float(round_to(dt, acc));
-          m = std::max(m, s[j]);
-        }
-        float sum = 0.f;
-        for (size_t j = 0; j < nk; ++j) sum += std::exp(s[j] - m);
-        for (size_t j = 0; j < nk; ++j) teacher[j] += float(round_to(dt, std::exp(s[j] - m) / sum)) / float(G);
-      }
-      const int c = rp.pk_of(p);
-      const size_t qo = (size_t(t) * pb.Hp + p) * pb.Dp;
-      z.resize(nk);
-      float m = -INFINITY;
-      for (size_t j = 0; j < nk; ++j) {
-        float acc = 0.f;
-        const size_t ko = (size_t(keys[j]) * pb.Hpk + c) * pb.Dp;
-        for (int d = 0; d < pb.Dp; ++d) acc += float(qp.host[qo + d]) * float(kp.host[ko + d]);
-        z[j] = float(round_to(dt, acc * pscale));
-        m = std::max(m, z[j]);
-      }
-      float sum = 0.f;
-      for (size_t j = 0; j < nk; ++j) sum += std::exp(z[j] - m);
-      const float lsum = std::log(sum);
-      float row = 0.f;
-      for (size_t j = 0; j < nk; ++j)
-        if (teacher[j] > 0.f) row += teacher[j] * (std::log(teacher[j]) - (z[j] - m - lsum));
-      part[size_t(tid)] += double(row);
-    }
+  for_each_straightforward_row(pb, rp, q, k, qp, kp, indices, T, [&](int tid, int, int64_t,
+                                                                     const std::vector<int64_t>& keys,
+                                                                     const StraightforwardRow& row) {
+    const float lsum = std::log(row.sum);
+    float kl_row = 0.f;
+    for (size_t j = 0; j < keys.size(); ++j)
+      if (row.teacher[j] > 0.f) kl_row += row.teacher[j] * (std::log(row.teacher[j]) - (row.z[j] - row.m - lsum));
+    part[size_t(tid)] += double(kl_row);
   });
   double total = 0.0;
   for (double x : part) total += x;
