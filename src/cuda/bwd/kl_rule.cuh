@@ -12,15 +12,15 @@
 
 namespace flashmsa::cuda::attn_bwd {
 
-// dz's gain. The kernels round dz to the input dtype for the proxy GEMMs; g (s - t) itself is
-// small where the student is close to its teacher (s - t ~ 1e-6 at a kl of ~1e-5 per row), below
-// fp16's normal range (6.1e-5) for g ~ 1: rounded as a subnormal it lost most of its bits (dqp
-// 67% off at fp16 in Proxy.NearConvergedG4Fp16). So dz is formed with g' = g 2^k, |g'| in
-// [2^13, 2^14): |dz| <= |g'| < 2^14 stays in range for every g, and (s - t) keeps fp16's 11 bits
-// down to 2^-27. The fp32 products (a dQp tile, dKp) are scaled back by 2^-k before they are
-// added anywhere: exact (powers of two), so the accumulators, the deterministic mode's fixed-point
-// units (from |g|) and bf16's results (the same rounding at any scale) are unchanged. g = 0, inf or
-// NaN: gain g, unscale 1 (exact zeros stay exact; non-finite values propagate).
+// dz's gain. The kernels keep dz N / proxy_scale times larger than SPEC's (the 1/N inside, fp16's dz fell into
+// subnormals) and round it to the input dtype for the proxy GEMMs. Formed with g itself, g (s - t) overflowed fp16
+// (65504) under a loss scaler's g (torch.amp.GradScaler: 2^16 at first, doubled every 2000 steps without an inf; at
+// 2^24 wherever |s - t| > 0.004), while the outputs, N times smaller, were in range: an inf in every proxy gradient
+// and a skipped step. So dz is formed with g' = g 2^k, |g'| in [2^13, 2^14): |dz| <= |g'| < 2^14 for every g, and
+// (s - t) keeps fp16's 11 bits down to 2^-27. The fp32 products (a dQp tile, dKp) are scaled back by 2^-k before
+// they are added anywhere: exact (powers of two), so the accumulators, the deterministic mode's fixed-point units
+// (from |g|) and bf16's results (the same rounding at any scale) are unchanged. g = 0, inf or NaN: gain g, unscale 1
+// (exact zeros stay exact; non-finite values propagate).
 struct KlGain {
   float gain, unscale;
 };
