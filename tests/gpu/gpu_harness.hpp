@@ -581,7 +581,7 @@ void for_each_straightforward_row(const Problem& pb, const flashmsa::ref::Proble
                                   const Tensor& k, const Tensor& qp, const Tensor& kp,
                                   const std::vector<int32_t>* indices, int T, F f) {
   const int64_t n = int64_t(pb.Hp) * rp.total;
-  flashmsa::ref::parallel_for(n, [&](int64_t first, int64_t, int tid) {
+  flashmsa::ref::parallel_for(n, T, [&](int64_t first, int64_t, int tid) {
     std::vector<int64_t> keys;
     StraightforwardRow row;
     for (int64_t item = first; item < n; item += T) {

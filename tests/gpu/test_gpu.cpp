@@ -552,6 +552,7 @@ void run_bwd_case(const Problem& pb0, const BwdCase& c) {
   Inputs in = make_inputs(pb, rng);
   if (c.has_outlier_keys) add_outlier_keys(pb, in);
   if (c.near_eps > 0) make_near_converged(pb, in, c.near_eps, rng);
+  ASSERT_FALSE(::testing::Test::HasFatalFailure()) << "the near-converged inputs";
   const int64_t T = pb.total();
   const int K = mode == FLASHMSA_MODE_DENSE ? 0 : pb.topk;
   std::vector<int32_t> given;
@@ -783,9 +784,6 @@ TEST(Proxy, SegmentedListsM3Given) {  // 16 head slots per token (4 tokens per m
   ScopedEnv seg("FLASHMSA_KL_SEGMENT", "100");
   run_bwd_case(m3().with_topk(8).seqlens({1300, 40}), BwdCase().given().with_dkl(0.7).with_kl_value());
 }
-// One long segment (FLASHMSA_KL_SEGMENT = 4096, clipped to the longest sequence, 2240): the early blocks' lists
-// of the 2200-token sequence (up to ~2200 entries) walked in one main walk and one kl walk, the teacher scratch
-// written and read at entries past 1024 (the default's scale at m3 32k: docs/kernels/bwd.md "Session 30").
 // A student near its teacher (make_near_converged): the kl value and the proxy gradients where
 // s - t is small against s and t, at SPEC section 3's bars; every causal block selected.
 TEST(Proxy, NearConvergedG1) {
@@ -815,6 +813,12 @@ TEST(Proxy, LossScaledFp16Dense) {
 TEST(Deterministic, LossScaledFp16) {
   run_bwd_case(fmsa().with_topk(8).seqlens({700}).fp16(), BwdCase().sparse().with_dkl(16777216.0).deterministic());
 }
+TEST(Deterministic, LossScaledFp16Dense) {  // the dense proxy kernel's turn-ordered adds
+  run_bwd_case(fmsa().with_topk(1).seqlens({300, 57}).fp16(), BwdCase().dense().with_dkl(16777216.0).deterministic());
+}
+// One long segment (FLASHMSA_KL_SEGMENT = 4096, clipped to the longest sequence, 2240): the early blocks' lists
+// of the 2200-token sequence (up to ~2200 entries) walked in one main walk and one kl walk, the teacher scratch
+// written and read at entries past 1024 (the default's scale at m3 32k: docs/kernels/bwd.md "Session 30").
 TEST(Proxy, LongSegment) {
   ScopedEnv seg("FLASHMSA_KL_SEGMENT", "4096");
   run_bwd_case(fmsa().with_topk(16).seqlens({2200, 129}), BwdCase().sparse().with_dlse().with_dkl(1.0).with_kl_value());
@@ -1396,6 +1400,7 @@ void run_kl_case(const Problem& pb0, const KlCase& c) {
   Problem pb = pb0;
   Inputs in = make_inputs(pb, rng);
   if (c.near_eps > 0) make_near_converged(pb, in, c.near_eps, rng);
+  ASSERT_FALSE(::testing::Test::HasFatalFailure()) << "the near-converged inputs";
   const int64_t T = pb.total();
   const int K = mode == FLASHMSA_MODE_DENSE ? 0 : pb.topk;
   std::vector<int32_t> given;

@@ -28,7 +28,7 @@ __device__ __forceinline__ KlGain kl_gain(float g) {
   if (!(fabsf(g) > 0.f) || !isfinite(g)) return {g, 1.f};
   int e;
   frexpf(g, &e);  // |g| = m 2^e, m in [0.5, 1)
-  const int k = max(-60, min(60, 14 - e));
+  const int k = max(-126, min(126, 14 - e));  // (for finite g only k > 126 is cut: |g| < 2^-112, gain < 2^14)
   return {ldexpf(g, k), ldexpf(1.f, -k)};
 }
 
