@@ -55,3 +55,11 @@ user_ab() {
     done
   done
 }
+# One GPU-test run in its own process, cut at SECONDS: gtest_run LOG SECONDS BIN FILTER [PATTERN]; prints the rc and
+# the log's summary lines (plus lines matching PATTERN, an extended regex).
+gtest_run() {
+  local log=$1 secs=$2 bin=$3 filter=$4 extra=${5:-}
+  timeout "$secs" ./.gpu/$bin --gtest_filter="$filter" > "$OUT/$log" 2>&1
+  echo "$log rc=$?"
+  grep -E "^\[  (PASSED|FAILED)|FAILED  \]${extra:+|$extra}" "$OUT/$log" | head -40
+}

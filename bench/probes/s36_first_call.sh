@@ -10,11 +10,9 @@ tar -xJf .gpu_pack/bins.tar.xz -C .gpu
 source bench/probes/callkit.sh
 NEW='*LossScaled*:*NearConverged*'
 stamp new
-timeout 60 ./.gpu/flashmsa_gpu_tests --gtest_filter="$NEW" > "$OUT/gpu-tests-new-s35.log" 2>&1
-echo "new rc=$?"; grep -E "^\[  (PASSED|FAILED)|FAILED  \]" "$OUT/gpu-tests-new-s35.log" | head
+gtest_run gpu-tests-new-s35.log 60 flashmsa_gpu_tests "$NEW"
 stamp suite
-timeout 440 ./.gpu/flashmsa_gpu_tests --gtest_filter="-$NEW" > "$OUT/gpu-suite-s35-kernels.log" 2>&1
-echo "suite rc=$?"; grep -E "^\[  (PASSED|FAILED)|FAILED  \]|^\[ RUN" "$OUT/gpu-suite-s35-kernels.log" | grep -v RUN | head -20
+gtest_run gpu-suite-s35-kernels.log 440 flashmsa_gpu_tests "-$NEW"
 echo "last test started: $(grep '^\[ RUN' "$OUT/gpu-suite-s35-kernels.log" | tail -1)"
 stamp memcheck
 timeout 60 compute-sanitizer --tool memcheck --error-exitcode 3 ./.gpu/flashmsa_gpu_tests \
