@@ -232,7 +232,6 @@ __device__ __forceinline__ void kl_consume(const Params& P, typename KlConfig<El
 
   const float psl2 = p.proxy_scale * kLog2e;
   const KlGain gain = kl_gain((P.grads && p.dkl) ? *p.dkl : 0.f);  // dz's gain, undone on dQp and dKp
-  const float coef = gain.gain;
   const bool want_kl = p.kl_acc != nullptr;  // the caller asked for the kl value (uniform)
   const float unit = kDet ? p.fix[kUnitDqp] : 0.f;  // deterministic mode: dQp's fixed-point unit
   bool bad = false;
@@ -272,8 +271,8 @@ __device__ __forceinline__ void kl_consume(const Params& P, typename KlConfig<El
             const float zl2 = accZ(x) * psl2 - pl2;  // log2 of the student
             const float tv = teach[(8 * i + e0) * C::kTeachStride + 8 * e1];
             float dz;
-            if constexpr (decltype(want_kl)::value) dz = kl_element(tv, zl2, coef, kl_sum, ok);
-            else dz = kl_gradient(tv, zl2, coef);
+            if constexpr (decltype(want_kl)::value) dz = kl_element(tv, zl2, gain.gain, kl_sum, ok);
+            else dz = kl_gradient(tv, zl2, gain.gain);
             accZ(x) = ok ? dz : 0.f;
           }
         }
@@ -327,9 +326,7 @@ __device__ __forceinline__ void kl_consume(const Params& P, typename KlConfig<El
   }
 
   if (kDet && bad) atomicOr(reinterpret_cast<int32_t*>(p.fix) + kBad + 3, 1);
-#pragma unroll
-  for (int x = 0; x < size(accdKp); ++x) accdKp(x) *= gain.unscale;
-  add_dkp<C::kHeadDim, kDet>(p, P.grads, accdKp, thr_dkp, nullptr, grp, k.pk, key_base, k.L, s0);
+  add_dkp<C::kHeadDim, kDet>(p, P.grads, accdKp, gain.unscale, thr_dkp, nullptr, grp, k.pk, key_base, k.L, s0);
 }
 
 }  // namespace flashmsa::cuda::attn_bwd

@@ -34,8 +34,9 @@ __device__ __forceinline__ KlGain kl_gain(float g) {
 
 // One (token, key) of a proxy head: the student s = 2^zl2 (zl2 = log2 s, from the proxy logit and
 // the proxy lse), the teacher t. Returns dz = g (s - t) for the g given (the kernels pass
-// kl_gain(g).gain), kept N / proxy_scale times larger than SPEC's dz; kl_element also adds the kl term t (ln t - ln s) to kl_sum (a zero teacher adds
-// nothing: t ln t -> 0), kl_gradient does not (the kl value not asked for: no log per element).
+// kl_gain(g).gain), kept N / proxy_scale times larger than SPEC's dz; kl_element also adds the kl
+// term t (ln t - ln s) to kl_sum (a zero teacher adds nothing: t ln t -> 0), kl_gradient does not
+// (the kl value not asked for: no log per element).
 __device__ __forceinline__ float kl_gradient(float teacher, float zl2, float g) {
   return g * (ptx::exp2f_approx(zl2) - teacher);
 }
@@ -54,11 +55,14 @@ __device__ __forceinline__ float kl_element(float teacher, float zl2, float g, f
 // adjacent dims), the recomputing kernel's dQp^T = Kp^T dz^T yields (dim, token) ones (scalar adds).
 // kFixed (the kl walk's deterministic instantiation): dKp in fixed point (bwd_params.cuh), no
 // turn and no fence in the kernel (a fence would make every add of the kernel a waiting ATOMG).
+// unscale: kl_gain's 2^-k, applied to accdKp (in place) before it is added.
 template <int kHeadDim, bool kFixed = false, class Acc, class ThrMma>
-__device__ __forceinline__ void add_dkp(const Common& p, bool grads, const Acc& accdKp, const ThrMma& thr_dkp,
+__device__ __forceinline__ void add_dkp(const Common& p, bool grads, Acc& accdKp, float unscale, const ThrMma& thr_dkp,
                                         int32_t* kp_turn, int grp, int pk, int64_t key_base, int64_t L, int64_t s0) {
   using namespace cute;
   if (!grads) return;
+#pragma unroll
+  for (int x = 0; x < size(accdKp); ++x) accdKp(x) *= unscale;
   const auto c = thr_dkp.partition_C(make_identity_tensor(Shape<_64, Int<kHeadDim>>{}));
   if constexpr (kFixed) {
     bool bad = false;
@@ -75,10 +79,11 @@ __device__ __forceinline__ void add_dkp(const Common& p, bool grads, const Acc& 
 // The tail of a (key block, proxy head) CTA of the recomputing kernel: dKp_j, then the CTA's kl
 // partial (added by the kl reduce in a fixed order).
 template <int kHeadDim, class Acc, class ThrMma>
-__device__ __forceinline__ void proxy_cta_tail(const Common& p, bool grads, const Acc& accdKp, const ThrMma& thr_dkp,
-                                               int32_t* kp_turn, int grp, int pk, int64_t key_base, int64_t L,
-                                               int64_t s0, float kl_sum, float (&kl_warp)[8], int64_t kl_slot) {
-  add_dkp<kHeadDim>(p, grads, accdKp, thr_dkp, kp_turn, grp, pk, key_base, L, s0);
+__device__ __forceinline__ void proxy_cta_tail(const Common& p, bool grads, Acc& accdKp, float unscale,
+                                               const ThrMma& thr_dkp, int32_t* kp_turn, int grp, int pk,
+                                               int64_t key_base, int64_t L, int64_t s0, float kl_sum,
+                                               float (&kl_warp)[8], int64_t kl_slot) {
+  add_dkp<kHeadDim>(p, grads, accdKp, unscale, thr_dkp, kp_turn, grp, pk, key_base, L, s0);
   if (p.kl_acc) store_kl_partial(kl_sum, kl_warp, p.kl_acc, kl_slot);
 }
 

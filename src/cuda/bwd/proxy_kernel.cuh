@@ -208,7 +208,6 @@ __global__ void __launch_bounds__(kCtaThreads, 1) bwd_proxy_kernel(const __grid_
 
   const float sl2 = p.scale * kLog2e, psl2 = p.proxy_scale * kLog2e;
   const KlGain gain = kl_gain((P.grads && p.dkl) ? *p.dkl : 0.f);  // dz's gain, undone on dQp and dKp
-  const float coef = gain.gain;
   const int64_t key_base = int64_t(j) * C::kBlockN + 64 * w;
   float kl_sum = 0.f;
   S.kv_bar.wait(0);
@@ -241,7 +240,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) bwd_proxy_kernel(const __grid_
         for (int h = 0; h < G; ++h) tsum += S.pt[64 * w + key][tc * G + h];
         const float teacher = tsum / float(G);  // the group's mean
         const float zl2 = accZ(x) * psl2 - S.plse2[st][tc];  // log2 of the student
-        dz = kl_element(teacher, zl2, coef, kl_sum);
+        dz = kl_element(teacher, zl2, gain.gain, kl_sum);
       }
       accZ(x) = dz;
     }
@@ -289,10 +288,8 @@ __global__ void __launch_bounds__(kCtaThreads, 1) bwd_proxy_kernel(const __grid_
     ++state;
   }
 
-#pragma unroll
-  for (int x = 0; x < size(accdKp); ++x) accdKp(x) *= gain.unscale;
-  proxy_cta_tail<C::kHeadDim>(p, P.grads, accdKp, thr_dkp, kp_turn, grp, pk, key_base, L, s0, kl_sum, S.kl_warp,
-                              kl_slot);
+  proxy_cta_tail<C::kHeadDim>(p, P.grads, accdKp, gain.unscale, thr_dkp, kp_turn, grp, pk, key_base, L, s0, kl_sum,
+                              S.kl_warp, kl_slot);
 }
 
 template <class Element, int kTok, bool kDet>
