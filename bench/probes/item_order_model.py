@@ -9,6 +9,7 @@ tokens' rows (gathered Q/dO, dq added) for the item's head group; an access coun
 (token, head group) was touched less than `--window` chunk times before (session 30's reading: the L2 keeps a line
 ~20 us, ~5 chunks, under this traffic).
     python3 bench/probes/item_order_model.py --config m3 --seqlen 32768 --patterns clustered,random
+    python3 bench/probes/item_order_model.py --config fmsa --seqlen 16384 --patterns clustered --spans 1 --lpt
 """
 import argparse
 import pathlib
@@ -62,6 +63,8 @@ def main():
     ap.add_argument("--item-cost", type=float, default=6.0, help="fixed time of an item, in chunk times")
     ap.add_argument("--window", type=float, default=5.0, help="L2 lifetime of a line, in chunk times")
     ap.add_argument("--spans", default="1,4,8")
+    ap.add_argument("--lpt", action="store_true", help="also the items sorted by list length, longest first (session "
+                    "36: bench/probes/bwd-items-longest-first.patch), against the ideal makespan")
     ap.add_argument("--windows", default="", help="token windows W (comma-separated): items (block, head, window), "
                     "window-major, each list split at multiples of W (a token-window-major schedule)")
     a = ap.parse_args()
@@ -83,6 +86,15 @@ def main():
             hit, makespan = simulate(lists, order(nblk, cfg["Hp"], span), a.sms, ntc, a.item_cost, a.window)
             print(f"{a.config} {a.seqlen} {pattern} span {span}: L2 hits {hit:.3f} of the (token, head) touches, "
                   f"makespan {makespan:.0f} chunk times")
+            sys.stdout.flush()
+        if a.lpt:
+            items = order(nblk, cfg["Hp"], 1)
+            n = np.array([len(lists[i]) for i in items])
+            ideal = ((-(-n // ntc)).sum() + a.item_cost * (n > 0).sum()) / a.sms
+            _, today = simulate(lists, items, a.sms, ntc, a.item_cost, a.window)
+            _, lpt = simulate(lists, [items[i] for i in np.argsort(-n, kind="stable")], a.sms, ntc, a.item_cost, a.window)
+            print(f"{a.config} {a.seqlen} {pattern}: ideal makespan {ideal:.0f} chunk times, block-major {today:.0f} "
+                  f"(+{100 * (today / ideal - 1):.1f}%), longest first {lpt:.0f} (+{100 * (lpt / ideal - 1):.1f}%)")
             sys.stdout.flush()
         for W in (int(w) for w in a.windows.split(",") if w):
             sub, items = {}, []
