@@ -233,32 +233,46 @@ def markdown(meta):
                 f"| {r['config']} | {r['seqlen']} | {r['pattern']} | {fmt(r['bwd_ms'], 2)} | "
                 f"{fmt(r['bwd_deterministic_ms'], 2)} ({fmt(r['bwd_deterministic_ms'] / r['bwd_ms'], 2)}x) | "
                 f"{fmt(r['fwd_train_ms'], 2)} | {fmt(r['fwd_train_out_lo_ms'], 2)} | {fmt(r['bwd_out_lo_ms'], 2)} |")
+    parts = [r for r in kernel_rows if r.get("bwd_main_ms") is not None]
+    if parts:
+        out += ["", "The backward and the main attention's backward alone (same run): the backward above trains the "
+                "proxy too (the kl gradient and the kl value); without a proxy side (qp, kp that take no gradient, "
+                "e.g. a frozen indexer) it is the main attention's backward only. Effective TF/s count the main "
+                "backward's work in both.", "",
+                "| config | T | pattern | bwd ms (TF/s) | main attention alone ms (TF/s) | proxy side share |",
+                "|---|---|---|---|---|---|"]
+        for r in parts:
+            out.append(
+                f"| {r['config']} | {r['seqlen']} | {r['pattern']} | {fmt(r['bwd_ms'], 2)} ({fmt(r['bwd_tflops'], 0)}) | "
+                f"{fmt(r['bwd_main_ms'], 2)} ({fmt(r['bwd_main_tflops'], 0)}) | "
+                f"{fmt(100 * (1 - r['bwd_main_ms'] / r['bwd_ms']), 1)}% |")
     return "\n".join(out + user_markdown(meta["rows"])) + "\n"
 
 
 def user_markdown(rows):
     """The user's path table (lines; none without row["user"]): the README's call with its defaults,
-    its step with compute_kl=False / True, the kernel sum and the gap, against cuDNN dense."""
+    its step with compute_kl=False / True and with a frozen proxy, the kernel sum and the gap, against cuDNN dense."""
     rows = [r for r in rows if "user" in r]
     if not rows:
         return []
     out = ["", "The user's path (README call, defaults): `msa_attention(...)` and its backward end to end, "
            "next to the library's kernels on the same inputs without autograd (bench/user_path.py).", "",
            "| config | T | pattern | user fwd ms | user step ms (default) | step ms (compute_kl=False) | "
-           "step ms (compute_kl=True) | kernel sum ms | overhead % | cuDNN fwd+bwd ms | step speed-up vs cuDNN | "
-           "peak GB (user) | peak GB (cuDNN) |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "step ms (compute_kl=True) | step ms, frozen proxy (default / compute_kl=False) | kernel sum ms | "
+           "overhead % | cuDNN fwd+bwd ms | step speed-up vs cuDNN | peak GB (user) | peak GB (cuDNN) |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         u, cu = r["user"], r["peers"].get("cudnn", {})
         head = f"| {r['config']} | {r['seqlen']} | {r['pattern']} | "
         if "error" in u:
             error = " ".join(u["error"].split()).replace("|", "\\|")
-            out.append(head + f"error: {error} |" + " - |" * 9)
+            out.append(head + f"error: {error} |" + " - |" * 10)
             continue
         speedup = cu["step_ms"] / u["user_step_ms"] if cu.get("step_ms") else None
         out.append(
             head + f"{fmt(u['user_fwd_ms'], 2)} | {fmt(u['user_step_ms'], 2)} | {fmt(u['user_step_nokl_ms'], 2)} | "
-            f"{fmt(u['user_step_klfwd_ms'], 2)} | {fmt(u['kern_sum_ms'], 2)} | {fmt(u['overhead_pct'], 1)} | "
+            f"{fmt(u['user_step_klfwd_ms'], 2)} | {fmt(u.get('user_step_frozen_ms'), 2)} / "
+            f"{fmt(u.get('user_step_frozen_nokl_ms'), 2)} | {fmt(u['kern_sum_ms'], 2)} | {fmt(u['overhead_pct'], 1)} | "
             f"{fmt(cu.get('step_ms'), 1)} | {fmt(speedup, 2)}{'x' if speedup else ''} | "
             f"{fmt(u['user_peak_gb'], 2)} | {fmt(cu.get('peak_gb'), 2)} |")
     return out

@@ -146,7 +146,8 @@ def user_step_times(cfg, T, pattern, iters=10, warmup=3, log=None):
     user_fwd_ms / user_step_ms: the README's call with its defaults, alone and with its backward
     (torch.autograd.backward([out, kl], [dout, 1]), the leaves' .grad cleared between runs);
     the same with compute_kl=False (_nokl_) and compute_kl=True (_klfwd_; None and klfwd_error
-    where the backend declines it); kern_fwd_ms, kern_bwd_ms and their sum kern_sum_ms: the
+    where the backend declines it); user_step_frozen_ms / user_step_frozen_nokl_ms: the default
+    step and the compute_kl=False step with qp, kp detached (a frozen indexer: no proxy gradient); kern_fwd_ms, kern_bwd_ms and their sum kern_sum_ms: the
     library calls of that step without autograd (kernel_calls); kl_value_user: kl after the last
     default step's backward, kl_value_fwd: kl of a compute_kl=True forward; user_peak_gb: peak
     memory of one default step; overhead_pct = 100 (user_step_ms / kern_sum_ms - 1).
@@ -191,6 +192,11 @@ def user_step_times(cfg, T, pattern, iters=10, warmup=3, log=None):
         r["user_step_klfwd_ms"] = median_ms(step(True), clear, iters, warmup)
     except flashmsa.NotSupportedError as e:  # the backend declines the kl value for this layout
         r.update(user_fwd_klfwd_ms=None, kl_value_fwd=None, user_step_klfwd_ms=None, klfwd_error=str(e)[:200])
+    say("user step, frozen proxy (qp, kp detached; defaults, and compute_kl=False)")
+    frozen = tuple(inputs[:3]) + (inputs[3].detach(), inputs[4].detach(), inputs[5])
+    frozen_step, frozen_clear, _ = training_step(frozen, cfg["topk"])
+    r["user_step_frozen_ms"] = median_ms(lambda: frozen_step(None), frozen_clear, iters, warmup)
+    r["user_step_frozen_nokl_ms"] = median_ms(lambda: frozen_step(False), frozen_clear, iters, warmup)
     clear()
     say("kernel fwd, bwd (no autograd)")
     kern_fwd, kern_bwd = kernel_calls(inputs, cfg["topk"], dout)

@@ -96,6 +96,12 @@ def _backward(ctx, *output_grads):
         dlse = _dense(dlse)
     if dkl is not None:
         dkl = dkl.reshape(())
+    # kl's gradient reaches only qp and kp: where neither takes a gradient (a frozen or detached
+    # indexer), the backward gets none, so the library skips the proxy gradient's work (the kl walk's
+    # GEMMs; with no kl value to fill in, the whole proxy side: the main attention's backward alone)
+    train_proxy = any(ctx.needs_input_grad[FWD_ARGS.index(n)] for n in ("qp", "kp"))
+    if not train_proxy:
+        dkl = None
     # torch.use_deterministic_algorithms(True) selects the bitwise reproducible backward
     deterministic = torch.are_deterministic_algorithms_enabled()
     kl_out = ctx.kl_out
@@ -106,8 +112,7 @@ def _backward(ctx, *output_grads):
     d = dict(zip(BWD_OUTPUTS, outs))
     if kl_out is not None:  # the forward's kl, filled in (stream-ordered: no sync)
         kl_out.copy_(d["kl"])
-    has_proxy = s["qp"] is not None
-    grads = {x: d[dx] for x, dx in _GRADS.items() if has_proxy or x not in ("qp", "kp")}
+    grads = {x: d[dx] for x, dx in _GRADS.items() if train_proxy or x not in ("qp", "kp")}
     return tuple(grads.get(n) for n in FWD_ARGS)
 
 

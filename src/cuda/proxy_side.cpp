@@ -1,6 +1,9 @@
 // What the forward's kl value and the backward's proxy gradient share: the Common parameters of
 // the backward's kernels (with the index inversion), the proxy lse the kl needs, and the two
 // proxy-side launches (the fused main + kl kernel, SPARSE/GIVEN; the recomputing proxy kernel, DENSE).
+#include <algorithm>
+#include <cstdint>
+
 #include "cuda/dispatch.h"
 #include "cuda/tiles.h"
 
@@ -154,6 +157,30 @@ void run_fused(const Geometry& g, const attn_bwd::Common& c, const ProxyRun& r, 
            [&](auto Det) { attn_bwd::run_fused<decltype(D)::value, decltype(Det)::value>(fa, st); });
   });
   kl_reduce(g, r, kl_out, st);
+}
+
+void run_fused_main(const Geometry& g, const attn_bwd::Common& c, const FusedScratch& s, cudaStream_t st,
+                    uint64_t* dq_word, bool dq_force_wait) {
+  attn_bwd::FusedArgs fa;
+  fa.c = c;
+  fa.c.R = tiles::bwd_unit_heads(g);
+  if (c.dense || c.fix || int64_t(fa.c.R) * g.Hp != g.Hq)
+    fail(FLASHMSA_ERROR_INTERNAL, "flashmsa: CUDA backend: the fused main walk needs SPARSE/GIVEN, the default mode "
+                                  "and one group per unit");
+  fa.batched = g.batched;
+  fa.total = g.total;
+  fa.Rp = tiles::head_slots(fa.c.R);
+  fa.log_rp = __builtin_ctz(unsigned(fa.Rp));
+  fa.main_only = true;
+  fa.grads = false;
+  // one segment per item: a list holds at most a sequence's tokens (segments are a multiple of 64 entries)
+  fa.seg = int(std::min<int64_t>((g.max_seqlen + 63) / 64 * 64, int64_t(INT32_MAX) / 64 * 64));
+  fa.ctas = s.ctas;
+  fa.next_item = s.next_item;
+  fa.dq_word = dq_word;
+  fa.dq_force_wait = dq_force_wait;
+  FLASHMSA_CUDA_CHECK(cudaMemsetAsync(s.next_item, 0, sizeof(int32_t), st));
+  by_dtype(dtype_of(g), [&](auto D) { attn_bwd::run_fused<decltype(D)::value, false>(fa, st); });
 }
 
 }  // namespace flashmsa::cuda

@@ -153,13 +153,15 @@ BwdLayout bwd_layout(const flashmsa_bwd_args_t& a, const Geometry& g) {
     l.dqp = take(size_t(g.total) * g.Hp * kHeadDim * fixp);
     l.dkp = take(size_t(g.total) * g.Hpk * kHeadDim * fixp);
   }
-  // the fused kernel (SPARSE/GIVEN with the proxy side), default mode: store-first dq rows (dq_writer.cuh), their words
+  // the fused kernel (SPARSE/GIVEN with the proxy side, or its main walk alone), default mode: store-first dq rows (dq_writer.cuh), their words
   // zeroed with the accumulators. By default where a chunk holds at most a quarter of a first store on average: its
   // 64 / Rp token slots each get one of up to topk contributions, so Rp x topk >= 256 (H200, session 31: m3 at 256
   // -1.1% clustered / -1.6% random backward at 32k; fmsa at 64 +10% at 16k, each first store's publication waits for
   // its chunk's bulk operations).
   const BwdDqPath dq_path = bwd_dq_path();
-  l.dq_store_first = a.mode != FLASHMSA_MODE_DENSE && bwd_proxy_side(a, g) && !a.deterministic &&
+  l.fused_main = a.mode != FLASHMSA_MODE_DENSE && !bwd_proxy_side(a, g) && !a.deterministic && g.Hp > 0 &&
+                 int64_t(tiles::bwd_unit_heads(g)) * g.Hp == g.Hq;
+  l.dq_store_first = a.mode != FLASHMSA_MODE_DENSE && (bwd_proxy_side(a, g) || l.fused_main) && !a.deterministic &&
                      (dq_path == BwdDqPath::kStoreFirst || dq_path == BwdDqPath::kStoreWait ||
                       (dq_path == BwdDqPath::kAuto && int64_t(tiles::head_slots(g.Hq / g.Hp)) * g.topk >= 256));
   l.dq_force_wait = l.dq_store_first && dq_path == BwdDqPath::kStoreWait;
@@ -176,6 +178,10 @@ BwdLayout bwd_layout(const flashmsa_bwd_args_t& a, const Geometry& g) {
                                                    static_cast<const int32_t*>(a.indices.data), a.indices.strides[0],
                                                    a.indices.strides[1], a.cu_seqlens, g)));
   if (bwd_proxy_side(a, g)) take_kl_side(l, take, g, a.mode, true);
+  if (l.fused_main) {  // the items' counter (zeroed by run_fused_main)
+    l.kl_ctas = kl_ctas(g);
+    l.next_item = take(4);
+  }
   l.total = off;
   return l;
 }

@@ -1063,6 +1063,16 @@ TEST(Bwd, SmallSparse) {
   run_bwd_case(Problem().heads(8, 2).proxy_heads(4, 1).with_topk(2).seqlens({130, 5, 300}),
                BwdCase().sparse().with_dlse());
 }
+// No proxy side (no kl gradient, no kl value: a frozen indexer's step): the fused kernel's main walk alone
+// (BwdLayout::fused_main), here with store-first dq rows (Rp x topk = 256) and a sequence that ends mid-block.
+TEST(Bwd, M3SparseMainOnly) {
+  run_bwd_case(m3().with_topk(16).seqlens({1300, 77}), BwdCase().sparse().with_dlse());
+}
+// An MSA group over two head units (G = 4, R = 2): no fused walk, the standalone kernel.
+TEST(Bwd, GroupOverUnitsStandalone) {
+  run_bwd_case(Problem().heads(8, 4).proxy_heads(2, 1).with_topk(3).seqlens({0, 300, 127}),
+               BwdCase().sparse().with_dlse());
+}
 TEST(Bwd, SmallDense) {
   run_bwd_case(Problem().heads(8, 2).proxy_heads(2, 1).with_topk(1).seqlens({200, 1}), BwdCase().dense());
 }

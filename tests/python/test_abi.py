@@ -234,3 +234,37 @@ def test_backward_binds_by_name(monkeypatch):
         300, L.MODE_SPARSE, 0.5, 0.25, False, None)
     for n in ("q", "k", "v", "qp", "kp"):
         assert x[n].grad is not None and x[n].grad.shape == x[n].shape, n
+
+
+@pytest.mark.parametrize("mode", ["sparse", "given", "warmup"])
+def test_frozen_proxy_gets_no_kl_gradient(monkeypatch, mode):
+    """qp, kp without requires_grad (a frozen or detached indexer): the backward gets no dkl, so the
+    library skips the proxy gradient's work; q, k, v get exactly the gradients of the trained-proxy
+    call, the default call's kl value still comes, and a proxy half that trains keeps dkl."""
+    calls = _spy(monkeypatch, "bwd_op", A.BWD_ARGS)
+    x = make_inputs(lengths=[300, 7], D=8, Dp=8, requires_grad=True, seed=34)
+    kw = dict(cu_seqlens=x["cu_seqlens"], max_seqlen=300, warmup=mode == "warmup")
+    if mode == "given":
+        kw["indices"] = flashmsa.msa_select(x["qp"], x["kp"], 3, cu_seqlens=x["cu_seqlens"], max_seqlen=300)
+    main = [x[n] for n in ("q", "k", "v")]
+
+    def grads(qp, kp):
+        out, kl = flashmsa.msa_attention(*main, qp, kp, 3, **kw)
+        loss = (out * out).sum() + 2 * kl
+        g = torch.autograd.grad(loss, main + [t for t in (qp, kp) if t.requires_grad])
+        return g, kl, calls.pop()
+
+    want, kl_want, a = grads(x["qp"], x["kp"])
+    assert a["dkl"].item() == 2 and kl_want.item() > 0
+    got, kl_got, a = grads(x["qp"].detach(), x["kp"].detach())
+    assert a["dkl"] is None and a["want_kl"]  # no proxy gradient; the kl value still asked for
+    assert kl_got.item() == kl_want.item()
+    for n, g, w in zip("qkv", got, want):
+        assert torch.equal(g, w), n
+    for frozen in ("qp", "kp"):  # one half trains: the kl gradient still goes to the backward
+        qp = x["qp"].detach() if frozen == "qp" else x["qp"]
+        kp = x["kp"].detach() if frozen == "kp" else x["kp"]
+        got, _, a = grads(qp, kp)
+        assert a["dkl"].item() == 2
+        for g, w in zip(got, want[:3] + (want[4] if frozen == "qp" else want[3],)):
+            assert torch.equal(g, w), frozen

@@ -48,6 +48,15 @@ def test_opcheck_fwd(mode, batched):
 
 
 @needs_custom_op
+def test_opcheck_fwd_frozen_proxy():
+    """qp, kp without requires_grad (the backward then passes no dkl): autograd registration and
+    AOT dispatch still check out."""
+    args = list(fwd_args(L.MODE_SPARSE))
+    args[3], args[4] = args[3].detach(), args[4].detach()
+    torch.library.opcheck(torch.ops.flashmsa.fwd.default, tuple(args))
+
+
+@needs_custom_op
 def test_opcheck_fwd_with_out_lo():
     torch.library.opcheck(torch.ops.flashmsa.fwd.default, fwd_args(L.MODE_SPARSE, out_lo=True))
 

@@ -31,6 +31,7 @@ struct FusedArgs {
   int Rp = 0, log_rp = 0;
   bool teacher_only = false;   // the forward's kl: S, P, the teacher and the kl terms only
   bool grads = true;           // false: no proxy gradients (the kl value only)
+  bool main_only = false;      // no proxy side (SPARSE/GIVEN): the main walk alone; no scratch, no kp
   int64_t total = 0;
   float* scratch = nullptr;    // [ctas, seg, 128] teacher rows
   int seg = 0;                 // list entries per segment (a multiple of 64)

@@ -14,7 +14,10 @@
 // (cta_coord: the proxy heads of a block next to each other, long lists first), so the scratch
 // is indexed by the CTA and never shared. Scratch: CTAs x seg x 128 floats (69 MB for 132 x 1024)
 // instead of Hp x tokens x topk x 128 floats (0.54 GB at the fmsa heads and 16k tokens).
-// teacher_only (the forward's kl) walks without dP, dS and the gradients.
+// teacher_only (the forward's kl) walks without dP, dS and the gradients. main_only (SPARSE/GIVEN
+// without a proxy side, e.g. a frozen indexer): the main walk alone, one segment per item, no
+// teacher (the persistent items, the slot shuffle and the store-first dq of this kernel made that
+// walk 9-15% faster than the standalone kernel's: H200, session 37, docs/kernels/bwd.md).
 #pragma once
 
 #include "cuda/bwd/bwd_kernel.cuh"
@@ -85,7 +88,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) bwd_fused_kernel(const __grid_
   init_dq_writer(S.ks);
   PM pm = make_chunk_pipeline<PM>(S.ms.pipe, role_wg, F::CM::kProducers, F::CM::kConsumers, S.ms.kv_bar);
   PK pk = make_chunk_pipeline<PK>(S.ks.pipe, role_wg, F::CK::kProducers, F::CK::kConsumers, S.ks.kp_bar);
-  float* const scratch = P.scratch + int64_t(blockIdx.x) * P.seg * kBlockKeys;
+  float* const scratch = P.scratch ? P.scratch + int64_t(blockIdx.x) * P.seg * kBlockKeys : nullptr;  // main_only: none
   const int items = p.inv.nblk * p.Hp;
   // The next item (from the counter) and its walks; false past the last item. Each role runs its
   // own copy of the loop below: setmaxnreg holds only where the two roles' code is apart.
@@ -96,7 +99,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) bwd_fused_kernel(const __grid_
     if (item >= items) return false;
     const int gb = item / p.Hp, grp = item % p.Hp;
     live = main_item(p, gb, grp, m);
-    kl_item(p, gb, grp, k);
+    if (!P.main_only) kl_item(p, gb, grp, k);
     return true;
   };
   // after each walk: its global stores (the teacher rows) and shared-memory writes (generic and
@@ -122,6 +125,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) bwd_fused_kernel(const __grid_
         const int count = min(P.seg, m.n - first);
         main_produce<Element>(P, S.u.m, pm, sm, S.ms, m, first, count);
         walk_done();
+        if (P.main_only) continue;
         kl_produce<Element>(P, S.u.k, pk, sk, S.ks, k, first, count, scratch);
         walk_done();
       }
@@ -138,6 +142,10 @@ __global__ void __launch_bounds__(kCtaThreads, 1) bwd_fused_kernel(const __grid_
       const int count = min(P.seg, m.n - first);
       main_consume<Element>(P, S.u.m, pm, sm, S.ms, loads & 1, m, count, scratch);
       walk_done();
+      if (P.main_only) {
+        ++loads;
+        continue;
+      }
       kl_consume<Element>(P, S.u.k, pk, sk, S.ks, loads & 1, k, count, kl_sum);
       ++loads;
       walk_done();
@@ -166,10 +174,12 @@ void run_fused(const FusedArgs& a, cudaStream_t stream) {
   FusedParams<Element, kDet> p;
   static_cast<FusedArgs&>(p) = a;
   set_main_tma(p, a.c, a.batched, a.teacher_only, a.total);
-  const auto t = make_block_load<Element, BlockLayout<Element>>(a.c.kp, a.c.Hpk, a.batched, a.c.seqs.seqlen,
-                                                                a.c.seqs.batch, a.total);
-  p.tma_kp = t.copy;
-  p.tma_shape_kp = t.shape;
+  if (!a.main_only) {  // (main_only: no kp)
+    const auto t = make_block_load<Element, BlockLayout<Element>>(a.c.kp, a.c.Hpk, a.batched, a.c.seqs.seqlen,
+                                                                  a.c.seqs.batch, a.total);
+    p.tma_kp = t.copy;
+    p.tma_shape_kp = t.shape;
+  }
   launch_fused<Element, kDet>(p, stream);
 }
 
