@@ -270,6 +270,20 @@ int main(int argc, char** argv) {
         t_bwd_main = median_ms([&] { flashmsa::bwd(bm, wsm, wm); }, iters);
         cudaFree(wsm);
       }
+      // the dense (warmup) mode's backward as a warmup training step runs it: the main walk over every causal key, then
+      // the recomputing proxy kernel (kl gradient and value; the proxy lse recomputed); out and lse are the dense
+      // forward's, which ran last
+      double t_dense_bwd;
+      {
+        BwdArgs bd = bw;
+        bd.mode = FLASHMSA_MODE_DENSE;
+        bd.indices = bd.proxy_lse = flashmsa::none();
+        const size_t wd = workspace_size(bd);
+        void* wsd;
+        CK(cudaMalloc(&wsd, std::max<size_t>(wd, 256)));
+        t_dense_bwd = median_ms([&] { flashmsa::bwd(bd, wsd, wd); }, std::max(3, iters / 3));
+        cudaFree(wsd);
+      }
       // the deterministic backward, and the precise dpsum (forward writing out_lo, backward reading it)
       double t_bwd_det = NAN, t_fwd_lo = NAN, t_bwd_lo = NAN;
       if (options) {
@@ -345,13 +359,14 @@ int main(int argc, char** argv) {
           "\"union_factor_128\": %.3f, \"select_ms\": %.4f, \"select_tflops\": %.1f, "
           "\"fwd_train_ms\": %.4f, \"fwd_train_tflops\": %.1f, \"fwd_infer_ms\": %.4f, \"fwd_infer_tflops\": %.1f, "
           "\"dense_fwd_ms\": %.4f, \"dense_fwd_tflops\": %.1f, \"bwd_ms\": %.4f, \"bwd_tflops\": %.1f, "
-          "\"bwd_main_ms\": %.4f, \"bwd_main_tflops\": %.1f, "
+          "\"bwd_main_ms\": %.4f, \"bwd_main_tflops\": %.1f, \"dense_bwd_ms\": %.4f, \"dense_bwd_tflops\": %.1f, "
           "\"step_ms\": %.4f, \"step_tflops\": %.1f, \"step_gb\": %.2f, \"bwd_deterministic_ms\": %s, "
           "\"fwd_train_out_lo_ms\": %s, \"bwd_out_lo_ms\": %s}\n",
           prop.name, c.name.c_str(), (long long)T, pat_s.c_str(), c.topk, uf, t_sel,
           tf(2.0 * D * pc.proxy_pairs, t_sel), t_fwd, tf(4.0 * D * pc.main_pairs, t_fwd), t_fwd_inf,
           tf(4.0 * D * pc.main_pairs, t_fwd_inf), t_dense, tf(4.0 * D * dense_pairs, t_dense), t_bwd,
-          tf(2.5 * 4.0 * D * pc.main_pairs, t_bwd), t_bwd_main, tf(2.5 * 4.0 * D * pc.main_pairs, t_bwd_main), t_step,
+          tf(2.5 * 4.0 * D * pc.main_pairs, t_bwd), t_bwd_main, tf(2.5 * 4.0 * D * pc.main_pairs, t_bwd_main), t_dense_bwd,
+          tf(2.5 * 4.0 * D * dense_pairs, t_dense_bwd), t_step,
           tf(3.5 * 4.0 * D * pc.main_pairs + 2.0 * D * pc.proxy_pairs, t_step), step_gb, js(t_bwd_det).c_str(),
           js(t_fwd_lo).c_str(), js(t_bwd_lo).c_str());
       std::fflush(stdout);

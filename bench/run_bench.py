@@ -195,6 +195,12 @@ def fmt(x, nd=1):
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{nd}f}"
 
 
+def cudnn_bwd(r):
+    """cuDNN's dense backward alone (its fwd+bwd less its fwd, same run), or None."""
+    cu = r.get("peers", {}).get("cudnn", {})
+    return cu["step_ms"] - cu["fwd_ms"] if cu.get("step_ms") and cu.get("fwd_ms") else None
+
+
 def markdown(meta):
     out = [f"GPU {meta['gpu']}, torch {meta['torch']}, {meta['date']}. Command: `{meta['command']}`.", "",
            "Effective TFLOP/s count only the work the spec requires (ARCHITECTURE.md). Times in ms (median)."]
@@ -238,14 +244,17 @@ def markdown(meta):
         out += ["", "The backward and the main attention's backward alone (same run): the backward above trains the "
                 "proxy too (the kl gradient and the kl value); without a proxy side (qp, kp that take no gradient, "
                 "e.g. a frozen indexer) it is the main attention's backward only. Effective TF/s count the main "
-                "backward's work in both.", "",
-                "| config | T | pattern | bwd ms (TF/s) | main attention alone ms (TF/s) | proxy side share |",
-                "|---|---|---|---|---|---|"]
+                "backward's work in both. The dense (warmup) backward trains the proxy too (dense mode's recomputing "
+                "proxy kernel); its TF/s count the dense main backward's work.", "",
+                "| config | T | pattern | bwd ms (TF/s) | main attention alone ms (TF/s) | proxy side share | "
+                "dense (warmup) bwd ms (TF/s) | cuDNN dense bwd ms (fwd+bwd - fwd) |",
+                "|---|---|---|---|---|---|---|---|"]
         for r in parts:
             out.append(
                 f"| {r['config']} | {r['seqlen']} | {r['pattern']} | {fmt(r['bwd_ms'], 2)} ({fmt(r['bwd_tflops'], 0)}) | "
                 f"{fmt(r['bwd_main_ms'], 2)} ({fmt(r['bwd_main_tflops'], 0)}) | "
-                f"{fmt(100 * (1 - r['bwd_main_ms'] / r['bwd_ms']), 1)}% |")
+                f"{fmt(100 * (1 - r['bwd_main_ms'] / r['bwd_ms']), 1)}% | "
+                f"{fmt(r.get('dense_bwd_ms'), 2)} ({fmt(r.get('dense_bwd_tflops'), 0)}) | {fmt(cudnn_bwd(r), 2)} |")
     return "\n".join(out + user_markdown(meta["rows"])) + "\n"
 
 

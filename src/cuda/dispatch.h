@@ -182,8 +182,8 @@ struct BwdLayout {
   bool dq_store_first = false;
   bool dq_force_wait = false;  // FLASHMSA_BWD_DQ=store-wait (tests): the store-first writer's rare wait on every row
   size_t dq_word = 0;
-  // SPARSE/GIVEN without a proxy side, default mode, one MSA group per head unit: the fused kernel's main walk alone
-  // (main_only; its items' counter at next_item), not the standalone kernel
+  // The main walk without a teacher (SPARSE/GIVEN without a proxy side, or DENSE), default mode, one MSA group per head
+  // unit: the fused kernel's main walk alone (main_only; its items' counter at next_item), not the standalone kernel
   bool fused_main = false;
 };
 BwdLayout bwd_layout(const flashmsa_bwd_args_t& a, const Geometry& g);
@@ -272,8 +272,8 @@ FusedScratch fused_scratch(const Layout& l, char* ws) {
 void run_fused(const Geometry& g, const attn_bwd::Common& c, const ProxyRun& r, bool teacher_only,
                const FusedScratch& s, float* kl_out, cudaStream_t st, uint64_t* dq_word = nullptr,
                bool dq_force_wait = false);
-// SPARSE/GIVEN without a proxy side (BwdLayout::fused_main): the fused kernel's main walk alone (FusedArgs::main_only),
-// one segment per item, no teacher scratch; s.next_item and s.ctas only.
+// BwdLayout::fused_main: the fused kernel's main walk alone (FusedArgs::main_only), one segment per item, no teacher
+// scratch; s.next_item and s.ctas only.
 void run_fused_main(const Geometry& g, const attn_bwd::Common& c, const FusedScratch& s, cudaStream_t st,
                     uint64_t* dq_word, bool dq_force_wait);
 

@@ -164,16 +164,17 @@ void run_fused_main(const Geometry& g, const attn_bwd::Common& c, const FusedScr
   attn_bwd::FusedArgs fa;
   fa.c = c;
   fa.c.R = tiles::bwd_unit_heads(g);
-  if (c.dense || c.fix || int64_t(fa.c.R) * g.Hp != g.Hq)
-    fail(FLASHMSA_ERROR_INTERNAL, "flashmsa: CUDA backend: the fused main walk needs SPARSE/GIVEN, the default mode "
-                                  "and one group per unit");
+  if (c.fix || int64_t(fa.c.R) * g.Hp != g.Hq)
+    fail(FLASHMSA_ERROR_INTERNAL, "flashmsa: CUDA backend: the fused main walk needs the default mode and one group "
+                                  "per unit");
   fa.batched = g.batched;
   fa.total = g.total;
   fa.Rp = tiles::head_slots(fa.c.R);
   fa.log_rp = __builtin_ctz(unsigned(fa.Rp));
   fa.main_only = true;
   fa.grads = false;
-  // one segment per item: a list holds at most a sequence's tokens (segments are a multiple of 64 entries)
+  // one segment per item: a list (DENSE: the block's tokens to the sequence's end) holds at most a sequence's tokens
+  // (segments are a multiple of 64 entries)
   fa.seg = int(std::min<int64_t>((g.max_seqlen + 63) / 64 * 64, int64_t(INT32_MAX) / 64 * 64));
   fa.ctas = s.ctas;
   fa.next_item = s.next_item;

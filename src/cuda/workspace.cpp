@@ -159,8 +159,12 @@ BwdLayout bwd_layout(const flashmsa_bwd_args_t& a, const Geometry& g) {
   // -1.1% clustered / -1.6% random backward at 32k; fmsa at 64 +10% at 16k, each first store's publication waits for
   // its chunk's bulk operations).
   const BwdDqPath dq_path = bwd_dq_path();
-  l.fused_main = a.mode != FLASHMSA_MODE_DENSE && !bwd_proxy_side(a, g) && !a.deterministic && g.Hp > 0 &&
-                 int64_t(tiles::bwd_unit_heads(g)) * g.Hp == g.Hq;
+  // The main walk without a teacher (SPARSE/GIVEN without a proxy side; DENSE, whose proxy side is the recomputing
+  // proxy kernel after it) in the fused kernel (main_only) where a head unit is one MSA group; FLASHMSA_BWD_FUSED_MAIN=0
+  // keeps the standalone kernel (tests and tuning; read in every mode, so a bad value is always refused).
+  const bool fused_main_knob = onoff_knob("FLASHMSA_BWD_FUSED_MAIN", "the fused kernel's main walk", true);
+  l.fused_main = fused_main_knob && (a.mode == FLASHMSA_MODE_DENSE || !bwd_proxy_side(a, g)) && !a.deterministic &&
+                 g.Hp > 0 && int64_t(tiles::bwd_unit_heads(g)) * g.Hp == g.Hq;
   l.dq_store_first = a.mode != FLASHMSA_MODE_DENSE && (bwd_proxy_side(a, g) || l.fused_main) && !a.deterministic &&
                      (dq_path == BwdDqPath::kStoreFirst || dq_path == BwdDqPath::kStoreWait ||
                       (dq_path == BwdDqPath::kAuto && int64_t(tiles::head_slots(g.Hq / g.Hp)) * g.topk >= 256));

@@ -1073,6 +1073,14 @@ TEST(Bwd, GroupOverUnitsStandalone) {
   run_bwd_case(Problem().heads(8, 4).proxy_heads(2, 1).with_topk(3).seqlens({0, 300, 127}),
                BwdCase().sparse().with_dlse());
 }
+// FLASHMSA_BWD_FUSED_MAIN=0 keeps the standalone kernel where the fused main walk would run: SPARSE without a proxy
+// side, and DENSE with the recomputing proxy kernel after it, against fp64 on that path.
+TEST(Bwd, StandaloneByKnob) {
+  ScopedEnv knob("FLASHMSA_BWD_FUSED_MAIN", "0");
+  run_bwd_case(Problem().heads(8, 2).proxy_heads(4, 1).with_topk(2).seqlens({130, 5, 300}),
+               BwdCase().sparse().with_dlse());
+  run_bwd_case(Problem().heads(8, 2).proxy_heads(2, 1).with_topk(1).seqlens({200, 1}), BwdCase().dense().with_dkl(1.0));
+}
 TEST(Bwd, SmallDense) {
   run_bwd_case(Problem().heads(8, 2).proxy_heads(2, 1).with_topk(1).seqlens({200, 1}), BwdCase().dense());
 }
@@ -1785,6 +1793,10 @@ TEST(Workspace, BwdDqRule) {
 TEST(Errors, BadBwdDqKnob) {
   expect_bwd_knob_refused("FLASHMSA_BWD_DQ", {"x", "Store", "1", " store", "add ", "last", "store-"});
 }
+
+// A bad FLASHMSA_BWD_FUSED_MAIN (the main walk without a teacher in the fused kernel or the standalone one): refused
+// by the workspace query and the call in every mode, and nothing is written.
+TEST(Errors, BadFusedMainKnob) { expect_bwd_knob_refused("FLASHMSA_BWD_FUSED_MAIN", {"2", "on", " 1", "yes", "00"}); }
 
 // A workspace pointer off a 16-byte boundary (the kernels' bulk copies and 64-bit atomics need it): the forward and
 // the backward refuse it with FLASHMSA_ERROR_WORKSPACE before any work, and write nothing; the forward on the same

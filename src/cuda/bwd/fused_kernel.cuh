@@ -15,9 +15,10 @@
 // is indexed by the CTA and never shared. Scratch: CTAs x seg x 128 floats (69 MB for 132 x 1024)
 // instead of Hp x tokens x topk x 128 floats (0.54 GB at the fmsa heads and 16k tokens).
 // teacher_only (the forward's kl) walks without dP, dS and the gradients. main_only (SPARSE/GIVEN
-// without a proxy side, e.g. a frozen indexer): the main walk alone, one segment per item, no
-// teacher (the persistent items, the slot shuffle and the store-first dq of this kernel made that
-// walk 9-15% faster than the standalone kernel's: H200, session 37, docs/kernels/bwd.md).
+// without a proxy side, e.g. a frozen indexer; DENSE, whose proxy side is the recomputing proxy
+// kernel): the main walk alone, one segment per item, no teacher (the persistent items, the slot
+// shuffle and the store-first dq of this kernel made that walk 7-13% faster than the standalone
+// kernel's: H200, session 37, docs/kernels/bwd.md).
 #pragma once
 
 #include "cuda/bwd/bwd_kernel.cuh"
