@@ -2,7 +2,7 @@
 # binaries and libraries alternated by round. Session 28's calls repeated these loops inline (records of what ran).
 #   source bench/probes/callkit.sh; bench_ab "ARGS" ROUNDS BIN...; bench_variants "ARGS" ROUNDS TAG:BIN:ENV...;
 #   bench_three ROUNDS TAG:BIN:ENV...;
-#   user_ab ROUNDS DEADLINE_S LIBSUFFIX...
+#   user_ab ROUNDS DEADLINE_S LIBSUFFIX...; bench_line FILE TAG; bench_knob "ARGS" ROUNDS VAR VALUE...
 stamp() { echo "== $1 ($(date +%T))"; }
 # One line per run: backward and step ms of flashmsa_bench's last JSON line; the JSON under $OUT.
 bench_ab() {
@@ -62,4 +62,21 @@ gtest_run() {
   timeout "$secs" ./.gpu/$bin --gtest_filter="$filter" > "$OUT/$log" 2>&1
   echo "$log rc=$?"
   grep -E "^\[  (PASSED|FAILED)|FAILED  \]${extra:+|$extra}" "$OUT/$log" | head -40
+}
+# One summary line of a flashmsa_bench JSON (its last line): bench_line FILE TAG -> TAG bwd, main-only bwd (ms, TF/s),
+# dense bwd (ms, TF/s), dense fwd and step ms (fields an older bench lacks print None).
+bench_line() {
+  python3 -c "import json,sys; r=json.loads(open(sys.argv[1]).read().splitlines()[-1]); g=r.get; print(sys.argv[2], 'bwd', g('bwd_ms'), 'main', g('bwd_main_ms'), g('bwd_main_tflops'), 'dense_bwd', g('dense_bwd_ms'), g('dense_bwd_tflops'), 'dense_fwd', g('dense_fwd_ms'), 'step', g('step_ms'))" "$1" "$2" 2>&1 | tail -1
+}
+# bench_knob ARGS ROUNDS VAR VALUE...: flashmsa_bench alternated over the values of one environment variable.
+bench_knob() {
+  local args=$1 rounds=$2 var=$3 round v tag
+  shift 3
+  for round in $(seq 1 "$rounds"); do
+    for v in "$@"; do
+      tag=$var-$v-$(echo "$args" | awk '{print $2"-"$4"-"$6}')-r$round
+      env "$var=$v" timeout 120 ./.gpu/flashmsa_bench $args --options 0 > "$OUT/bench-$tag.json" 2>&1
+      bench_line "$OUT/bench-$tag.json" "$tag"
+    done
+  done
 }

@@ -8,7 +8,6 @@ OUT=${OUT:-/tmp/out}; R=$OUT/r; mkdir -p "$R" .gpu
 tar -xJf .gpu_pack/bins.tar.xz -C .gpu
 source bench/probes/callkit.sh
 OUT0=$OUT; OUT=$R
-line() { python3 -c "import json,sys; r=json.loads(open(sys.argv[1]).read().splitlines()[-1]); print(sys.argv[2], 'bwd', r['bwd_ms'], 'main', r.get('bwd_main_ms'), r.get('bwd_main_tflops'), 'dense_bwd', r.get('dense_bwd_ms'), r.get('dense_bwd_tflops'), 'dense_fwd', r['dense_fwd_ms'], 'step', r['step_ms'])" "$1" "$2" 2>&1 | tail -1; }
 stamp tests
 gtest_run gpu-tests-dense-main.log 200 flashmsa_gpu_tests 'Bwd.*:Dense.*:Proxy.SmallDense:Proxy.*Dense*:Kl.*Dense*:Deterministic.Dense*:Deterministic.SmallSparse:Errors.Bad*Knob:Workspace.*:Graph.*:Proxy.SmallSparse:Kl.SmallSparseG1'
 stamp sanitizers
@@ -19,14 +18,8 @@ timeout 120 compute-sanitizer --tool racecheck --error-exitcode 1 ./.gpu/flashms
   --gtest_filter='Bwd.SmallDense:Proxy.SmallDense' > "$OUT/racecheck-dense-main.log" 2>&1
 echo "racecheck rc=$?"; grep -E "RACECHECK SUMMARY|^\[  (PASSED|FAILED)" "$OUT/racecheck-dense-main.log"
 stamp bench
-for round in 1 2; do
-  for args in "--config m3 --seqlens 32768 --patterns clustered --iters 20" "--config fmsa --seqlens 16384 --patterns clustered --iters 60"; do
-    for knob in 1 0; do
-      tag=fused$knob-$(echo "$args" | awk '{print $2"-"$4"-"$6}')-r$round
-      FLASHMSA_BWD_FUSED_MAIN=$knob timeout 120 ./.gpu/flashmsa_bench $args --options 0 > "$OUT/bench-$tag.json" 2>&1
-      line "$OUT/bench-$tag.json" "$tag"
-    done
-  done
+for args in "--config m3 --seqlens 32768 --patterns clustered --iters 20" "--config fmsa --seqlens 16384 --patterns clustered --iters 60"; do
+  bench_knob "$args" 2 FLASHMSA_BWD_FUSED_MAIN 1 0
 done
 stamp user
 user_ab 1 520 ""

@@ -111,9 +111,9 @@ void run_bwd(const flashmsa_bwd_args_t& a, const Geometry& g, char* ws, const Bw
     c.dq_unit.tok = 1;
     c.fix = fix;
   }
-  // the proxy side (the proxy gradient dkl and/or the kl value): SPARSE/GIVEN runs it in the fused
-  // kernel with the main backward (the teacher in a per-CTA scratch), DENSE in the recomputing
-  // proxy kernel after it
+  // the proxy side (the proxy gradient dkl and/or the kl value): the fused kernel runs it with the main backward (the
+  // teacher in a per-CTA scratch); DENSE in the deterministic mode (or FLASHMSA_BWD_FUSED_MAIN=0) in the recomputing
+  // proxy kernel after the standalone main kernel
   const bool proxy_side = bwd_proxy_side(a, g);
   ProxyRun r;
   attn_bwd::Common cp = c;
@@ -140,7 +140,7 @@ void run_bwd(const flashmsa_bwd_args_t& a, const Geometry& g, char* ws, const Bw
     }
   }
   float* const kl_out = present(a.kl) ? static_cast<float*>(a.kl.data) : nullptr;
-  if (l.has_teacher) {  // (has_teacher: SPARSE/GIVEN with the proxy side; R = G here, bwd_features)
+  if (l.has_teacher) {  // (has_teacher: the proxy side in SPARSE/GIVEN, or default-mode DENSE; R = G here)
     run_fused(g, cp, r, false, fused_scratch(l, ws), kl_out, st,
               l.dq_store_first ? reinterpret_cast<uint64_t*>(ws + l.dq_word) : nullptr, l.dq_force_wait);
   } else if (l.fused_main) {  // the fused kernel's main walk alone (persistent; store-first dq in SPARSE/GIVEN)

@@ -135,8 +135,8 @@ void run_fused(const Geometry& g, const attn_bwd::Common& c, const ProxyRun& r, 
   attn_bwd::FusedArgs fa;
   fa.c = proxy_common(g, c, r, st);
   fa.c.R = tiles::bwd_unit_heads(g);
-  if (c.dense || int64_t(fa.c.R) * g.Hp != g.Hq)
-    fail(FLASHMSA_ERROR_INTERNAL, "flashmsa: CUDA backend: the fused kernel needs SPARSE/GIVEN and one group per unit");
+  if (int64_t(fa.c.R) * g.Hp != g.Hq)
+    fail(FLASHMSA_ERROR_INTERNAL, "flashmsa: CUDA backend: the fused kernel needs one group per unit");
   fa.batched = g.batched;
   fa.total = g.total;
   fa.Rp = tiles::head_slots(fa.c.R);

@@ -101,12 +101,13 @@ FwdRings fwd_rings_policy() {
 
 namespace {
 // The kl side of a layout (forward's kl value, backward's proxy gradient): the proxy lse when it
-// is recomputed, the kl partials, and in SPARSE/GIVEN mode the teacher.
+// is recomputed, the kl partials, and where the fused kernel runs it (teacher: SPARSE/GIVEN, and the
+// backward's default-mode DENSE) the teacher scratch.
 template <class Layout, class Take>
-void take_kl_side(Layout& l, Take& take, const Geometry& g, flashmsa_mode_t mode, bool plse) {
+void take_kl_side(Layout& l, Take& take, const Geometry& g, bool teacher, bool plse) {
   if (plse) l.plse = take(size_t(g.Hp) * g.total * 4);
   l.kl = take(size_t(g.Hp) * global_blocks_bound(g) * 4);
-  if (mode != FLASHMSA_MODE_DENSE) {  // the fused kernel's teacher scratch and its items' counter
+  if (teacher) {  // the fused kernel's teacher scratch and its items' counter
     l.kl_ctas = kl_ctas(g);
     l.kl_seg = kl_segment(g, l.kl_ctas);
     l.teach = take(size_t(l.kl_ctas) * size_t(l.kl_seg) * kBlockKeys * 4);
@@ -159,12 +160,15 @@ BwdLayout bwd_layout(const flashmsa_bwd_args_t& a, const Geometry& g) {
   // -1.1% clustered / -1.6% random backward at 32k; fmsa at 64 +10% at 16k, each first store's publication waits for
   // its chunk's bulk operations).
   const BwdDqPath dq_path = bwd_dq_path();
-  // The main walk without a teacher (SPARSE/GIVEN without a proxy side; DENSE, whose proxy side is the recomputing
-  // proxy kernel after it) in the fused kernel (main_only) where a head unit is one MSA group; FLASHMSA_BWD_FUSED_MAIN=0
-  // keeps the standalone kernel (tests and tuning; read in every mode, so a bad value is always refused).
-  const bool fused_main_knob = onoff_knob("FLASHMSA_BWD_FUSED_MAIN", "the fused kernel's main walk", true);
-  l.fused_main = fused_main_knob && (a.mode == FLASHMSA_MODE_DENSE || !bwd_proxy_side(a, g)) && !a.deterministic &&
-                 g.Hp > 0 && int64_t(tiles::bwd_unit_heads(g)) * g.Hp == g.Hq;
+  // The main walk without a teacher (SPARSE/GIVEN without a proxy side, DENSE without one) in the fused kernel
+  // (main_only) where a head unit is one MSA group; FLASHMSA_BWD_FUSED_MAIN=0 keeps the standalone kernel (and DENSE's
+  // recomputing proxy kernel; tests and tuning; read in every mode, so a bad value is always refused).
+  // DENSE mode with a proxy side runs the fused kernel with its kl walk (the teacher in the scratch) under the same
+  // conditions, not the standalone kernel and the recomputing proxy kernel.
+  const bool fused_ok = onoff_knob("FLASHMSA_BWD_FUSED_MAIN", "the fused kernel for DENSE and the main walk alone",
+                                   true) &&
+                        !a.deterministic && g.Hp > 0 && int64_t(tiles::bwd_unit_heads(g)) * g.Hp == g.Hq;
+  l.fused_main = fused_ok && !bwd_proxy_side(a, g);
   l.dq_store_first = a.mode != FLASHMSA_MODE_DENSE && (bwd_proxy_side(a, g) || l.fused_main) && !a.deterministic &&
                      (dq_path == BwdDqPath::kStoreFirst || dq_path == BwdDqPath::kStoreWait ||
                       (dq_path == BwdDqPath::kAuto && int64_t(tiles::head_slots(g.Hq / g.Hp)) * g.topk >= 256));
@@ -181,7 +185,7 @@ BwdLayout bwd_layout(const flashmsa_bwd_args_t& a, const Geometry& g) {
                                              : attn_bwd::inversion_workspace(inversion_args(
                                                    static_cast<const int32_t*>(a.indices.data), a.indices.strides[0],
                                                    a.indices.strides[1], a.cu_seqlens, g)));
-  if (bwd_proxy_side(a, g)) take_kl_side(l, take, g, a.mode, true);
+  if (bwd_proxy_side(a, g)) take_kl_side(l, take, g, a.mode != FLASHMSA_MODE_DENSE || fused_ok, true);
   if (l.fused_main) {  // the items' counter (zeroed by run_fused_main)
     l.kl_ctas = kl_ctas(g);
     l.next_item = take(4);
@@ -207,7 +211,7 @@ FwdLayout fwd_layout(const flashmsa_fwd_args_t& a, const Geometry& g) {
     l.inv = take(a.mode == FLASHMSA_MODE_DENSE
                      ? attn_bwd::blk_off_workspace(g.batch)
                      : attn_bwd::inversion_workspace(inversion_args(nullptr, 0, 0, a.cu_seqlens, g)));
-    take_kl_side(l, take, g, a.mode, !present(a.proxy_lse));
+    take_kl_side(l, take, g, a.mode != FLASHMSA_MODE_DENSE, !present(a.proxy_lse));
   }
   l.total = off;
   return l;

@@ -830,6 +830,12 @@ TEST(Proxy, LongSegment) {
   ScopedEnv seg("FLASHMSA_KL_SEGMENT", "4096");
   run_bwd_case(fmsa().with_topk(16).seqlens({2200, 129}), BwdCase().sparse().with_dlse().with_dkl(1.0).with_kl_value());
 }
+// DENSE mode's proxy side in the fused kernel (since session 37): lists of every token from the block on, cut into
+// many short segments (64 entries: the teacher scratch refilled per segment), with the kl value and an lse gradient.
+TEST(Proxy, DenseSegmentedLists) {
+  ScopedEnv seg("FLASHMSA_KL_SEGMENT", "64");
+  run_bwd_case(fmsa().with_topk(1).seqlens({1100, 129, 0, 1}), BwdCase().dense().with_dlse().with_dkl(1.0).with_kl_value());
+}
 TEST(Deterministic, SegmentedLists) {
   ScopedEnv seg("FLASHMSA_KL_SEGMENT", "64");
   run_bwd_case(fmsa().with_topk(8).seqlens({2100, 129, 1000}), BwdCase().sparse().with_dkl(1.0).deterministic().with_kl_value());

@@ -1,5 +1,6 @@
-// The main backward and the proxy (kl) backward of SPARSE/GIVEN mode in one persistent kernel,
-// with the teacher in a per-CTA scratch instead of a buffer over every inversion entry.
+// The main backward and the proxy (kl) backward of SPARSE/GIVEN mode (and, since session 37, of the
+// default-mode DENSE backward, whose lists are every token from the block on) in one persistent
+// kernel, with the teacher in a per-CTA scratch instead of a buffer over every inversion entry.
 //
 // With a kl the main walk's unit is one MSA group (R = G: one proxy head), so the main walk of
 // (key block j, proxy head p) produces exactly the teacher rows that the kl walk of (j, p)
@@ -15,10 +16,10 @@
 // is indexed by the CTA and never shared. Scratch: CTAs x seg x 128 floats (69 MB for 132 x 1024)
 // instead of Hp x tokens x topk x 128 floats (0.54 GB at the fmsa heads and 16k tokens).
 // teacher_only (the forward's kl) walks without dP, dS and the gradients. main_only (SPARSE/GIVEN
-// without a proxy side, e.g. a frozen indexer; DENSE, whose proxy side is the recomputing proxy
-// kernel): the main walk alone, one segment per item, no teacher (the persistent items, the slot
-// shuffle and the store-first dq of this kernel made that walk 7-13% faster than the standalone
-// kernel's: H200, session 37, docs/kernels/bwd.md).
+// without a proxy side, e.g. a frozen indexer; DENSE without one): the main walk alone, one segment
+// per item, no teacher (the persistent items, the slot shuffle and the store-first dq of this
+// kernel made that walk 7-13% faster than the standalone kernel's: H200, session 37,
+// docs/kernels/bwd.md).
 #pragma once
 
 #include "cuda/bwd/bwd_kernel.cuh"

@@ -79,7 +79,7 @@ struct KlConfig {
 // A kl-walk item: key block j of sequence b (global block gb) x proxy head grp, and its list.
 struct KlItem {
   int gb, grp, b, j, pk, n;
-  int64_t kl_slot, s0, L, entry0;
+  int64_t kl_slot, s0, L, entry0, dense_first;  // dense_first: DENSE mode's first token (the list is implicit)
   const int32_t* list;
 };
 // false: nothing to walk (a block past the last sequence, or an empty list); kl_slot is set
@@ -92,6 +92,14 @@ __device__ __forceinline__ bool kl_item(const Common& p, int gb, int grp, KlItem
   p.seqs.get(k.b, k.s0, k.L);
   k.j = gb - p.inv.blk_off[k.b];
   k.pk = grp / (p.Hp / p.Hpk);
+  k.dense_first = 0;
+  if (p.dense) {  // every token from the block's first to the sequence's end (as main_item)
+    k.dense_first = k.s0 + int64_t(k.j) * kBlockKeys;
+    k.n = int(k.s0 + k.L - k.dense_first);
+    k.entry0 = 0;
+    k.list = nullptr;
+    return k.n > 0;
+  }
   k.entry0 = p.inv.offsets[int64_t(grp) * p.inv.nblk + gb];
   k.n = p.inv.offsets[int64_t(grp) * p.inv.nblk + gb + 1] - int(k.entry0);
   k.list = p.inv.tokens + k.entry0;
@@ -145,7 +153,8 @@ __device__ __forceinline__ void kl_produce(const Params& P, typename KlConfig<El
   // lane and lane + 32, loaded one chunk ahead, and shuffles them (bwd_common.cuh: the slot hand-off)
   auto tok_at = [&](int c, int r) -> int32_t {
     const int li = c * C::kTok + r;
-    return (r < C::kTok && li < count) ? k.list[first + li] : -1;
+    if (r >= C::kTok || li >= count) return -1;
+    return p.dense ? int32_t(k.dense_first + first + li) : k.list[first + li];
   };
   const int lane = tid % 32;
   int32_t next_a = tok_at(0, lane), next_b = tok_at(0, lane + 32);
