@@ -122,8 +122,9 @@ size_t guard_bytes(const Geometry& g);
 // have changed since the size query, and a layout past the buffer is refused (FLASHMSA_ERROR_WORKSPACE).
 void check_layout_fits(const char* fn, const Geometry& g, size_t layout_bytes, size_t ws_bytes);
 // The fused kernel's teacher scratch (fused_kernel.cuh): one slot of kl_segment(g, ctas) fp32 rows of
-// 128 keys per persistent CTA, kl_ctas(g) CTAs (the device's SMs: one CTA each). SPARSE/GIVEN
-// only: in DENSE mode the recomputing proxy kernel runs instead. The segment (list entries per
+// 128 keys per persistent CTA, kl_ctas(g) CTAs (the device's SMs: one CTA each). SPARSE/GIVEN, and
+// the default-mode DENSE backward since session 37 (its deterministic mode and the forward's DENSE kl
+// run the recomputing proxy kernel instead). The segment (list entries per
 // alternation of the main and the kl walk): a quarter of the dq accumulator's bytes for the scratch
 // (total x Hq / (4 x ctas) entries, rounded down to 64), clamped to [kKlSegment, kKlSegmentMax];
 // FLASHMSA_KL_SEGMENT overrides it for tests and tuning; at most max_seqlen, rounded up to a
@@ -177,7 +178,8 @@ struct BwdLayout {
   bool dq32 = false;  // deterministic SPARSE/GIVEN: dq in 32-bit pairs (bwd_params.cuh, pack_pair32)
   int64_t padded = 0;
   bool has_teacher = false;
-  // default-mode SPARSE/GIVEN with the proxy side, by bwd_dq_path's rule: the first contribution to a dq row stores it
+  // default-mode SPARSE/GIVEN in the fused kernel (with the proxy side, or its main walk alone), by bwd_dq_path's rule:
+  // the first contribution to a dq row stores it
   // (dq_writer.cuh), dq_acc is not zeroed; its rows' words [Hp, total] uint64 (in the zeroed range)
   bool dq_store_first = false;
   bool dq_force_wait = false;  // FLASHMSA_BWD_DQ=store-wait (tests): the store-first writer's rare wait on every row
@@ -193,6 +195,10 @@ BwdLayout bwd_layout(const flashmsa_bwd_args_t& a, const Geometry& g);
 // taking the writer's rare wait. Anything else is refused.
 enum class BwdDqPath { kAuto, kStoreFirst, kAddOnly, kStoreWait };
 BwdDqPath bwd_dq_path();
+// FLASHMSA_BWD_FUSED_MAIN (unset/empty/'1': true, '0': false, anything else refused): where one MSA group is one head
+// unit, the default-mode backward's main walk without a teacher, and DENSE's with its kl walk, in the fused kernel;
+// false keeps the standalone main kernel (and DENSE's recomputing proxy kernel). Tests and tuning.
+bool bwd_fused_knob();
 
 // Workspace of the forward after the guard's: the indices (SPARSE without an indices output),
 // then for compute_kl the padded lse2, the inversion, the proxy lse (when not an output), the kl
@@ -251,8 +257,9 @@ struct ProxyRun {
   const float* dkl = nullptr;
   bool grads = true;
 };
-// DENSE mode's proxy side: the recomputing proxy kernel (the teacher from the group's S^T, chunk
-// by chunk); then, when kl_out is given, the kl value there (the partials added in a fixed order).
+// DENSE mode's proxy side where the fused kernel does not run it (the deterministic backward, FLASHMSA_BWD_FUSED_MAIN=0,
+// the forward's kl): the recomputing proxy kernel (the teacher from the group's S^T, chunk by chunk); then, when kl_out
+// is given, the kl value there (the partials added in a fixed order).
 void run_proxy(const Geometry& g, const attn_bwd::Common& c, const ProxyRun& r, float* kl_out, cudaStream_t st);
 // The fused kernel's scratch in a layout's workspace (has_teacher).
 struct FusedScratch {
@@ -264,9 +271,9 @@ template <class Layout>
 FusedScratch fused_scratch(const Layout& l, char* ws) {
   return {reinterpret_cast<float*>(ws + l.teach), reinterpret_cast<int32_t*>(ws + l.next_item), l.kl_seg, l.kl_ctas};
 }
-// SPARSE/GIVEN with a kl: the fused kernel (the main backward's walk and the kl walk per CTA, the
-// teacher in the scratch); c is the main backward's Common (the forward's kl: teacher_only); then
-// the kl value as run_proxy.
+// SPARSE/GIVEN with a kl (and default-mode DENSE with one, in the backward): the fused kernel (the main backward's walk
+// and the kl walk per CTA, the teacher in the scratch); c is the main backward's Common (the forward's kl:
+// teacher_only); then the kl value as run_proxy.
 // dq_word: the backward's store-first dq words (dq_writer.cuh; BwdLayout::dq_store_first), null: adds only;
 // dq_force_wait: BwdLayout::dq_force_wait.
 void run_fused(const Geometry& g, const attn_bwd::Common& c, const ProxyRun& r, bool teacher_only,

@@ -74,6 +74,10 @@ BwdDqPath bwd_dq_path() {
        "or 'store-wait' (tests: 'store', every later contribution through the writer's wait), got '" + v + "'");
 }
 
+bool bwd_fused_knob() {
+  return onoff_knob("FLASHMSA_BWD_FUSED_MAIN", "the fused kernel for DENSE and the main walk alone", true);
+}
+
 FwdRings fwd_rings_policy() {
   FwdRings r;
   r.regroup = onoff_knob("FLASHMSA_FWD_REGROUP", "tokens regrouped by selection", true);
@@ -165,9 +169,8 @@ BwdLayout bwd_layout(const flashmsa_bwd_args_t& a, const Geometry& g) {
   // recomputing proxy kernel; tests and tuning; read in every mode, so a bad value is always refused).
   // DENSE mode with a proxy side runs the fused kernel with its kl walk (the teacher in the scratch) under the same
   // conditions, not the standalone kernel and the recomputing proxy kernel.
-  const bool fused_ok = onoff_knob("FLASHMSA_BWD_FUSED_MAIN", "the fused kernel for DENSE and the main walk alone",
-                                   true) &&
-                        !a.deterministic && g.Hp > 0 && int64_t(tiles::bwd_unit_heads(g)) * g.Hp == g.Hq;
+  const bool fused_ok = bwd_fused_knob() && !a.deterministic && g.Hp > 0 &&
+                        int64_t(tiles::bwd_unit_heads(g)) * g.Hp == g.Hq;
   l.fused_main = fused_ok && !bwd_proxy_side(a, g);
   l.dq_store_first = a.mode != FLASHMSA_MODE_DENSE && (bwd_proxy_side(a, g) || l.fused_main) && !a.deterministic &&
                      (dq_path == BwdDqPath::kStoreFirst || dq_path == BwdDqPath::kStoreWait ||
@@ -227,7 +230,8 @@ size_t fwd_workspace(const flashmsa_fwd_args_t& a, const Geometry& g) {
 
 size_t bwd_workspace(const flashmsa_bwd_args_t& a, const Geometry& g) {
   bwd_features(a, g);
-  bwd_dq_path();  // a bad FLASHMSA_BWD_DQ fails every backward query (and call: api.cpp), whatever the mode
+  bwd_dq_path();     // a bad FLASHMSA_BWD_DQ fails every backward query (and call: api.cpp), whatever the mode
+  bwd_fused_knob();  // a bad FLASHMSA_BWD_FUSED_MAIN likewise (bwd_layout, which reads it, skips empty problems)
   return guard_bytes(g) + (g.total == 0 ? 0 : bwd_layout(a, g).total);
 }
 

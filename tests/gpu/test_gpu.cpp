@@ -836,6 +836,10 @@ TEST(Proxy, DenseSegmentedLists) {
   ScopedEnv seg("FLASHMSA_KL_SEGMENT", "64");
   run_bwd_case(fmsa().with_topk(1).seqlens({1100, 129, 0, 1}), BwdCase().dense().with_dlse().with_dkl(1.0).with_kl_value());
 }
+// The same path with m3's heads (16 head slots per token) in the batched layout (the TMA loads of Kp in DENSE).
+TEST(Proxy, DenseM3Batched) {
+  run_bwd_case(m3().with_topk(1).batched(2, 300), BwdCase().dense().with_dlse().with_dkl(1.0).with_kl_value());
+}
 TEST(Deterministic, SegmentedLists) {
   ScopedEnv seg("FLASHMSA_KL_SEGMENT", "64");
   run_bwd_case(fmsa().with_topk(8).seqlens({2100, 129, 1000}), BwdCase().sparse().with_dkl(1.0).deterministic().with_kl_value());

@@ -13,7 +13,8 @@
 
 namespace flashmsa::cuda::attn_bwd {
 
-// The main backward alone (bwd_kernel.cuh): dq, dk, dv (no proxy side, or DENSE mode).
+// The main backward alone in the standalone kernel (bwd_kernel.cuh): dq, dk, dv, where the fused kernel does not run it
+// (the deterministic mode without a proxy side or in DENSE, groups over several head units, FLASHMSA_BWD_FUSED_MAIN=0).
 struct MainArgs {
   bool batched = false;
   Common c;
@@ -23,15 +24,15 @@ struct MainArgs {
 };
 
 // The main backward and the proxy side in one persistent kernel (fused_kernel.cuh; SPARSE/GIVEN
-// with a kl gradient or value, R = G): dq, dk, dv, dqp, dkp and the kl partials, the teacher in a
-// per-CTA scratch.
+// with a kl gradient or value, and default-mode DENSE with one, R = G): dq, dk, dv, dqp, dkp and the
+// kl partials, the teacher in a per-CTA scratch; main_only: the main walk alone (no proxy side).
 struct FusedArgs {
   bool batched = false;
   Common c;                    // the main backward's fields and the proxy side's (qp, kp, plse, ...)
   int Rp = 0, log_rp = 0;
   bool teacher_only = false;   // the forward's kl: S, P, the teacher and the kl terms only
   bool grads = true;           // false: no proxy gradients (the kl value only)
-  bool main_only = false;      // no proxy side (SPARSE/GIVEN): the main walk alone; no scratch, no kp
+  bool main_only = false;      // no proxy side (any mode): the main walk alone; no scratch, no kp, no kl item
   int64_t total = 0;
   float* scratch = nullptr;    // [ctas, seg, 128] teacher rows
   int seg = 0;                 // list entries per segment (a multiple of 64)

@@ -22,8 +22,9 @@
 // consumers also reduce P^T over the group's heads in registers (the head slots of a token are Rp
 // adjacent accumulator columns: two per thread, then lanes xor 1 and 2) and store the teacher
 // t(token, key) = mean_h P of every entry of the segment, fp32 [entry, 128], to the CTA's scratch;
-// teacher_only (the forward's kl) skips dP, dS and the gradients. The standalone kernel below
-// (no proxy side, or DENSE mode) walks the whole list without a teacher.
+// teacher_only (the forward's kl) skips dP, dS and the gradients; without a proxy side it runs
+// alone there (main_only). The standalone kernel below (the deterministic mode without a proxy
+// side or in DENSE, groups over several head units) walks the whole list without a teacher.
 #pragma once
 
 #include <cutlass/arch/barrier.h>
