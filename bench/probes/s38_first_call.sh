@@ -2,9 +2,10 @@
 # Prepared in session 37 for the next session's first call. Build first: `bash scripts/setup.sh && bash
 # scripts/pack_gpu.sh --from-build`, then `bash scripts/patch_variant.sh fdk bench/probes/fwd-dense-kl-fused.patch` and
 # pack again (carry [".gpu_pack"]).
-# 1. The 76 GPU tests that session 37's calls did not run on its final kernels (bench/probes/s38_suite_rest_filter.txt:
-#    the suite less the 49 that passed in calls 2, 3 and 5, plus Proxy.DenseM3Batched, added after the calls), one
-#    process cut at 380 s: with those 49 the whole suite on the shipped build.
+# 1. The 78 GPU tests that session 37's calls did not run on its final kernels (bench/probes/s38_suite_rest_filter.txt:
+#    the suite less the 49 that passed in calls 2, 3 and 5, plus Proxy.DenseM3Batched, Bwd.GivenNoProxyTensors and
+#    Bwd.DenseNoProxyTensors, added after the calls), one process cut at 380 s: with those 49 the whole suite on the
+#    shipped build.
 # 2. fdk (bench/probes/fwd-dense-kl-fused.patch: the forward's dense kl value through the fused kernel's teacher_only
 #    walks instead of the recomputing proxy kernel, which took 186 ms of the dense backward in session 37): its kl
 #    tests (new Kl.DenseSegmentedLists) and memcheck, then the dense forward with its kl value timed with each library.

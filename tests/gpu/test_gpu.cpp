@@ -478,6 +478,8 @@ struct BwdCase {
   bool has_kl = false;            // the backward also writes the kl value (checked against fp64)
   bool has_outlier_keys = false;  // k with outlier channels (x32, x16) and an outlier token (x8)
   double near_eps = 0.0;          // > 0: a student near its teacher (make_near_converged)
+  bool no_proxy_tensors = false;  // the backward without qp, kp, dqp, dkp (GIVEN/SPARSE: Hp from the indices;
+                                  // DENSE: every head its own group); no dkl, no kl value
 
   [[nodiscard]] BwdCase with_mode(flashmsa_mode_t m) const {
     BwdCase c = *this;
@@ -525,6 +527,11 @@ struct BwdCase {
   [[nodiscard]] BwdCase near_converged(double eps) const {
     BwdCase c = *this;
     c.near_eps = eps;
+    return c;
+  }
+  [[nodiscard]] BwdCase without_proxy_tensors() const {
+    BwdCase c = *this;
+    c.no_proxy_tensors = true;
     return c;
   }
 };
@@ -603,7 +610,11 @@ void run_bwd_case(const Problem& pb0, const BwdCase& c) {
          dkp = output(token_shape(pb, pb.Hpk, pb.Dp), pb.dtype), kl = output({}, FLASHMSA_DTYPE_FP32);
   flashmsa::BwdArgs a;
   a.q = dev_view(in.q); a.k = dev_view(in.k); a.v = dev_view(in.v);
-  a.qp = dev_view(in.qp); a.kp = dev_view(in.kp);
+  ASSERT_TRUE(!c.no_proxy_tensors || (!with_dkl && !c.has_kl)) << "a backward without qp, kp has no proxy side";
+  if (!c.no_proxy_tensors) {
+    a.qp = dev_view(in.qp);
+    a.kp = dev_view(in.kp);
+  }
   if (pb.batch == 0) a.cu_seqlens = dev_view(in.cu);
   a.max_seqlen = pb.batch ? 0 : pb.max_len();
   a.mode = mode;
@@ -618,7 +629,11 @@ void run_bwd_case(const Problem& pb0, const BwdCase& c) {
     a.dkl = dev_view(dklt);
   }
   if (pass_proxy_lse) a.proxy_lse = dev_view(f.proxy_lse);
-  a.dq = dev_view(dq); a.dk = dev_view(dk); a.dv = dev_view(dv); a.dqp = dev_view(dqp); a.dkp = dev_view(dkp);
+  a.dq = dev_view(dq); a.dk = dev_view(dk); a.dv = dev_view(dv);
+  if (!c.no_proxy_tensors) {
+    a.dqp = dev_view(dqp);
+    a.dkp = dev_view(dkp);
+  }
   if (c.has_kl) a.kl = dev_view(kl);
   a.deterministic = deterministic ? 1 : 0;
   const size_t ws_bytes = flashmsa::workspace_size(a);
@@ -668,6 +683,7 @@ void run_bwd_case(const Problem& pb0, const BwdCase& c) {
     expect_kl("backward's kl", kl.host[0], kref.kl[0], c.near_eps > 0,
               [&] { return straightforward_kl(pb, in.q, in.k, in.qp, in.kp, ip, K, ref_mode); });
   }
+  if (c.no_proxy_tensors) return;  // (dqp, dkp: not outputs of this call)
   if (!with_dkl || dkl == 0.0) {
     for (double x : dqp.host) ASSERT_EQ(x, 0.0) << "dqp must be exactly zero without a kl gradient";
     for (double x : dkp.host) ASSERT_EQ(x, 0.0) << "dkp must be exactly zero without a kl gradient";
@@ -1090,6 +1106,15 @@ TEST(Bwd, StandaloneByKnob) {
   run_bwd_case(Problem().heads(8, 2).proxy_heads(4, 1).with_topk(2).seqlens({130, 5, 300}),
                BwdCase().sparse().with_dlse());
   run_bwd_case(Problem().heads(8, 2).proxy_heads(2, 1).with_topk(1).seqlens({200, 1}), BwdCase().dense().with_dkl(1.0));
+}
+// Without proxy tensors at all: GIVEN takes its groups from the indices (fmsa: 4 proxy heads, the fused main walk);
+// DENSE makes every head its own group (R = 1: the fused main walk with one head slot per token).
+TEST(Bwd, GivenNoProxyTensors) {
+  run_bwd_case(fmsa().with_topk(5).seqlens({900, 3}), BwdCase().given().with_dlse().without_proxy_tensors());
+}
+TEST(Bwd, DenseNoProxyTensors) {
+  run_bwd_case(Problem().heads(8, 2).proxy_heads(2, 1).with_topk(1).seqlens({200, 1, 130}),
+               BwdCase().dense().with_dlse().without_proxy_tensors());
 }
 TEST(Bwd, SmallDense) {
   run_bwd_case(Problem().heads(8, 2).proxy_heads(2, 1).with_topk(1).seqlens({200, 1}), BwdCase().dense());
