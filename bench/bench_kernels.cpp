@@ -258,42 +258,33 @@ int main(int argc, char** argv) {
       void* wsb;
       CK(cudaMalloc(&wsb, std::max<size_t>(bws, 256)));
       const double t_bwd = median_ms([&] { flashmsa::bwd(bw, wsb, bws); }, iters);
+      // a variant of the backward call, timed on its own workspace
+      auto time_bwd = [&](const BwdArgs& x, int n) {
+        const size_t wx = workspace_size(x);
+        void* wsx;
+        CK(cudaMalloc(&wsx, std::max<size_t>(wx, 256)));
+        const double t = median_ms([&] { flashmsa::bwd(x, wsx, wx); }, n);
+        cudaFree(wsx);
+        return t;
+      };
       // the main attention's backward alone (no proxy side: what a frozen indexer's step runs; the
       // Python op passes no kl gradient when qp, kp take none)
-      double t_bwd_main;
-      {
-        BwdArgs bm = bw;
-        bm.qp = bm.kp = bm.proxy_lse = bm.dkl = bm.kl = bm.dqp = bm.dkp = flashmsa::none();
-        const size_t wm = workspace_size(bm);
-        void* wsm;
-        CK(cudaMalloc(&wsm, std::max<size_t>(wm, 256)));
-        t_bwd_main = median_ms([&] { flashmsa::bwd(bm, wsm, wm); }, iters);
-        cudaFree(wsm);
-      }
-      // the dense (warmup) mode's backward as a warmup training step runs it: the main walk over every causal key, then
-      // the recomputing proxy kernel (kl gradient and value; the proxy lse recomputed); out and lse are the dense
-      // forward's, which ran last
-      double t_dense_bwd;
-      {
-        BwdArgs bd = bw;
-        bd.mode = FLASHMSA_MODE_DENSE;
-        bd.indices = bd.proxy_lse = flashmsa::none();
-        const size_t wd = workspace_size(bd);
-        void* wsd;
-        CK(cudaMalloc(&wsd, std::max<size_t>(wd, 256)));
-        t_dense_bwd = median_ms([&] { flashmsa::bwd(bd, wsd, wd); }, std::max(3, iters / 3));
-        cudaFree(wsd);
-      }
+      BwdArgs bm = bw;
+      bm.qp = bm.kp = bm.proxy_lse = bm.dkl = bm.kl = bm.dqp = bm.dkp = flashmsa::none();
+      const double t_bwd_main = time_bwd(bm, iters);
+      // the dense (warmup) mode's backward as a warmup training step runs it: the main walk over every causal key with
+      // the proxy side (kl gradient and value; the proxy lse recomputed); out and lse are the dense forward's, which ran
+      // last
+      BwdArgs bdense = bw;
+      bdense.mode = FLASHMSA_MODE_DENSE;
+      bdense.indices = bdense.proxy_lse = flashmsa::none();
+      const double t_dense_bwd = time_bwd(bdense, std::max(3, iters / 3));
       // the deterministic backward, and the precise dpsum (forward writing out_lo, backward reading it)
       double t_bwd_det = NAN, t_fwd_lo = NAN, t_bwd_lo = NAN;
       if (options) {
         BwdArgs bd = bw;
         bd.deterministic = 1;
-        const size_t wd = workspace_size(bd);
-        void* wsd;
-        CK(cudaMalloc(&wsd, std::max<size_t>(wd, 256)));
-        t_bwd_det = median_ms([&] { flashmsa::bwd(bd, wsd, wd); }, std::max(3, iters / 2));
-        cudaFree(wsd);
+        t_bwd_det = time_bwd(bd, std::max(3, iters / 2));
         void* lo;
         CK(cudaMalloc(&lo, size_t(T) * c.Hq * D * 2));
         FwdArgs fl = f;

@@ -147,8 +147,9 @@ def user_step_times(cfg, T, pattern, iters=10, warmup=3, log=None):
     (torch.autograd.backward([out, kl], [dout, 1]), the leaves' .grad cleared between runs);
     the same with compute_kl=False (_nokl_) and compute_kl=True (_klfwd_; None and klfwd_error
     where the backend declines it); user_step_frozen_ms / user_step_frozen_nokl_ms: the default
-    step and the compute_kl=False step with qp, kp detached (a frozen indexer: no proxy gradient); kern_fwd_ms, kern_bwd_ms and their sum kern_sum_ms: the
-    library calls of that step without autograd (kernel_calls); kl_value_user: kl after the last
+    step and the compute_kl=False step with qp, kp detached (a frozen indexer: no proxy gradient);
+    kern_fwd_ms, kern_bwd_ms and their sum kern_sum_ms: the library calls of that step without
+    autograd (kernel_calls); kl_value_user: kl after the last
     default step's backward, kl_value_fwd: kl of a compute_kl=True forward; user_peak_gb: peak
     memory of one default step; overhead_pct = 100 (user_step_ms / kern_sum_ms - 1).
     log(what) is called before each measurement."""

@@ -140,12 +140,12 @@ void run_bwd(const flashmsa_bwd_args_t& a, const Geometry& g, char* ws, const Bw
     }
   }
   float* const kl_out = present(a.kl) ? static_cast<float*>(a.kl.data) : nullptr;
+  uint64_t* const dq_word = l.dq_store_first ? reinterpret_cast<uint64_t*>(ws + l.dq_word) : nullptr;
   if (l.has_teacher) {  // (has_teacher: the proxy side in SPARSE/GIVEN, or default-mode DENSE; R = G here)
-    run_fused(g, cp, r, false, fused_scratch(l, ws), kl_out, st,
-              l.dq_store_first ? reinterpret_cast<uint64_t*>(ws + l.dq_word) : nullptr, l.dq_force_wait);
+    run_fused(g, cp, r, false, fused_scratch(l, ws), kl_out, st, dq_word, l.dq_force_wait);
   } else if (l.fused_main) {  // the fused kernel's main walk alone (persistent; store-first dq in SPARSE/GIVEN)
     run_fused_main(g, c, FusedScratch{nullptr, reinterpret_cast<int32_t*>(ws + l.next_item), 0, l.kl_ctas}, st,
-                   l.dq_store_first ? reinterpret_cast<uint64_t*>(ws + l.dq_word) : nullptr, l.dq_force_wait);
+                   dq_word, l.dq_force_wait);
   } else {
     attn_bwd::MainArgs mp;
     mp.c = c;

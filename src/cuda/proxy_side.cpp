@@ -131,10 +131,13 @@ void run_proxy(const Geometry& g, const attn_bwd::Common& c, const ProxyRun& r, 
   kl_reduce(g, r, kl_out, st);
 }
 
-void run_fused(const Geometry& g, const attn_bwd::Common& c, const ProxyRun& r, bool teacher_only,
-               const FusedScratch& s, float* kl_out, cudaStream_t st, uint64_t* dq_word, bool dq_force_wait) {
+namespace {
+// The fused kernel's arguments both launches share: c with one MSA group per head unit, the geometry, the persistent
+// CTAs' scratch and item counter (zeroed here, on the stream), the dq path.
+attn_bwd::FusedArgs fused_args(const Geometry& g, const attn_bwd::Common& c, const FusedScratch& s, cudaStream_t st,
+                               uint64_t* dq_word, bool dq_force_wait) {
   attn_bwd::FusedArgs fa;
-  fa.c = proxy_common(g, c, r, st);
+  fa.c = c;
   fa.c.R = tiles::bwd_unit_heads(g);
   if (int64_t(fa.c.R) * g.Hp != g.Hq)
     fail(FLASHMSA_ERROR_INTERNAL, "flashmsa: CUDA backend: the fused kernel needs one group per unit");
@@ -142,15 +145,23 @@ void run_fused(const Geometry& g, const attn_bwd::Common& c, const ProxyRun& r, 
   fa.total = g.total;
   fa.Rp = tiles::head_slots(fa.c.R);
   fa.log_rp = __builtin_ctz(unsigned(fa.Rp));
-  fa.teacher_only = teacher_only;
-  fa.grads = r.grads && !teacher_only;
   fa.scratch = s.teacher;
   fa.seg = s.seg;
   fa.ctas = s.ctas;
   fa.next_item = s.next_item;
-  fa.dq_word = teacher_only ? nullptr : dq_word;
+  fa.dq_word = dq_word;
   fa.dq_force_wait = dq_force_wait;
   FLASHMSA_CUDA_CHECK(cudaMemsetAsync(s.next_item, 0, sizeof(int32_t), st));
+  return fa;
+}
+}  // namespace
+
+void run_fused(const Geometry& g, const attn_bwd::Common& c, const ProxyRun& r, bool teacher_only,
+               const FusedScratch& s, float* kl_out, cudaStream_t st, uint64_t* dq_word, bool dq_force_wait) {
+  attn_bwd::FusedArgs fa =
+      fused_args(g, proxy_common(g, c, r, st), s, st, teacher_only ? nullptr : dq_word, dq_force_wait);
+  fa.teacher_only = teacher_only;
+  fa.grads = r.grads && !teacher_only;
   const bool det = fa.c.fix != nullptr;
   const bool ready = fa.c.dq_fix && fa.c.dk_fix && fa.c.dv_fix && fa.c.dq_unit.ptr && fa.c.dqp_fix && fa.c.dkp_fix;
   by_dtype(dtype_of(g), [&](auto D) {
@@ -162,26 +173,14 @@ void run_fused(const Geometry& g, const attn_bwd::Common& c, const ProxyRun& r, 
 
 void run_fused_main(const Geometry& g, const attn_bwd::Common& c, const FusedScratch& s, cudaStream_t st,
                     uint64_t* dq_word, bool dq_force_wait) {
-  attn_bwd::FusedArgs fa;
-  fa.c = c;
-  fa.c.R = tiles::bwd_unit_heads(g);
-  if (c.fix || int64_t(fa.c.R) * g.Hp != g.Hq)
-    fail(FLASHMSA_ERROR_INTERNAL, "flashmsa: CUDA backend: the fused main walk needs the default mode and one group "
-                                  "per unit");
-  fa.batched = g.batched;
-  fa.total = g.total;
-  fa.Rp = tiles::head_slots(fa.c.R);
-  fa.log_rp = __builtin_ctz(unsigned(fa.Rp));
+  if (c.fix) fail(FLASHMSA_ERROR_INTERNAL, "flashmsa: CUDA backend: the fused main walk needs the default mode");
+  attn_bwd::FusedArgs fa = fused_args(g, c, s, st, dq_word, dq_force_wait);
   fa.main_only = true;
   fa.grads = false;
+  fa.scratch = nullptr;
   // one segment per item: a list (DENSE: the block's tokens to the sequence's end) holds at most a sequence's tokens
   // (segments are a multiple of 64 entries)
   fa.seg = int(std::min<int64_t>((g.max_seqlen + 63) / 64 * 64, int64_t(INT32_MAX) / 64 * 64));
-  fa.ctas = s.ctas;
-  fa.next_item = s.next_item;
-  fa.dq_word = dq_word;
-  fa.dq_force_wait = dq_force_wait;
-  FLASHMSA_CUDA_CHECK(cudaMemsetAsync(s.next_item, 0, sizeof(int32_t), st));
   by_dtype(dtype_of(g), [&](auto D) { attn_bwd::run_fused<decltype(D)::value, false>(fa, st); });
 }
 

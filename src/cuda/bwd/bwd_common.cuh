@@ -250,6 +250,30 @@ __device__ __forceinline__ int seq_of_block(const int32_t* blk_off, int batch, i
   return lo;
 }
 
+// The list of an item (proxy head grp, global block gb = block j of the sequence at s0 with L tokens), for the main and
+// the kl walk alike: the inversion's entries [entry0, entry0 + n) at list, or in DENSE mode every token from the
+// block's first to the sequence's end, implicit (dense_first + i; list null). Returns n.
+__device__ __forceinline__ int item_list(const Common& p, int grp, int gb, int64_t s0, int64_t L, int j,
+                                         int64_t& dense_first, int64_t& entry0, const int32_t*& list) {
+  dense_first = 0;
+  entry0 = 0;
+  list = nullptr;
+  if (p.dense) {
+    dense_first = s0 + int64_t(j) * kBlockKeys;
+    return int(s0 + L - dense_first);
+  }
+  const int64_t k = int64_t(grp) * p.inv.nblk + gb;
+  entry0 = p.inv.offsets[k];
+  const int n = p.inv.offsets[k + 1] - int(entry0);
+  list = p.inv.tokens + entry0;
+  return n;
+}
+// Token first + i of an item_list list (a walk's range starts at entry first).
+__device__ __forceinline__ int32_t list_token(const Common& p, int64_t dense_first, const int32_t* list, int first,
+                                              int i) {
+  return p.dense ? int32_t(dense_first + first + i) : list[first + i];
+}
+
 // The CTA of a proxy-side kernel (kl, recomputing proxy): its key block and proxy head, the
 // block's sequence. False for a CTA past the last block, after writing its kl partial (0).
 struct ProxyCta {

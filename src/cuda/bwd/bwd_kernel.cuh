@@ -201,18 +201,7 @@ __device__ __forceinline__ bool main_item(const Common& p, int gb, int unit, Mai
   m.h0 = unit * p.R;
   m.grp = m.h0 / (p.Hq / p.Hp);
   m.kvh = m.h0 / (p.Hq / p.Hkv);
-  m.list = nullptr;
-  m.dense_first = 0;
-  m.entry0 = 0;
-  if (p.dense) {
-    m.dense_first = m.s0 + int64_t(m.j) * kBlockKeys;
-    m.n = int(m.s0 + m.L - m.dense_first);
-  } else {
-    const int64_t k = int64_t(m.grp) * p.inv.nblk + gb;
-    m.entry0 = p.inv.offsets[k];
-    m.n = p.inv.offsets[k + 1] - int(m.entry0);
-    m.list = p.inv.tokens + m.entry0;
-  }
+  m.n = item_list(p, m.grp, gb, m.s0, m.L, m.j, m.dense_first, m.entry0, m.list);
   return m.n > 0;
 }
 
@@ -276,7 +265,7 @@ __device__ __forceinline__ void main_produce(const Params& P, typename MainConfi
   auto slot_of = [&](int c, int s) -> int32_t {
     const int li = c * NTc + s;
     if (s >= NTc || li >= count) return -1;
-    return p.dense ? int32_t(m.dense_first + first + li) : m.list[first + li];
+    return list_token(p, m.dense_first, m.list, first, li);
   };
   const int lane = tid % 32;
   int32_t next = 0, next_a = 0, next_b = 0;

@@ -94,17 +94,7 @@ __device__ __forceinline__ bool kl_item(const Common& p, int gb, int grp, KlItem
   p.seqs.get(k.b, k.s0, k.L);
   k.j = gb - p.inv.blk_off[k.b];
   k.pk = grp / (p.Hp / p.Hpk);
-  k.dense_first = 0;
-  if (p.dense) {  // every token from the block's first to the sequence's end (as main_item)
-    k.dense_first = k.s0 + int64_t(k.j) * kBlockKeys;
-    k.n = int(k.s0 + k.L - k.dense_first);
-    k.entry0 = 0;
-    k.list = nullptr;
-    return k.n > 0;
-  }
-  k.entry0 = p.inv.offsets[int64_t(grp) * p.inv.nblk + gb];
-  k.n = p.inv.offsets[int64_t(grp) * p.inv.nblk + gb + 1] - int(k.entry0);
-  k.list = p.inv.tokens + k.entry0;
+  k.n = item_list(p, grp, gb, k.s0, k.L, k.j, k.dense_first, k.entry0, k.list);
   return k.n > 0;
 }
 
@@ -156,7 +146,7 @@ __device__ __forceinline__ void kl_produce(const Params& P, typename KlConfig<El
   auto tok_at = [&](int c, int r) -> int32_t {
     const int li = c * C::kTok + r;
     if (r >= C::kTok || li >= count) return -1;
-    return p.dense ? int32_t(k.dense_first + first + li) : k.list[first + li];
+    return list_token(p, k.dense_first, k.list, first, li);
   };
   const int lane = tid % 32;
   int32_t next_a = tok_at(0, lane), next_b = tok_at(0, lane + 32);
