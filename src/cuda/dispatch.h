@@ -123,8 +123,8 @@ size_t guard_bytes(const Geometry& g);
 void check_layout_fits(const char* fn, const Geometry& g, size_t layout_bytes, size_t ws_bytes);
 // The fused kernel's teacher scratch (fused_kernel.cuh): one slot of kl_segment(g, ctas) fp32 rows of
 // 128 keys per persistent CTA, kl_ctas(g) CTAs (the device's SMs: one CTA each). SPARSE/GIVEN, and
-// the default-mode DENSE backward since session 37 (its deterministic mode and the forward's DENSE kl
-// run the recomputing proxy kernel instead). The segment (list entries per
+// the default-mode DENSE backward since session 37 and the forward's DENSE kl since session 38 (the
+// deterministic DENSE backward runs the recomputing proxy kernel instead). The segment (list entries per
 // alternation of the main and the kl walk): a quarter of the dq accumulator's bytes for the scratch
 // (total x Hq / (4 x ctas) entries, rounded down to 64), clamped to [kKlSegment, kKlSegmentMax];
 // FLASHMSA_KL_SEGMENT overrides it for tests and tuning; at most max_seqlen, rounded up to a
@@ -257,8 +257,7 @@ struct ProxyRun {
   const float* dkl = nullptr;
   bool grads = true;
 };
-// DENSE mode's proxy side where the fused kernel does not run it (the deterministic backward, FLASHMSA_BWD_FUSED_MAIN=0,
-// the forward's kl): the recomputing proxy kernel (the teacher from the group's S^T, chunk by chunk); then, when kl_out
+// DENSE mode's proxy side where the fused kernel does not run it (the deterministic backward, FLASHMSA_BWD_FUSED_MAIN=0): the recomputing proxy kernel (the teacher from the group's S^T, chunk by chunk); then, when kl_out
 // is given, the kl value there (the partials added in a fixed order).
 void run_proxy(const Geometry& g, const attn_bwd::Common& c, const ProxyRun& r, float* kl_out, cudaStream_t st);
 // The fused kernel's scratch in a layout's workspace (has_teacher).

@@ -214,7 +214,9 @@ FwdLayout fwd_layout(const flashmsa_fwd_args_t& a, const Geometry& g) {
     l.inv = take(a.mode == FLASHMSA_MODE_DENSE
                      ? attn_bwd::blk_off_workspace(g.batch)
                      : attn_bwd::inversion_workspace(inversion_args(nullptr, 0, 0, a.cu_seqlens, g)));
-    take_kl_side(l, take, g, a.mode != FLASHMSA_MODE_DENSE, !present(a.proxy_lse));
+    // the fused kernel's teacher_only walks in every mode (DENSE: over lists of every token from the block on, as the
+    // backward since session 37; the recomputing proxy kernel before session 38)
+    take_kl_side(l, take, g, true, !present(a.proxy_lse));
   }
   l.total = off;
   return l;

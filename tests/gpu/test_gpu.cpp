@@ -1535,6 +1535,11 @@ void run_kl_case(const Problem& pb0, const KlCase& c) {
 }
 
 TEST(Kl, M3Sparse) { run_kl_case(m3().with_topk(16).seqlens({2000}), KlCase().sparse()); }
+// The forward's dense kl value in the fused kernel's teacher_only walks, its dense lists in 64-entry segments.
+TEST(Kl, DenseSegmentedLists) {
+  ScopedEnv seg("FLASHMSA_KL_SEGMENT", "64");
+  run_kl_case(fmsa().with_topk(1).seqlens({1100, 129, 0, 1}), KlCase().dense());
+}
 TEST(Kl, FmsaVarlenDense) { run_kl_case(fmsa().with_topk(1).seqlens({129, 700, 0, 1}), KlCase().dense()); }
 TEST(Kl, FmsaGivenWithEmptySlots) { run_kl_case(fmsa().with_topk(8).seqlens({1500, 33}), KlCase().given()); }
 TEST(Kl, GivenWithoutProxyLseOutput) {
