@@ -280,11 +280,14 @@ int main(int argc, char** argv) {
       bdense.indices = bdense.proxy_lse = flashmsa::none();
       const double t_dense_bwd = time_bwd(bdense, std::max(3, iters / 3));
       // the deterministic backward, and the precise dpsum (forward writing out_lo, backward reading it)
-      double t_bwd_det = NAN, t_fwd_lo = NAN, t_bwd_lo = NAN;
+      double t_bwd_det = NAN, t_dense_bwd_det = NAN, t_fwd_lo = NAN, t_bwd_lo = NAN;
       if (options) {
         BwdArgs bd = bw;
         bd.deterministic = 1;
         t_bwd_det = time_bwd(bd, std::max(3, iters / 2));
+        BwdArgs bdd = bdense;  // the warmup step's backward under torch.use_deterministic_algorithms
+        bdd.deterministic = 1;
+        t_dense_bwd_det = time_bwd(bdd, 3);
         void* lo;
         CK(cudaMalloc(&lo, size_t(T) * c.Hq * D * 2));
         FwdArgs fl = f;
@@ -352,14 +355,14 @@ int main(int argc, char** argv) {
           "\"dense_fwd_ms\": %.4f, \"dense_fwd_tflops\": %.1f, \"bwd_ms\": %.4f, \"bwd_tflops\": %.1f, "
           "\"bwd_main_ms\": %.4f, \"bwd_main_tflops\": %.1f, \"dense_bwd_ms\": %.4f, \"dense_bwd_tflops\": %.1f, "
           "\"step_ms\": %.4f, \"step_tflops\": %.1f, \"step_gb\": %.2f, \"bwd_deterministic_ms\": %s, "
-          "\"fwd_train_out_lo_ms\": %s, \"bwd_out_lo_ms\": %s}\n",
+          "\"dense_bwd_deterministic_ms\": %s, \"fwd_train_out_lo_ms\": %s, \"bwd_out_lo_ms\": %s}\n",
           prop.name, c.name.c_str(), (long long)T, pat_s.c_str(), c.topk, uf, t_sel,
           tf(2.0 * D * pc.proxy_pairs, t_sel), t_fwd, tf(4.0 * D * pc.main_pairs, t_fwd), t_fwd_inf,
           tf(4.0 * D * pc.main_pairs, t_fwd_inf), t_dense, tf(4.0 * D * dense_pairs, t_dense), t_bwd,
           tf(2.5 * 4.0 * D * pc.main_pairs, t_bwd), t_bwd_main, tf(2.5 * 4.0 * D * pc.main_pairs, t_bwd_main), t_dense_bwd,
           tf(2.5 * 4.0 * D * dense_pairs, t_dense_bwd), t_step,
           tf(3.5 * 4.0 * D * pc.main_pairs + 2.0 * D * pc.proxy_pairs, t_step), step_gb, js(t_bwd_det).c_str(),
-          js(t_fwd_lo).c_str(), js(t_bwd_lo).c_str());
+          js(t_dense_bwd_det).c_str(), js(t_fwd_lo).c_str(), js(t_bwd_lo).c_str());
       std::fflush(stdout);
       for (void* p : {q, k, v, qp, kp, dcu, idx, plse, out, lse, wss, wsg}) cudaFree(p);
     }
