@@ -123,8 +123,8 @@ size_t guard_bytes(const Geometry& g);
 void check_layout_fits(const char* fn, const Geometry& g, size_t layout_bytes, size_t ws_bytes);
 // The fused kernel's teacher scratch (fused_kernel.cuh): one slot of kl_segment(g, ctas) fp32 rows of
 // 128 keys per persistent CTA, kl_ctas(g) CTAs (the device's SMs: one CTA each). SPARSE/GIVEN, and
-// the default-mode DENSE backward since session 37 and the forward's DENSE kl since session 38 (the
-// deterministic DENSE backward runs the recomputing proxy kernel instead). The segment (list entries per
+// the DENSE backward since session 37 (its deterministic mode since session 38) and the forward's DENSE
+// kl since session 38, where a head unit is one MSA group (else the recomputing proxy kernel). The segment (list entries per
 // alternation of the main and the kl walk): a quarter of the dq accumulator's bytes for the scratch
 // (total x Hq / (4 x ctas) entries, rounded down to 64), clamped to [kKlSegment, kKlSegmentMax];
 // FLASHMSA_KL_SEGMENT overrides it for tests and tuning; at most max_seqlen, rounded up to a
@@ -173,7 +173,7 @@ struct BwdLayout {
          next_item = 0, total = 0;
   int kl_seg = 0, kl_ctas = 0;  // the teacher scratch's segment and CTAs (has_teacher)
   size_t dq_unit = 0, fix = 0;  // deterministic mode: dq units [Hq, padded]; the FixWord block
-  size_t turn_qp = 0, turn_kp = 0;  // deterministic mode, DENSE: the recomputing proxy kernel's turns
+  size_t turn_qp = 0, turn_kp = 0;  // deterministic DENSE not fused: the recomputing proxy kernel's turns
   bool deterministic = false;
   bool dq32 = false;  // deterministic SPARSE/GIVEN: dq in 32-bit pairs (bwd_params.cuh, pack_pair32)
   int64_t padded = 0;

@@ -143,18 +143,27 @@ BwdLayout bwd_layout(const flashmsa_bwd_args_t& a, const Geometry& g) {
   l.lse2 = take(size_t(g.Hq) * l.padded * 4);
   l.dsum = take(size_t(g.Hq) * l.padded * 4);
   l.deterministic = a.deterministic;
+  // The main walk without a teacher (SPARSE/GIVEN without a proxy side, DENSE without one) in the fused kernel
+  // (main_only) where a head unit is one MSA group, in the default mode; FLASHMSA_BWD_FUSED_MAIN=0 keeps the standalone
+  // kernel (and DENSE's recomputing proxy kernel; tests and tuning; read in every mode, so a bad value is always
+  // refused). DENSE mode with a proxy side runs the fused kernel with its kl walk (the teacher in the scratch) under the
+  // same conditions, in the deterministic mode too (since session 38: dqp, dkp in fixed point as SPARSE's), not the
+  // standalone kernel and the recomputing proxy kernel.
+  const bool unit_ok = bwd_fused_knob() && g.Hp > 0 && int64_t(tiles::bwd_unit_heads(g)) * g.Hp == g.Hq;
+  const bool fused_ok = unit_ok && !a.deterministic;
+  const bool dense_fused = a.mode == FLASHMSA_MODE_DENSE && unit_ok;
   // deterministic mode: the accumulators are 64-bit fixed point (bwd_params.cuh), with a unit per
   // dq row (padded like dsum; written by the preprocess, so outside the zeroed range). The
-  // recomputing proxy kernel (DENSE mode) keeps fp32 dqp/dkp sums in turn order instead.
-  // SPARSE/GIVEN dq rows get at most topk contributions: 32 bits each, added in pairs.
+  // recomputing proxy kernel (DENSE mode where the fused kernel does not run) keeps fp32 dqp/dkp sums in turn order
+  // instead. SPARSE/GIVEN dq rows get at most topk contributions: 32 bits each, added in pairs.
   const size_t fix = a.deterministic ? 8 : 4;
   l.dq32 = a.deterministic && a.mode != FLASHMSA_MODE_DENSE;
   if (a.deterministic) l.dq_unit = take(size_t(g.Hq) * l.padded * 4);
   l.dq = take(size_t(g.total) * g.Hq * kHeadDim * (l.dq32 ? 4 : fix));
   l.dk = take(size_t(g.total) * g.Hkv * kHeadDim * fix);
   l.dv = take(size_t(g.total) * g.Hkv * kHeadDim * fix);
-  if (g.has_proxy) {  // (fixed point only for the fused kernel's kl walk: SPARSE/GIVEN)
-    const size_t fixp = a.mode == FLASHMSA_MODE_DENSE ? 4 : fix;
+  if (g.has_proxy) {  // (fixed point only for the fused kernel's kl walk)
+    const size_t fixp = a.mode == FLASHMSA_MODE_DENSE && !dense_fused ? 4 : fix;
     l.dqp = take(size_t(g.total) * g.Hp * kHeadDim * fixp);
     l.dkp = take(size_t(g.total) * g.Hpk * kHeadDim * fixp);
   }
@@ -164,13 +173,6 @@ BwdLayout bwd_layout(const flashmsa_bwd_args_t& a, const Geometry& g) {
   // -1.1% clustered / -1.6% random backward at 32k; fmsa at 64 +10% at 16k, each first store's publication waits for
   // its chunk's bulk operations).
   const BwdDqPath dq_path = bwd_dq_path();
-  // The main walk without a teacher (SPARSE/GIVEN without a proxy side, DENSE without one) in the fused kernel
-  // (main_only) where a head unit is one MSA group; FLASHMSA_BWD_FUSED_MAIN=0 keeps the standalone kernel (and DENSE's
-  // recomputing proxy kernel; tests and tuning; read in every mode, so a bad value is always refused).
-  // DENSE mode with a proxy side runs the fused kernel with its kl walk (the teacher in the scratch) under the same
-  // conditions, not the standalone kernel and the recomputing proxy kernel.
-  const bool fused_ok = bwd_fused_knob() && !a.deterministic && g.Hp > 0 &&
-                        int64_t(tiles::bwd_unit_heads(g)) * g.Hp == g.Hq;
   l.fused_main = fused_ok && !bwd_proxy_side(a, g);
   l.dq_store_first = a.mode != FLASHMSA_MODE_DENSE && (bwd_proxy_side(a, g) || l.fused_main) && !a.deterministic &&
                      (dq_path == BwdDqPath::kStoreFirst || dq_path == BwdDqPath::kStoreWait ||
@@ -179,7 +181,7 @@ BwdLayout bwd_layout(const flashmsa_bwd_args_t& a, const Geometry& g) {
   if (l.dq_store_first) l.dq_word = take(size_t(g.Hp) * g.total * 8);
   if (a.deterministic) {  // zeroed with the accumulators (the range [dq, inv))
     l.fix = take(attn_bwd::kFixWords * 4);
-    if (a.mode == FLASHMSA_MODE_DENSE) {
+    if (a.mode == FLASHMSA_MODE_DENSE && !dense_fused) {  // the recomputing proxy kernel's turns
       l.turn_qp = take(size_t(g.total) * g.Hp * 4);
       l.turn_kp = take(size_t(global_blocks_bound(g)) * g.Hpk * 4);
     }
@@ -188,7 +190,7 @@ BwdLayout bwd_layout(const flashmsa_bwd_args_t& a, const Geometry& g) {
                                              : attn_bwd::inversion_workspace(inversion_args(
                                                    static_cast<const int32_t*>(a.indices.data), a.indices.strides[0],
                                                    a.indices.strides[1], a.cu_seqlens, g)));
-  if (bwd_proxy_side(a, g)) take_kl_side(l, take, g, a.mode != FLASHMSA_MODE_DENSE || fused_ok, true);
+  if (bwd_proxy_side(a, g)) take_kl_side(l, take, g, a.mode != FLASHMSA_MODE_DENSE || dense_fused, true);
   if (l.fused_main) {  // the items' counter (zeroed by run_fused_main)
     l.kl_ctas = kl_ctas(g);
     l.next_item = take(4);

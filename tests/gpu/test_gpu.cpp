@@ -836,8 +836,26 @@ TEST(Proxy, LossScaledFp16Dense) {
 TEST(Deterministic, LossScaledFp16) {
   run_bwd_case(fmsa().with_topk(8).seqlens({700}).fp16(), BwdCase().sparse().with_dkl(16777216.0).deterministic());
 }
-TEST(Deterministic, LossScaledFp16Dense) {  // the dense proxy kernel's turn-ordered adds
+TEST(Deterministic, LossScaledFp16Dense) {  // the fused kernel's fixed-point kl walk over dense lists (session 38)
   run_bwd_case(fmsa().with_topk(1).seqlens({300, 57}).fp16(), BwdCase().dense().with_dkl(16777216.0).deterministic());
+}
+// The deterministic DENSE backward's former path (FLASHMSA_BWD_FUSED_MAIN=0; also where a head unit is not one MSA
+// group): the standalone main kernel, then the recomputing proxy kernel with its turn-ordered fp32 proxy sums.
+TEST(Deterministic, DenseStandaloneByKnob) {
+  ScopedEnv knob("FLASHMSA_BWD_FUSED_MAIN", "0");
+  run_bwd_case(fmsa().with_topk(1).seqlens({300, 57}).fp16(), BwdCase().dense().with_dkl(16777216.0).deterministic());
+  run_bwd_case(fmsa().with_topk(1).seqlens({300, 57, 0, 130}),
+               BwdCase().dense().with_dlse().with_dkl(1.0).deterministic().with_kl_value());
+}
+// The deterministic DENSE backward in the fused kernel (since session 38): dense lists cut into 64-entry segments
+// (dq rows of up to 17 blocks, dkp sums over many segments, all in fixed point), and m3's heads batched.
+TEST(Deterministic, DenseSegmentedLists) {
+  ScopedEnv seg("FLASHMSA_KL_SEGMENT", "64");
+  run_bwd_case(fmsa().with_topk(1).seqlens({2100, 129, 0, 1}),
+               BwdCase().dense().with_dlse().with_dkl(1.0).deterministic().with_kl_value());
+}
+TEST(Deterministic, DenseM3Batched) {
+  run_bwd_case(m3().with_topk(1).batched(2, 300), BwdCase().dense().with_dkl(0.7).deterministic().with_kl_value());
 }
 // One long segment (FLASHMSA_KL_SEGMENT = 4096, clipped to the longest sequence, 2240): the early blocks' lists
 // of the 2200-token sequence (up to ~2200 entries) walked in one main walk and one kl walk, the teacher scratch
@@ -888,7 +906,8 @@ TEST(Deterministic, GivenRepeatedBlocksCountOnce) {
                BwdCase().given().with_dkl(1.0).deterministic().with_repeated_blocks());
 }
 // every deterministic instantiation runs: fp16 fused (main + kl) kernels, the dense proxy kernel in both
-// chunk widths (G = 4: 16 tokens per chunk; G = 1: 64) and both dtypes
+// chunk widths (G = 4: 16 tokens per chunk, by the knob in DenseStandaloneByKnob; G = 1: 64, where a head unit holds
+// several groups) and both dtypes
 TEST(Deterministic, BatchedFp16) {
   run_bwd_case(fmsa().with_topk(8).batched(2, 700).fp16(),
                BwdCase().sparse().with_dlse().with_dkl(1.0).deterministic());
