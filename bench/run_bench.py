@@ -232,20 +232,23 @@ def markdown(meta):
     if extra:
         out += ["", "Costs of the options (same run): the deterministic backward, and the precise dpsum "
                 "(forward writing out_lo, backward reading it).", "",
-                "| config | T | pattern | bwd ms | deterministic bwd ms (x) | fwd train ms | fwd + out_lo ms | "
-                "bwd + out_lo ms |", "|---|---|---|---|---|---|---|---|"]
+                "| config | T | pattern | bwd ms | deterministic bwd ms (x) | dense (warmup) bwd ms | "
+                "deterministic dense bwd ms (x) | fwd train ms | fwd + out_lo ms | bwd + out_lo ms |",
+                "|---|---|---|---|---|---|---|---|---|---|"]
         for r in extra:
+            dd, dn = r.get("dense_bwd_deterministic_ms"), r.get("dense_bwd_ms")
             out.append(
                 f"| {r['config']} | {r['seqlen']} | {r['pattern']} | {fmt(r['bwd_ms'], 2)} | "
                 f"{fmt(r['bwd_deterministic_ms'], 2)} ({fmt(r['bwd_deterministic_ms'] / r['bwd_ms'], 2)}x) | "
+                f"{fmt(dn, 2)} | {fmt(dd, 2)} ({fmt(dd / dn if dd and dn else None, 2)}x) | "
                 f"{fmt(r['fwd_train_ms'], 2)} | {fmt(r['fwd_train_out_lo_ms'], 2)} | {fmt(r['bwd_out_lo_ms'], 2)} |")
     parts = [r for r in kernel_rows if r.get("bwd_main_ms") is not None]
     if parts:
         out += ["", "The backward and the main attention's backward alone (same run): the backward above trains the "
                 "proxy too (the kl gradient and the kl value); without a proxy side (qp, kp that take no gradient, "
                 "e.g. a frozen indexer) it is the main attention's backward only. Effective TF/s count the main "
-                "backward's work in both. The dense (warmup) backward trains the proxy too (dense mode's recomputing "
-                "proxy kernel); its TF/s count the dense main backward's work.", "",
+                "backward's work in both. The dense (warmup) backward trains the proxy too (the fused kernel's kl walk "
+                "over every causal pair); its TF/s count the dense main backward's work.", "",
                 "| config | T | pattern | bwd ms (TF/s) | main attention alone ms (TF/s) | proxy side share | "
                 "dense (warmup) bwd ms (TF/s) | cuDNN dense bwd ms (fwd+bwd - fwd) |",
                 "|---|---|---|---|---|---|---|---|"]
@@ -268,22 +271,25 @@ def user_markdown(rows):
            "next to the library's kernels on the same inputs without autograd (bench/user_path.py).", "",
            "| config | T | pattern | user fwd ms | user step ms (default) | step ms (compute_kl=False) | "
            "step ms (compute_kl=True) | step ms, frozen proxy (default / compute_kl=False) | kernel sum ms | "
-           "overhead % | cuDNN fwd+bwd ms | step speed-up vs cuDNN | peak GB (user) | peak GB (cuDNN) |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "overhead % | cuDNN fwd+bwd ms | step speed-up vs cuDNN | peak GB (user) | peak GB (cuDNN) | "
+           "warmup (dense) step ms (x cuDNN's time) |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         u, cu = r["user"], r["peers"].get("cudnn", {})
         head = f"| {r['config']} | {r['seqlen']} | {r['pattern']} | "
         if "error" in u:
             error = " ".join(u["error"].split()).replace("|", "\\|")
-            out.append(head + f"error: {error} |" + " - |" * 10)
+            out.append(head + f"error: {error} |" + " - |" * 11)
             continue
         speedup = cu["step_ms"] / u["user_step_ms"] if cu.get("step_ms") else None
+        warm = u["user_step_warmup_ms"] / cu["step_ms"] if cu.get("step_ms") and u.get("user_step_warmup_ms") else None
         out.append(
             head + f"{fmt(u['user_fwd_ms'], 2)} | {fmt(u['user_step_ms'], 2)} | {fmt(u['user_step_nokl_ms'], 2)} | "
             f"{fmt(u['user_step_klfwd_ms'], 2)} | {fmt(u.get('user_step_frozen_ms'), 2)} / "
             f"{fmt(u.get('user_step_frozen_nokl_ms'), 2)} | {fmt(u['kern_sum_ms'], 2)} | {fmt(u['overhead_pct'], 1)} | "
             f"{fmt(cu.get('step_ms'), 1)} | {fmt(speedup, 2)}{'x' if speedup else ''} | "
-            f"{fmt(u['user_peak_gb'], 2)} | {fmt(cu.get('peak_gb'), 2)} |")
+            f"{fmt(u['user_peak_gb'], 2)} | {fmt(cu.get('peak_gb'), 2)} | {fmt(u.get('user_step_warmup_ms'), 1)} "
+            f"({fmt(warm, 2)}{'x' if warm else ''}) |")
     return out
 
 

@@ -66,11 +66,12 @@ def make_inputs(cfg, T, pattern, device, dtype=torch.bfloat16, seed=0):
     return q, k, v, qp, kp, cu
 
 
-def user_call(inputs, topk, compute_kl=None):
-    """The README's call on make_inputs' `inputs` -> (out, kl); compute_kl None is its default."""
+def user_call(inputs, topk, compute_kl=None, warmup=False):
+    """The README's call on make_inputs' `inputs` -> (out, kl); compute_kl None is its default; warmup=True the dense
+    warmup mode (every causal key, the proxy trained over the whole causal set)."""
     q, k, v, qp, kp, cu = inputs
     return import_flashmsa().msa_attention(q, k, v, qp, kp, topk=topk, cu_seqlens=cu, max_seqlen=q.shape[0],
-                                           compute_kl=compute_kl)
+                                           compute_kl=compute_kl, warmup=warmup)
 
 
 def kernel_calls(inputs, topk, dout):
@@ -133,8 +134,8 @@ def training_step(inputs, topk, compute_kl=None):
         for x in leaves:
             x.grad = None
 
-    def step(compute_kl=compute_kl):
-        out, kl = user_call(inputs, topk, compute_kl)
+    def step(compute_kl=compute_kl, warmup=False):
+        out, kl = user_call(inputs, topk, compute_kl, warmup)
         torch.autograd.backward([out, kl], [dout, one])
         return kl
 
@@ -148,6 +149,7 @@ def user_step_times(cfg, T, pattern, iters=10, warmup=3, log=None):
     the same with compute_kl=False (_nokl_) and compute_kl=True (_klfwd_; None and klfwd_error
     where the backend declines it); user_step_frozen_ms / user_step_frozen_nokl_ms: the default
     step and the compute_kl=False step with qp, kp detached (a frozen indexer: no proxy gradient);
+    user_step_warmup_ms: the default step with warmup=True (dense mode, as a run's first steps);
     kern_fwd_ms, kern_bwd_ms and their sum kern_sum_ms: the library calls of that step without
     autograd (kernel_calls); kl_value_user: kl after the last
     default step's backward, kl_value_fwd: kl of a compute_kl=True forward; user_peak_gb: peak
@@ -193,6 +195,8 @@ def user_step_times(cfg, T, pattern, iters=10, warmup=3, log=None):
         r["user_step_klfwd_ms"] = median_ms(step(True), clear, iters, warmup)
     except flashmsa.NotSupportedError as e:  # the backend declines the kl value for this layout
         r.update(user_fwd_klfwd_ms=None, kl_value_fwd=None, user_step_klfwd_ms=None, klfwd_error=str(e)[:200])
+    say("user step, warmup (dense) mode")
+    r["user_step_warmup_ms"] = median_ms(lambda: train_step(None, True), clear, max(3, iters // 3), 1)
     say("user step, frozen proxy (qp, kp detached; defaults, and compute_kl=False)")
     frozen = tuple(inputs[:3]) + (inputs[3].detach(), inputs[4].detach(), inputs[5])
     frozen_step, frozen_clear, _ = training_step(frozen, cfg["topk"])
