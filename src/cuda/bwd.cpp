@@ -112,8 +112,8 @@ void run_bwd(const flashmsa_bwd_args_t& a, const Geometry& g, char* ws, const Bw
     c.fix = fix;
   }
   // the proxy side (the proxy gradient dkl and/or the kl value): the fused kernel runs it with the main backward (the
-  // teacher in a per-CTA scratch), in the deterministic mode too; DENSE where a head unit is not one MSA group (or
-  // FLASHMSA_BWD_FUSED_MAIN=0) in the recomputing proxy kernel after the standalone main kernel
+  // teacher in a per-CTA scratch), in the deterministic mode too (a proxy side implies R = G: bwd_features); DENSE
+  // under FLASHMSA_BWD_FUSED_MAIN=0 in the recomputing proxy kernel after the standalone main kernel
   const bool proxy_side = bwd_proxy_side(a, g);
   ProxyRun r;
   attn_bwd::Common cp = c;
@@ -133,7 +133,7 @@ void run_bwd(const flashmsa_bwd_args_t& a, const Geometry& g, char* ws, const Bw
     if (l.deterministic && l.has_teacher) {  // the fused kernel's kl walk: dqp, dkp in fixed point
       cp.dqp_fix = reinterpret_cast<int64_t*>(ws + l.dqp);
       cp.dkp_fix = reinterpret_cast<int64_t*>(ws + l.dkp);
-    } else if (l.deterministic) {  // the recomputing proxy kernel (DENSE, not fused): fp32 adds in turn order
+    } else if (l.deterministic) {  // the recomputing proxy kernel (DENSE, knob 0): fp32 adds in turn order
       cp.fix = nullptr;
       cp.turn_rows = reinterpret_cast<int32_t*>(ws + l.turn_qp);
       cp.turn_keys = reinterpret_cast<int32_t*>(ws + l.turn_kp);

@@ -123,8 +123,8 @@ size_t guard_bytes(const Geometry& g);
 void check_layout_fits(const char* fn, const Geometry& g, size_t layout_bytes, size_t ws_bytes);
 // The fused kernel's teacher scratch (fused_kernel.cuh): one slot of kl_segment(g, ctas) fp32 rows of
 // 128 keys per persistent CTA, kl_ctas(g) CTAs (the device's SMs: one CTA each). SPARSE/GIVEN, and
-// the DENSE backward since session 37 (its deterministic mode since session 38) and the forward's DENSE
-// kl since session 38, where a head unit is one MSA group (else the recomputing proxy kernel). The segment (list entries per
+// the DENSE backward since session 37 (its deterministic mode since session 38; under FLASHMSA_BWD_FUSED_MAIN=0
+// the recomputing proxy kernel) and the forward's DENSE kl since session 38. The segment (list entries per
 // alternation of the main and the kl walk): a quarter of the dq accumulator's bytes for the scratch
 // (total x Hq / (4 x ctas) entries, rounded down to 64), clamped to [kKlSegment, kKlSegmentMax];
 // FLASHMSA_KL_SEGMENT overrides it for tests and tuning; at most max_seqlen, rounded up to a
@@ -257,8 +257,9 @@ struct ProxyRun {
   const float* dkl = nullptr;
   bool grads = true;
 };
-// DENSE mode's proxy side where the fused kernel does not run it (the deterministic backward, FLASHMSA_BWD_FUSED_MAIN=0): the recomputing proxy kernel (the teacher from the group's S^T, chunk by chunk); then, when kl_out
-// is given, the kl value there (the partials added in a fixed order).
+// DENSE mode's proxy side under FLASHMSA_BWD_FUSED_MAIN=0 (tests and tuning; turn-ordered fp32 sums in the
+// deterministic mode): the recomputing proxy kernel (the teacher from the group's S^T, chunk by chunk); then, when
+// kl_out is given, the kl value there (the partials added in a fixed order).
 void run_proxy(const Geometry& g, const attn_bwd::Common& c, const ProxyRun& r, float* kl_out, cudaStream_t st);
 // The fused kernel's scratch in a layout's workspace (has_teacher).
 struct FusedScratch {
@@ -270,7 +271,7 @@ template <class Layout>
 FusedScratch fused_scratch(const Layout& l, char* ws) {
   return {reinterpret_cast<float*>(ws + l.teach), reinterpret_cast<int32_t*>(ws + l.next_item), l.kl_seg, l.kl_ctas};
 }
-// SPARSE/GIVEN with a kl (and default-mode DENSE with one, in the backward): the fused kernel (the main backward's walk
+// The proxy side in every mode (DENSE over implicit lists): the fused kernel (the main backward's walk
 // and the kl walk per CTA, the teacher in the scratch); c is the main backward's Common (the forward's kl:
 // teacher_only); then the kl value as run_proxy.
 // dq_word: the backward's store-first dq words (dq_writer.cuh; BwdLayout::dq_store_first), null: adds only;

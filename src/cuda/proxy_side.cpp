@@ -1,7 +1,7 @@
 // What the forward's kl value and the backward's proxy gradient share: the Common parameters of
 // the backward's kernels (with the index inversion), the proxy lse the kl needs, and the two
-// proxy-side launches (the fused main + kl kernel, SPARSE/GIVEN and default-mode DENSE; the recomputing proxy kernel,
-// DENSE otherwise), and the fused kernel's main walk alone (no proxy side).
+// proxy-side launches (the fused main + kl kernel, every mode; the recomputing proxy kernel, DENSE under
+// FLASHMSA_BWD_FUSED_MAIN=0), and the fused kernel's main walk alone (no proxy side).
 #include <algorithm>
 #include <cstdint>
 

@@ -105,8 +105,8 @@ FwdRings fwd_rings_policy() {
 
 namespace {
 // The kl side of a layout (forward's kl value, backward's proxy gradient): the proxy lse when it
-// is recomputed, the kl partials, and where the fused kernel runs it (teacher: SPARSE/GIVEN, and the
-// backward's default-mode DENSE) the teacher scratch.
+// is recomputed, the kl partials, and where the fused kernel runs it (teacher: every mode but DENSE's
+// backward under FLASHMSA_BWD_FUSED_MAIN=0) the teacher scratch.
 template <class Layout, class Take>
 void take_kl_side(Layout& l, Take& take, const Geometry& g, bool teacher, bool plse) {
   if (plse) l.plse = take(size_t(g.Hp) * g.total * 4);
@@ -154,7 +154,7 @@ BwdLayout bwd_layout(const flashmsa_bwd_args_t& a, const Geometry& g) {
   const bool dense_fused = a.mode == FLASHMSA_MODE_DENSE && unit_ok;
   // deterministic mode: the accumulators are 64-bit fixed point (bwd_params.cuh), with a unit per
   // dq row (padded like dsum; written by the preprocess, so outside the zeroed range). The
-  // recomputing proxy kernel (DENSE mode where the fused kernel does not run) keeps fp32 dqp/dkp sums in turn order
+  // recomputing proxy kernel (DENSE under FLASHMSA_BWD_FUSED_MAIN=0) keeps fp32 dqp/dkp sums in turn order
   // instead. SPARSE/GIVEN dq rows get at most topk contributions: 32 bits each, added in pairs.
   const size_t fix = a.deterministic ? 8 : 4;
   l.dq32 = a.deterministic && a.mode != FLASHMSA_MODE_DENSE;

@@ -839,8 +839,9 @@ TEST(Deterministic, LossScaledFp16) {
 TEST(Deterministic, LossScaledFp16Dense) {  // the fused kernel's fixed-point kl walk over dense lists (session 38)
   run_bwd_case(fmsa().with_topk(1).seqlens({300, 57}).fp16(), BwdCase().dense().with_dkl(16777216.0).deterministic());
 }
-// The deterministic DENSE backward's former path (FLASHMSA_BWD_FUSED_MAIN=0; also where a head unit is not one MSA
-// group): the standalone main kernel, then the recomputing proxy kernel with its turn-ordered fp32 proxy sums.
+// The deterministic DENSE backward's former path (only under FLASHMSA_BWD_FUSED_MAIN=0: a proxy side implies one MSA
+// group per head unit): the standalone main kernel, then the recomputing proxy kernel with its turn-ordered fp32
+// proxy sums (16-token chunks here, G = 4; the 64-token width: DenseG1Tok64*).
 TEST(Deterministic, DenseStandaloneByKnob) {
   ScopedEnv knob("FLASHMSA_BWD_FUSED_MAIN", "0");
   run_bwd_case(fmsa().with_topk(1).seqlens({300, 57}).fp16(), BwdCase().dense().with_dkl(16777216.0).deterministic());
@@ -905,9 +906,9 @@ TEST(Deterministic, GivenRepeatedBlocksCountOnce) {
   run_bwd_case(fmsa().with_topk(5).seqlens({900, 3}),
                BwdCase().given().with_dkl(1.0).deterministic().with_repeated_blocks());
 }
-// every deterministic instantiation runs: fp16 fused (main + kl) kernels, the dense proxy kernel in both
-// chunk widths (G = 4: 16 tokens per chunk, by the knob in DenseStandaloneByKnob; G = 1: 64, where a head unit holds
-// several groups) and both dtypes
+// every deterministic instantiation runs: fp16 fused (main + kl) kernels, the dense proxy kernel (under
+// FLASHMSA_BWD_FUSED_MAIN=0) in both chunk widths (G = 4: 16 tokens per chunk, DenseStandaloneByKnob; G = 1: 64,
+// DenseG1Tok64*) and both dtypes
 TEST(Deterministic, BatchedFp16) {
   run_bwd_case(fmsa().with_topk(8).batched(2, 700).fp16(),
                BwdCase().sparse().with_dlse().with_dkl(1.0).deterministic());
@@ -916,10 +917,17 @@ TEST(Deterministic, DenseFp16) {
   run_bwd_case(fmsa().with_topk(1).seqlens({300, 57, 0, 130}).fp16(), BwdCase().dense().with_dkl(1.0).deterministic());
 }
 TEST(Deterministic, DenseG1Tok64) {
+  {
+    ScopedEnv knob("FLASHMSA_BWD_FUSED_MAIN", "0");  // the proxy kernel's 64-token chunks
+    run_bwd_case(Problem().heads(4, 2).proxy_heads(4, 2).with_topk(1).seqlens({300, 130}),
+                 BwdCase().dense().with_dkl(1.0).deterministic());
+  }
+  // the same in the fused kernel (R = 1: one head slot per token)
   run_bwd_case(Problem().heads(4, 2).proxy_heads(4, 2).with_topk(1).seqlens({300, 130}),
                BwdCase().dense().with_dkl(1.0).deterministic());
 }
 TEST(Deterministic, DenseG1Tok64Fp16) {
+  ScopedEnv knob("FLASHMSA_BWD_FUSED_MAIN", "0");
   run_bwd_case(Problem().heads(4, 2).proxy_heads(4, 2).with_topk(1).seqlens({300, 130}).fp16(),
                BwdCase().dense().with_dlse().with_dkl(1.0).deterministic());
 }
@@ -1125,6 +1133,9 @@ TEST(Bwd, StandaloneByKnob) {
   run_bwd_case(Problem().heads(8, 2).proxy_heads(4, 1).with_topk(2).seqlens({130, 5, 300}),
                BwdCase().sparse().with_dlse());
   run_bwd_case(Problem().heads(8, 2).proxy_heads(2, 1).with_topk(1).seqlens({200, 1}), BwdCase().dense().with_dkl(1.0));
+  // G = 1: the proxy kernel's 64-token chunks in the default mode (fp16, with the kl value)
+  run_bwd_case(Problem().heads(4, 2).proxy_heads(4, 2).with_topk(1).seqlens({300, 130}).fp16(),
+               BwdCase().dense().with_dkl(1.0).with_kl_value());
 }
 // Without proxy tensors at all: GIVEN takes its groups from the indices (fmsa: 4 proxy heads, the fused main walk);
 // DENSE makes every head its own group (R = 1: the fused main walk with one head slot per token).

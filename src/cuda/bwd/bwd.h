@@ -24,7 +24,7 @@ struct MainArgs {
 };
 
 // The main backward and the proxy side in one persistent kernel (fused_kernel.cuh; SPARSE/GIVEN
-// with a kl gradient or value, and default-mode DENSE with one, R = G): dq, dk, dv, dqp, dkp and the
+// with a kl gradient or value, and DENSE with one, R = G): dq, dk, dv, dqp, dkp and the
 // kl partials, the teacher in a per-CTA scratch; main_only: the main walk alone (no proxy side).
 struct FusedArgs {
   bool batched = false;
@@ -51,7 +51,7 @@ struct ProxyArgs {
   bool batched = false;
   Common c;
   int G = 0;           // query heads per proxy head
-  bool grads = true;   // false: kl value only (forward's compute_kl), no gradients
+  bool grads = true;   // false: kl value only (a backward with kl and no dkl), no gradients
   int64_t total = 0;
 };
 

@@ -24,7 +24,7 @@
 // t(token, key) = mean_h P of every entry of the segment, fp32 [entry, 128], to the CTA's scratch;
 // teacher_only (the forward's kl) skips dP, dS and the gradients; without a proxy side it runs
 // alone there (main_only). The standalone kernel below (the deterministic mode without a proxy
-// side or in DENSE, groups over several head units) walks the whole list without a teacher.
+// side, groups over several head units, FLASHMSA_BWD_FUSED_MAIN=0) walks the whole list without a teacher.
 #pragma once
 
 #include <cutlass/arch/barrier.h>

@@ -1,5 +1,5 @@
-// The main backward and the proxy (kl) backward of SPARSE/GIVEN mode (and, since session 37, of the
-// default-mode DENSE backward, whose lists are every token from the block on) in one persistent
+// The main backward and the proxy (kl) backward of SPARSE/GIVEN mode (and, since sessions 37-38, of the
+// DENSE backward and forward kl, whose lists are every token from the block on) in one persistent
 // kernel, with the teacher in a per-CTA scratch instead of a buffer over every inversion entry.
 //
 // With a kl the main walk's unit is one MSA group (R = G: one proxy head), so the main walk of

@@ -1,5 +1,5 @@
-// The proxy (KL) walk from a stored teacher, SPARSE/GIVEN mode (and the default-mode DENSE
-// backward over implicit lists, since session 37): dqp, dkp and the kl terms,
+// The proxy (KL) walk from a stored teacher, SPARSE/GIVEN mode (and DENSE over implicit lists: the
+// backward since session 37, its deterministic mode and the forward's kl since session 38): dqp, dkp and the kl terms,
 // key-block-outer over the same inversion as the main backward; run by the fused kernel
 // (fused_kernel.cuh) after the main walk of the same list segment.
 //
@@ -12,8 +12,8 @@
 // dz = g (s - t) (the 1/N and the proxy scale are applied by the convert kernel), the kl terms
 // t (ln t - ln s); dKp_j += dz^T Qp stays in registers for the segment, dQp = dz Kp goes through
 // dz^T staged in shared memory to an fp32 accumulator with float2 atomics. The caller writes the
-// item's kl partial. DENSE (warmup) mode's deterministic backward and forward kl keep the
-// recomputing proxy kernel (proxy_kernel.cuh).
+// item's kl partial. Under FLASHMSA_BWD_FUSED_MAIN=0 the DENSE backward runs the recomputing proxy
+// kernel instead (proxy_kernel.cuh).
 #pragma once
 
 #include <type_traits>
