@@ -80,3 +80,17 @@ bench_knob() {
     done
   done
 }
+# bench_bins "ARGS" ROUNDS DEADLINE_S BIN...: flashmsa_bench binaries of .gpu/ alternated by round (--options 0), one
+# bench_line each; skipped once the call has run DEADLINE_S seconds.
+bench_bins() {
+  local args=$1 rounds=$2 deadline=$3 round b tag
+  shift 3
+  for round in $(seq 1 "$rounds"); do
+    for b in "$@"; do
+      [ $SECONDS -lt "$deadline" ] || { echo "skipped (time)"; continue; }
+      tag=$b-$(echo "$args" | awk '{print $2"-"$4}')-r$round
+      timeout 40 ./.gpu/$b $args --options 0 > "$OUT/bench-$tag.json" 2>&1
+      bench_line "$OUT/bench-$tag.json" "$tag"
+    done
+  done
+}

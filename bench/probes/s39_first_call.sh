@@ -18,13 +18,6 @@ gtest_run gpu-tests-review-s38.log 200 flashmsa_gpu_tests \
   'Deterministic.DenseG1Tok64*:Bwd.StandaloneByKnob:Deterministic.DenseStandaloneByKnob:Deterministic.DenseWarmup'
 stamp ab
 for args in "--config m3 --seqlens 32768 --patterns clustered --iters 20" "--config fmsa --seqlens 16384 --patterns clustered --iters 100"; do
-  for round in 1 2; do
-    for b in flashmsa_bench flashmsa_bench_ndq flashmsa_bench_nbulk flashmsa_bench_nst; do
-      [ $SECONDS -lt 540 ] || { echo "skipped (time)"; continue; }
-      tag=$b-$(echo "$args" | awk '{print $2"-"$4}')-r$round
-      timeout 40 ./.gpu/$b $args --options 0 > "$OUT/bench-$tag.json" 2>&1
-      bench_line "$OUT/bench-$tag.json" "$tag"
-    done
-  done
+  bench_bins "$args" 2 540 flashmsa_bench flashmsa_bench_ndq flashmsa_bench_nbulk flashmsa_bench_nst
 done
 stamp done
