@@ -230,8 +230,8 @@ def markdown(meta):
             f"{fmt(r.get('step_gb'), 2)} / {fmt(cu.get('peak_gb'), 2)} |")
     extra = [r for r in kernel_rows if r.get("bwd_deterministic_ms") is not None]
     if extra:
-        out += ["", "Costs of the options (same run): the deterministic backward, and the precise dpsum "
-                "(forward writing out_lo, backward reading it).", "",
+        out += ["", "Costs of the options (same run): the deterministic backward (sparse, and the dense warmup "
+                "mode's against its default), and the precise dpsum (forward writing out_lo, backward reading it).", "",
                 "| config | T | pattern | bwd ms | deterministic bwd ms (x) | dense (warmup) bwd ms | "
                 "deterministic dense bwd ms (x) | fwd train ms | fwd + out_lo ms | bwd + out_lo ms |",
                 "|---|---|---|---|---|---|---|---|---|---|"]
@@ -240,7 +240,7 @@ def markdown(meta):
             out.append(
                 f"| {r['config']} | {r['seqlen']} | {r['pattern']} | {fmt(r['bwd_ms'], 2)} | "
                 f"{fmt(r['bwd_deterministic_ms'], 2)} ({fmt(r['bwd_deterministic_ms'] / r['bwd_ms'], 2)}x) | "
-                f"{fmt(dn, 2)} | {fmt(dd, 2)} ({fmt(dd / dn if dd and dn else None, 2)}x) | "
+                f"{fmt(dn, 2)} | {fmt(dd, 2)} ({fmt(dd / dn, 2) + 'x' if dd and dn else '-'}) | "
                 f"{fmt(r['fwd_train_ms'], 2)} | {fmt(r['fwd_train_out_lo_ms'], 2)} | {fmt(r['bwd_out_lo_ms'], 2)} |")
     parts = [r for r in kernel_rows if r.get("bwd_main_ms") is not None]
     if parts:
