@@ -144,8 +144,7 @@ void run_bwd(const flashmsa_bwd_args_t& a, const Geometry& g, char* ws, const Bw
   if (l.has_teacher) {  // (has_teacher: the proxy side in SPARSE/GIVEN, or DENSE where a unit is a group; R = G here)
     run_fused(g, cp, r, false, fused_scratch(l, ws), kl_out, st, dq_word, l.dq_force_wait);
   } else if (l.fused_main) {  // the fused kernel's main walk alone (persistent; store-first dq in SPARSE/GIVEN)
-    run_fused_main(g, c, FusedScratch{nullptr, reinterpret_cast<int32_t*>(ws + l.next_item), 0, l.kl_ctas}, st,
-                   dq_word, l.dq_force_wait);
+    run_fused_main(g, c, fused_scratch(l, ws), st, dq_word, l.dq_force_wait);  // (no teacher: it nulls the scratch)
   } else {
     attn_bwd::MainArgs mp;
     mp.c = c;

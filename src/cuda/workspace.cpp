@@ -149,6 +149,7 @@ BwdLayout bwd_layout(const flashmsa_bwd_args_t& a, const Geometry& g) {
   // refused). DENSE mode with a proxy side runs the fused kernel with its kl walk (the teacher in the scratch) under the
   // same conditions, in the deterministic mode too (since session 38: dqp, dkp in fixed point as SPARSE's), not the
   // standalone kernel and the recomputing proxy kernel.
+  const bool proxy_side = bwd_proxy_side(a, g);
   const bool unit_ok = bwd_fused_knob() && g.Hp > 0 && int64_t(tiles::bwd_unit_heads(g)) * g.Hp == g.Hq;
   const bool fused_ok = unit_ok && !a.deterministic;
   const bool dense_fused = a.mode == FLASHMSA_MODE_DENSE && unit_ok;
@@ -173,8 +174,8 @@ BwdLayout bwd_layout(const flashmsa_bwd_args_t& a, const Geometry& g) {
   // -1.1% clustered / -1.6% random backward at 32k; fmsa at 64 +10% at 16k, each first store's publication waits for
   // its chunk's bulk operations).
   const BwdDqPath dq_path = bwd_dq_path();
-  l.fused_main = fused_ok && !bwd_proxy_side(a, g);
-  l.dq_store_first = a.mode != FLASHMSA_MODE_DENSE && (bwd_proxy_side(a, g) || l.fused_main) && !a.deterministic &&
+  l.fused_main = fused_ok && !proxy_side;
+  l.dq_store_first = a.mode != FLASHMSA_MODE_DENSE && (proxy_side || l.fused_main) && !a.deterministic &&
                      (dq_path == BwdDqPath::kStoreFirst || dq_path == BwdDqPath::kStoreWait ||
                       (dq_path == BwdDqPath::kAuto && int64_t(tiles::head_slots(g.Hq / g.Hp)) * g.topk >= 256));
   l.dq_force_wait = l.dq_store_first && dq_path == BwdDqPath::kStoreWait;
@@ -190,7 +191,7 @@ BwdLayout bwd_layout(const flashmsa_bwd_args_t& a, const Geometry& g) {
                                              : attn_bwd::inversion_workspace(inversion_args(
                                                    static_cast<const int32_t*>(a.indices.data), a.indices.strides[0],
                                                    a.indices.strides[1], a.cu_seqlens, g)));
-  if (bwd_proxy_side(a, g)) take_kl_side(l, take, g, a.mode != FLASHMSA_MODE_DENSE || dense_fused, true);
+  if (proxy_side) take_kl_side(l, take, g, a.mode != FLASHMSA_MODE_DENSE || dense_fused, true);
   if (l.fused_main) {  // the items' counter (zeroed by run_fused_main)
     l.kl_ctas = kl_ctas(g);
     l.next_item = take(4);
