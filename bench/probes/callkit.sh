@@ -2,8 +2,19 @@
 # binaries and libraries alternated by round. Session 28's calls repeated these loops inline (records of what ran).
 #   source bench/probes/callkit.sh; bench_ab "ARGS" ROUNDS BIN...; bench_variants "ARGS" ROUNDS TAG:BIN:ENV...;
 #   bench_three ROUNDS TAG:BIN:ENV...;
-#   user_ab ROUNDS DEADLINE_S LIBSUFFIX...; bench_line FILE TAG; bench_knob "ARGS" ROUNDS VAR VALUE...
+#   user_ab ROUNDS DEADLINE_S LIBSUFFIX...; bench_line FILE TAG; bench_knob "ARGS" ROUNDS VAR VALUE...;
+#   call_open; ...; call_close NAME (a call's logs in one archive)
 stamp() { echo "== $1 ($(date +%T))"; }
+# call_open: the packed binaries into .gpu/, and OUT moved to $OUT/l (many loose files do not all come back from the
+# machine); call_close NAME: that folder archived as $OUT/NAME.tgz.
+call_open() {
+  mkdir -p .gpu
+  tar -xJf .gpu_pack/bins.tar.xz -C .gpu
+  FINAL=$OUT
+  OUT=$OUT/l
+  mkdir -p "$OUT"
+}
+call_close() { tar -czf "$FINAL/$1.tgz" -C "$FINAL" l && rm -rf "$FINAL/l"; }
 # One line per run: backward and step ms of flashmsa_bench's last JSON line; the JSON under $OUT.
 bench_ab() {
   local args=$1 rounds=$2 round b tag
@@ -92,5 +103,14 @@ bench_bins() {
       timeout 40 ./.gpu/$b $args --options 0 > "$OUT/bench-$tag.json" 2>&1
       bench_line "$OUT/bench-$tag.json" "$tag"
     done
+  done
+}
+# bench_std ROUNDS DEADLINE_S BIN...: bench_bins at the two standard A/B points (m3 32k and fmsa 16k, clustered).
+bench_std() {
+  local rounds=$1 deadline=$2 args
+  shift 2
+  for args in "--config m3 --seqlens 32768 --patterns clustered --iters 20" \
+    "--config fmsa --seqlens 16384 --patterns clustered --iters 100"; do
+    bench_bins "$args" "$rounds" "$deadline" "$@"
   done
 }

@@ -4,14 +4,13 @@
 # the L2, no reduction); bhalf: each add moves half its bytes; the default with FLASHMSA_BWD_DQ=add (no store-first
 # words or waits). Built: bash scripts/probe_variant.sh bst bench/probes/bwd-dq-bulk-store-s39.patch bwd_fused_bf16;
 # ... bhalf bench/probes/bwd-dq-bulk-half-s39.patch bwd_fused_bf16; bash scripts/pack_gpu.sh. Logs in one archive.
-OUT=${OUT:-/tmp/out}; mkdir -p .gpu
-tar -xJf .gpu_pack/bins.tar.xz -C .gpu
-FINAL=$OUT; OUT=$OUT/l; mkdir -p "$OUT"
+OUT=${OUT:-/tmp/out}
 source bench/probes/callkit.sh
+call_open
 stamp ab
+bench_std 2 400 flashmsa_bench flashmsa_bench_bst flashmsa_bench_bhalf flashmsa_bench_nbulk
 for args in "--config m3 --seqlens 32768 --patterns clustered --iters 20" "--config fmsa --seqlens 16384 --patterns clustered --iters 100"; do
-  bench_bins "$args" 2 400 flashmsa_bench flashmsa_bench_bst flashmsa_bench_bhalf flashmsa_bench_nbulk
   bench_knob "$args" 1 FLASHMSA_BWD_DQ add
 done
 stamp done
-tar -czf "$FINAL/s39-call2.tgz" -C "$FINAL" l && rm -rf "$FINAL/l"
+call_close s39-call2

@@ -4,13 +4,10 @@
 # with stores in place of the adds (bst of call 2, confined); beside the default, bst and nbulk. Built:
 # bash scripts/probe_variant.sh dql2 bench/probes/bwd-dq-bulk-l2-s39.patch bwd_fused_bf16;
 # ... bstl2 bench/probes/bwd-dq-bulk-store-l2-s39.patch bwd_fused_bf16; bash scripts/pack_gpu.sh.
-OUT=${OUT:-/tmp/out}; mkdir -p .gpu
-tar -xJf .gpu_pack/bins.tar.xz -C .gpu
-FINAL=$OUT; OUT=$OUT/l; mkdir -p "$OUT"
+OUT=${OUT:-/tmp/out}
 source bench/probes/callkit.sh
+call_open
 stamp ab
-for args in "--config m3 --seqlens 32768 --patterns clustered --iters 20" "--config fmsa --seqlens 16384 --patterns clustered --iters 100"; do
-  bench_bins "$args" 2 400 flashmsa_bench flashmsa_bench_dql2 flashmsa_bench_bstl2 flashmsa_bench_bst flashmsa_bench_nbulk
-done
+bench_std 2 400 flashmsa_bench flashmsa_bench_dql2 flashmsa_bench_bstl2 flashmsa_bench_bst flashmsa_bench_nbulk
 stamp done
-tar -czf "$FINAL/s39-call3.tgz" -C "$FINAL" l && rm -rf "$FINAL/l"
+call_close s39-call3

@@ -4,13 +4,10 @@
 # store-first writer publishes its first stores without waiting for their completion
 # (bench/probes/bwd-dq-publish-nowait-s39.patch); both timing only (wrong dq). Built with scripts/probe_variant.sh
 # (TU bwd_fused_bf16), packed by scripts/pack_gpu.sh.
-OUT=${OUT:-/tmp/out}; mkdir -p .gpu
-tar -xJf .gpu_pack/bins.tar.xz -C .gpu
-FINAL=$OUT; OUT=$OUT/l; mkdir -p "$OUT"
+OUT=${OUT:-/tmp/out}
 source bench/probes/callkit.sh
+call_open
 stamp ab
-for args in "--config m3 --seqlens 32768 --patterns clustered --iters 20" "--config fmsa --seqlens 16384 --patterns clustered --iters 100"; do
-  bench_bins "$args" 2 400 flashmsa_bench flashmsa_bench_early flashmsa_bench_npub flashmsa_bench_nbulk
-done
+bench_std 2 400 flashmsa_bench flashmsa_bench_early flashmsa_bench_npub flashmsa_bench_nbulk
 stamp done
-tar -czf "$FINAL/s39-call4.tgz" -C "$FINAL" l && rm -rf "$FINAL/l"
+call_close s39-call4
