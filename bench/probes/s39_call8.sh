@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Session 39, call 8: issue 16's second point (m3 128k clustered) with and without the dQ writer's bulk operations
+# (nbulk, bench/probes/bwd-dq-no-bulk-ops-s38.patch), alternated, two rounds (90 s per run: the bench's dense backward
+# at 128k takes seconds).
+OUT=${OUT:-/tmp/out}
+source bench/probes/callkit.sh
+call_open
+stamp ab
+for round in 1 2; do
+  for b in flashmsa_bench flashmsa_bench_nbulk; do
+    [ $SECONDS -lt 260 ] || { echo "skipped (time)"; continue; }
+    timeout 90 ./.gpu/$b --config m3 --seqlens 131072 --patterns clustered --iters 5 --options 0 \
+      > "$OUT/bench-$b-128k-r$round.json" 2>&1
+    bench_line "$OUT/bench-$b-128k-r$round.json" "$b-128k-r$round"
+  done
+done
+stamp done
+call_close s39-call8
