@@ -92,7 +92,7 @@ bench_knob() {
   done
 }
 # bench_bins "ARGS" ROUNDS DEADLINE_S BIN...: flashmsa_bench binaries of .gpu/ alternated by round (--options 0), one
-# bench_line each; skipped once the call has run DEADLINE_S seconds.
+# bench_line each; skipped once the call has run DEADLINE_S seconds; each run cut at BENCH_TIMEOUT s (40).
 bench_bins() {
   local args=$1 rounds=$2 deadline=$3 round b tag
   shift 3
@@ -100,17 +100,16 @@ bench_bins() {
     for b in "$@"; do
       [ $SECONDS -lt "$deadline" ] || { echo "skipped (time)"; continue; }
       tag=$b-$(echo "$args" | awk '{print $2"-"$4}')-r$round
-      timeout 40 ./.gpu/$b $args --options 0 > "$OUT/bench-$tag.json" 2>&1
+      timeout "${BENCH_TIMEOUT:-40}" ./.gpu/$b $args --options 0 > "$OUT/bench-$tag.json" 2>&1
       bench_line "$OUT/bench-$tag.json" "$tag"
     done
   done
 }
-# bench_std ROUNDS DEADLINE_S BIN...: bench_bins at the two standard A/B points (m3 32k and fmsa 16k, clustered).
+# The two standard A/B points (m3 32k and fmsa 16k, clustered); bench_std ROUNDS DEADLINE_S BIN...: bench_bins at both.
+std_args=("--config m3 --seqlens 32768 --patterns clustered --iters 20"
+  "--config fmsa --seqlens 16384 --patterns clustered --iters 100")
 bench_std() {
   local rounds=$1 deadline=$2 args
   shift 2
-  for args in "--config m3 --seqlens 32768 --patterns clustered --iters 20" \
-    "--config fmsa --seqlens 16384 --patterns clustered --iters 100"; do
-    bench_bins "$args" "$rounds" "$deadline" "$@"
-  done
+  for args in "${std_args[@]}"; do bench_bins "$args" "$rounds" "$deadline" "$@"; done
 }

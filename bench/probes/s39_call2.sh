@@ -9,8 +9,6 @@ source bench/probes/callkit.sh
 call_open
 stamp ab
 bench_std 2 400 flashmsa_bench flashmsa_bench_bst flashmsa_bench_bhalf flashmsa_bench_nbulk
-for args in "--config m3 --seqlens 32768 --patterns clustered --iters 20" "--config fmsa --seqlens 16384 --patterns clustered --iters 100"; do
-  bench_knob "$args" 1 FLASHMSA_BWD_DQ add
-done
+for args in "${std_args[@]}"; do bench_knob "$args" 1 FLASHMSA_BWD_DQ add; done
 stamp done
 call_close s39-call2

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 39, call 4: the ~1.0 ms between bstl2 and nbulk (call 3) - the hand-off or the bytes? early: the writer hands
+# Session 39, call 4: the ~0.8 ms between bstl2 and nbulk (call 3) - the hand-off or the bytes? early: the writer hands
 # the dQ tile back without waiting for the engine's read (bench/probes/bwd-dq-early-handback-s39.patch); npub: the
 # store-first writer publishes its first stores without waiting for their completion
 # (bench/probes/bwd-dq-publish-nowait-s39.patch); both timing only (wrong dq). Built with scripts/probe_variant.sh

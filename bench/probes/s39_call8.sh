@@ -8,13 +8,7 @@ OUT=${OUT:-/tmp/out}
 source bench/probes/callkit.sh
 call_open
 stamp ab
-for round in 1 2; do
-  for b in flashmsa_bench flashmsa_bench_nbulk; do
-    [ $SECONDS -lt 260 ] || { echo "skipped (time)"; continue; }
-    timeout 90 ./.gpu/$b --config m3 --seqlens 131072 --patterns clustered --iters 5 --options 0 \
-      > "$OUT/bench-$b-128k-r$round.json" 2>&1
-    bench_line "$OUT/bench-$b-128k-r$round.json" "$b-128k-r$round"
-  done
-done
+BENCH_TIMEOUT=90 bench_bins "--config m3 --seqlens 131072 --patterns clustered --iters 5" 2 260 flashmsa_bench \
+  flashmsa_bench_nbulk
 stamp done
 call_close s39-call8
