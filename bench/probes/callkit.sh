@@ -74,10 +74,10 @@ gtest_run() {
   echo "$log rc=$?"
   grep -E "^\[  (PASSED|FAILED)|FAILED  \]${extra:+|$extra}" "$OUT/$log" | head -40
 }
-# One summary line of a flashmsa_bench JSON (its last line): bench_line FILE TAG -> TAG bwd, main-only bwd (ms, TF/s),
+# One summary line of a flashmsa_bench JSON (its last line): bench_line FILE TAG -> TAG bwd (ms, TF/s), main-only bwd (ms, TF/s),
 # dense bwd (ms, TF/s), dense fwd and step ms (fields an older bench lacks print None).
 bench_line() {
-  python3 -c "import json,sys; r=json.loads(open(sys.argv[1]).read().splitlines()[-1]); g=r.get; print(sys.argv[2], 'bwd', g('bwd_ms'), 'main', g('bwd_main_ms'), g('bwd_main_tflops'), 'dense_bwd', g('dense_bwd_ms'), g('dense_bwd_tflops'), 'dense_fwd', g('dense_fwd_ms'), 'step', g('step_ms'))" "$1" "$2" 2>&1 | tail -1
+  python3 -c "import json,sys; r=json.loads(open(sys.argv[1]).read().splitlines()[-1]); g=r.get; print(sys.argv[2], 'bwd', g('bwd_ms'), g('bwd_tflops'), 'main', g('bwd_main_ms'), g('bwd_main_tflops'), 'dense_bwd', g('dense_bwd_ms'), g('dense_bwd_tflops'), 'dense_fwd', g('dense_fwd_ms'), 'step', g('step_ms'))" "$1" "$2" 2>&1 | tail -1
 }
 # bench_knob ARGS ROUNDS VAR VALUE...: flashmsa_bench alternated over the values of one environment variable.
 bench_knob() {
