@@ -3,7 +3,7 @@
 #   source bench/probes/callkit.sh; bench_ab "ARGS" ROUNDS BIN...; bench_variants "ARGS" ROUNDS TAG:BIN:ENV...;
 #   bench_three ROUNDS TAG:BIN:ENV...;
 #   user_ab ROUNDS DEADLINE_S LIBSUFFIX...; bench_line FILE TAG; bench_knob "ARGS" ROUNDS VAR VALUE...;
-#   call_open; ...; call_close NAME (a call's logs in one archive)
+#   call_open; ...; call_close NAME (a call's logs in one archive); sanitize TOOL SECONDS FILTER
 stamp() { echo "== $1 ($(date +%T))"; }
 # call_open: the packed binaries into .gpu/, and OUT moved to $OUT/l (many loose files do not all come back from the
 # machine); call_close NAME: that folder archived as $OUT/NAME.tgz.
@@ -112,4 +112,12 @@ bench_std() {
   local rounds=$1 deadline=$2 args
   shift 2
   for args in "${std_args[@]}"; do bench_bins "$args" "$rounds" "$deadline" "$@"; done
+}
+# compute-sanitizer's TOOL (memcheck, racecheck, ...) on the GPU tests of FILTER, cut at SECONDS: sanitize TOOL SECONDS
+# FILTER; prints the rc (3: the tool found errors) and the tests' and the tool's summary lines.
+sanitize() {
+  local tool=$1 secs=$2 filter=$3
+  timeout "$secs" compute-sanitizer --tool "$tool" --error-exitcode 3 ./.gpu/flashmsa_gpu_tests --gtest_filter="$filter" \
+    > "$OUT/$tool-small.log" 2>&1
+  echo "$tool rc=$?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED" "$OUT/$tool-small.log" | head -3
 }

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Session 40, call 3: the whole GPU suite on the head's build (kernels of session 38), in four gtest shards run side by
 # side (GTEST_TOTAL_SHARDS / GTEST_SHARD_INDEX; the tests' fp64 references are CPU work), each cut at 470 s; then
-# memcheck and racecheck on small fused, standalone and deterministic cases. Build first: bash scripts/setup.sh &&
+# memcheck and racecheck on small fused, standalone and deterministic cases (callkit.sh `sanitize`, the same
+# commands as ran, moved there after the call). Build first: bash scripts/setup.sh &&
 # bash scripts/pack_gpu.sh --from-build; carry [".gpu_pack"].
 OUT=${OUT:-/tmp/out}
 source bench/probes/callkit.sh
@@ -17,11 +18,7 @@ for i in 0 1 2 3; do
 done
 stamp sanitizers
 small='Bwd.Small*:Kl.SmallSparseG1:Proxy.SmallSparse:Deterministic.SmallSparse'
-timeout 60 compute-sanitizer --tool memcheck --error-exitcode 3 ./.gpu/flashmsa_gpu_tests --gtest_filter="$small" \
-  > "$OUT/memcheck-small.log" 2>&1
-echo "memcheck rc=$?"; grep -E "ERROR SUMMARY|PASSED|FAILED" "$OUT/memcheck-small.log" | head -3
-timeout 60 compute-sanitizer --tool racecheck --error-exitcode 3 ./.gpu/flashmsa_gpu_tests --gtest_filter="$small" \
-  > "$OUT/racecheck-small.log" 2>&1
-echo "racecheck rc=$?"; grep -E "RACECHECK SUMMARY|PASSED|FAILED" "$OUT/racecheck-small.log" | head -3
+sanitize memcheck 60 "$small"
+sanitize racecheck 60 "$small"
 stamp done
 call_close s40-call3
