@@ -12,7 +12,7 @@
 #   run        the main job on the GPU
 #   wheel      the wheel of .whl/ (pip wheel . -w .whl) installed without an index; the GPU pytest
 #              against it from outside the source tree; `flashmsa run` (console command) timed
-#   profile    per-kernel durations of one m3 training step (scripts/gpu_profile.sh)
+#   profile    per-kernel durations of one m3 training step (bench/tools/gpu_profile.sh)
 #   kbench     flashmsa's kernels alone (flashmsa_bench, KBENCH_ARGS), no peers
 #   bench      the benchmarks with peers (BENCH_ARGS)
 #   user       the user's path (bench/user_path.py: the README's Python call, its step with and
@@ -21,7 +21,7 @@
 #              run_bench.py per ';'-separated list, clustered and random), under $OUT/user/<n>
 #   sweep      the top-k sweep of the user's step against cuDNN (bench/topk_sweep.py, SWEEP_ARGS; issue 16's
 #              PNG), under $OUT/sweep
-#   ab         every A/B variant .gpu/flashmsa_bench_<name> (scripts/bench_variant.sh) next to
+#   ab         every A/B variant .gpu/flashmsa_bench_<name> (bench/tools/bench_variant.sh) next to
 #              .gpu/flashmsa_bench, m3 32k clustered (AB_ARGS="--options 0" skips the option runs)
 #   example    examples/train_long_context.py --gpu (EXAMPLE_ARGS), curves under $OUT/example
 #   lm         examples/lm_long_context.py --preset h200 (LM_ARGS), MSA vs dense SDPA on the stdlib's
@@ -143,7 +143,7 @@ if has run; then
 fi
 if has profile; then
   stamp "profile"
-  bash scripts/gpu_profile.sh
+  bash bench/tools/gpu_profile.sh
 fi
 if has kbench; then
   stamp "kernel bench"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Packs the binaries of .gpu/ (the default build's, copied from build/, and any A/B variants of
-# scripts/bench_variant.sh) into .gpu_pack/bins.tar.xz: the device tool carries at most 64 MiB and
+# bench/tools/bench_variant.sh) into .gpu_pack/bins.tar.xz: the device tool carries at most 64 MiB and
 # each binary is ~12 MB, while the archive of five is ~7 MB. On the GPU machine
 # scripts/gpu_all.sh unpacks it into .gpu/ before anything runs; carry [".gpu_pack"].
 #   bash scripts/pack_gpu.sh                 # .gpu/ as it is
