@@ -1,12 +1,17 @@
-"""The user's path (BENCHMARKS.md): the README's Python call timed end to end, its forward and a
+"""The user's path (docs/performance.md): the README's Python call timed end to end, its forward and a
 whole training step, next to the sum of the library's kernels on the same inputs:
 
     out, kl = flashmsa.msa_attention(q, k, v, qp, kp, topk=16, cu_seqlens=cu, max_seqlen=T)
     torch.autograd.backward([out, kl], [dout, 1])
 
-make_inputs draws BENCHMARKS.md's selection patterns in torch (on any device); user_step_times
+make_inputs draws the benchmark's selection patterns in torch (on any device); selection gives the
+blocks the call selects on them (the peers of run_bench.py serve that selection); user_step_times
 times on the GPU and is what run_bench.py adds to each row as row["user"]. flashmsa is imported
 from <repo>/python, with the library .gpu/libflashmsa.so when it exists (FLASHMSA_LIBRARY wins).
+
+Run as a program, it is `bench/run_bench.py --user-only` with the same arguments: the user's path
+and its peers, appended to bench/results/user_path.md (bench/README.md):
+    python3 bench/user_path.py --configs m3 --seqlens 32768,65536,131072 --peers cudnn,fa2,flex,cudnn_bsa
 """
 import functools
 import os
@@ -35,7 +40,7 @@ def import_flashmsa():
 
 
 def make_inputs(cfg, T, pattern, device, dtype=torch.bfloat16, seed=0):
-    """(q, k, v, qp, kp, cu): batch-1 varlen inputs [T, H, 128] of a BENCHMARKS.md selection pattern
+    """(q, k, v, qp, kp, cu): batch-1 varlen inputs [T, H, 128] of a benchmark selection pattern
     ("clustered" or "random"), drawn in fp32 on `device` and cast to `dtype`; q, k, v, qp, kp are
     leaves that require grad, cu = [0, T] int32. The clustered draw is tools/patterns.cpp's (one
     topic per 512-token span of keys and proxy key head, 3 distinct topics per 128-token span of
@@ -64,6 +69,18 @@ def make_inputs(cfg, T, pattern, device, dtype=torch.bfloat16, seed=0):
         raise ValueError(f"unknown pattern {pattern!r} (clustered, random)")
     cu = torch.tensor([0, T], dtype=torch.int32, device=device)
     return q, k, v, qp, kp, cu
+
+
+def selection(cfg, T, pattern, device, seed=0):
+    """indices [Hp, T, topk] int32 (numpy; -1 padding) that flashmsa.msa_select makes on
+    make_inputs(cfg, T, pattern, device, seed)'s qp, kp: the selection of the README's call on the
+    inputs user_step_times uses (same seed)."""
+    flashmsa = import_flashmsa()
+    q, k, v, qp, kp, cu = make_inputs(cfg, T, pattern, device, seed=seed)
+    del q, k, v
+    with torch.no_grad():
+        idx = flashmsa.msa_select(qp.detach(), kp.detach(), cfg["topk"], cu_seqlens=cu, max_seqlen=T)
+    return idx.cpu().numpy().astype("int32")
 
 
 def user_call(inputs, topk, compute_kl=None, warmup=False):
@@ -210,3 +227,9 @@ def user_step_times(cfg, T, pattern, iters=10, warmup=3, log=None):
     r["kern_sum_ms"] = r["kern_fwd_ms"] + r["kern_bwd_ms"]
     r["overhead_pct"] = 100 * (r["user_step_ms"] / r["kern_sum_ms"] - 1)
     return r
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import run_bench
+    run_bench.main(["--user-only"] + sys.argv[1:], command=sys.argv)
