@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# Everything one device call needs, logs under $OUT. STEPS picks the parts (default: all):
-#   suite      the GPU suite (tests/gpu; SUITE_FILTER: a gtest filter, default every test; SUITE_BIN: another
-#              binary of .gpu/, e.g. a variant's flashmsa_gpu_tests_<name>; SUITE_S: the time limit, default
-#              400 s, which the whole suite exceeds since session 13: run it in two parts)
-#              SUITE_RUNS="bin=filter;bin=filter": several binaries of .gpu/ in turn, each with its filter and
-#              SUITE_S, logs gpu_suite-<bin>.log (e.g. the variants' tests before an A/B)
+# What the GPU machine runs, logs under $OUT. STEPS picks the parts (default: suite sanitize pytest run bench):
+#   suite      the GPU suite (tests/gpu) as gtest shards run side by side on the one GPU: SUITE_SHARDS of them
+#              (default 4), each cut at SUITE_S seconds (default 540), logs gpu_suite-shard<i>.log. The whole
+#              suite, longer than a 10-minute device command in one process, takes two: SUITE_PART=1/2, then
+#              SUITE_PART=2/2 (part i of n runs its SUITE_SHARDS of the n x SUITE_SHARDS shards; default 1/1).
+#              SUITE_FILTER: a gtest filter (default every test); SUITE_BIN: another binary of .gpu/, e.g. a
+#              variant's flashmsa_gpu_tests_<name>; SUITE_RUNS="bin=filter;bin=filter": several binaries of
+#              .gpu/ in turn, each sharded the same way, logs gpu_suite-<bin>-shard<i>.log (e.g. the variants'
+#              tests before an A/B)
 #   sanitize   compute-sanitizer memcheck + racecheck on the small cases
 #   race       compute-sanitizer racecheck of each binary of RACE_BINS (default flashmsa_gpu_tests; variants:
 #              flashmsa_gpu_tests_<name>) on RACE_FILTER (default the small fused cases), a log and a summary each
@@ -32,8 +35,7 @@
 #   alternate  two or more bench binaries (ALT_BINS, default .gpu/flashmsa_bench_before and
 #              .gpu/flashmsa_bench: the last commit's and this tree's) alternated ALT_ROUNDS times
 #              (default 2), ALT_ARGS (default m3 32k clustered; ';' separates argument sets, e.g. with
-#              "--only select" for the selection alone), --options 0: a before/after in one call (session 5
-#              measured the metadata guard's cost this way, against a variant without it)
+#              "--only select" for the selection alone), --options 0: a before/after in one device command
 #   cp         context parallelism over NCCL on every GPU of the machine (needs 2 or more):
 #              tests/python/test_distributed.py::test_nccl_two_gpus_m3 for each token count in
 #              CP_LENGTHS (default "16384,9000,7384 65536,40000,25536": 32k and 128k tokens)
@@ -51,25 +53,44 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | t
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 stamp() { echo "== $1 ($(date +%T))"; }
 if has suite; then
-  # one binary (SUITE_BIN, SUITE_FILTER; log gpu_suite.log) or several (SUITE_RUNS="bin=filter;bin=filter", bin a name
-  # in .gpu/; logs gpu_suite-<bin>.log), each within SUITE_S seconds
+  # one binary (SUITE_BIN, SUITE_FILTER) or several (SUITE_RUNS="bin=filter;bin=filter", bin a name in .gpu/), each as
+  # SUITE_SHARDS gtest shards side by side (shards (i - 1) x SUITE_SHARDS .. i x SUITE_SHARDS - 1 of n x SUITE_SHARDS
+  # for SUITE_PART=i/n), each shard within SUITE_S seconds
+  part=${SUITE_PART:-1/1} per=${SUITE_SHARDS:-4}
+  part_i=${part%/*} part_n=${part#*/}
   runs=("${SUITE_BIN:-flashmsa_gpu_tests}=${SUITE_FILTER:-*}")
   [ -n "${SUITE_RUNS:-}" ] && IFS=';' read -ra runs <<< "$SUITE_RUNS"
   for r in "${runs[@]}"; do
-    bin=${r%%=*} filter=${r#*=} log="$OUT/gpu_suite${SUITE_RUNS:+-${r%%=*}}.log"
-    stamp "GPU suite $bin ($filter)"
-    timeout ${SUITE_S:-400} "./.gpu/$bin" --gtest_filter="$filter" > "$log" 2>&1
-    echo "suite ($bin) rc=$?"
-    grep -E "^\[  (PASSED|FAILED)|FAILED  \]|tests? from .* ran" "$log" | tail -8
+    bin=${r%%=*} filter=${r#*=} base="$OUT/gpu_suite${SUITE_RUNS:+-${r%%=*}}"
+    stamp "GPU suite $bin ($filter), part $part: $per shards of $((part_n * per)) side by side"
+    shards=$(seq $(((part_i - 1) * per)) $((part_i * per - 1)))
+    declare -A pid=()
+    for i in $shards; do
+      GTEST_TOTAL_SHARDS=$((part_n * per)) GTEST_SHARD_INDEX=$i timeout ${SUITE_S:-540} "./.gpu/$bin" \
+        --gtest_filter="$filter" > "$base-shard$i.log" 2>&1 &
+      pid[$i]=$!
+    done
+    for i in $shards; do
+      wait "${pid[$i]}"; rc=$?
+      log="$base-shard$i.log"
+      echo "suite ($bin) shard $i rc=$rc: $(grep -cE '^\[       OK \]' "$log") passed," \
+        "$(grep -cE '^\[  FAILED  \] .* \([0-9]+ ms\)$' "$log") failed"
+      grep -E "^\[  (PASSED|FAILED)|FAILED  \]|tests? from .* ran" "$log" | tail -8
+      [ "$rc" = 124 ] && echo "  cut at ${SUITE_S:-540} s in: $(grep -E '^\[ RUN      \]' "$log" | tail -1)"
+    done
+    unset pid
     # the numbers the numerics docs and the deterministic mode need
-    awk '/^\[ RUN      \] (Numerics|Deterministic)\./{p=1} /^\[       OK \]|^\[  FAILED  \]/{if(p)print; p=0} p' "$log"
+    for i in $shards; do
+      awk '/^\[ RUN      \] (Numerics|Deterministic)\./{p=1} /^\[       OK \]|^\[  FAILED  \]/{if(p)print; p=0} p' \
+        "$base-shard$i.log"
+    done
   done
 fi
 if has sanitize; then
   stamp "sanitizers"
   timeout ${MEMCHECK_S:-200} compute-sanitizer --tool memcheck --error-exitcode 1 ./.gpu/flashmsa_gpu_tests --gtest_filter='*Small*' > "$OUT/memcheck.log" 2>&1; echo "memcheck rc=$?"; tail -1 "$OUT/memcheck.log"
   # racecheck without Metadata.*: its table test runs ~20 whole training steps, which racecheck did not finish in
-  # 110 s (session 20); the kernels it drives are the ones the other small cases check, and the metadata step runs it
+  # 110 s; the kernels it drives are the ones the other small cases check, and the metadata step runs it
   # under memcheck
   timeout ${RACECHECK_S:-300} compute-sanitizer --tool racecheck --error-exitcode 1 ./.gpu/flashmsa_gpu_tests --gtest_filter='*Small*:-Metadata.*' > "$OUT/racecheck.log" 2>&1; echo "racecheck rc=$?"; tail -1 "$OUT/racecheck.log"
 fi

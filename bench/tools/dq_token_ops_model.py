@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
-"""Host model of the backward's dQ tile and dq_acc layout (docs/kernels/bwd.md, "Session 21" and "Session 22";
+"""Host model of the backward's dQ tile and dq_acc layout (docs/kernels/bwd.md, the dQ tile's swizzle;
 bwd_params.cuh, dq_swizzle).
 
 Replays, for random chunk lists, what the main walk and the dq convert do with the dQ tile:
   - the consumers' float2 stores into the unpadded tile, each row's columns XOR-swizzled by
-    dq_swizzle(t, r, Rp) = 8 ((r + Rp t) mod 4) (t the row's global token, r its head within the unit; session 21's
+    dq_swizzle(t, r, Rp) = 8 ((r + Rp t) mod 4) (t the row's global token, r its head within the unit; the earlier
     key 4 ((r + Rp t) mod 8) is modelled too, for the comparison);
   - the writer's bulk adds: one per token slot, covering the slot's R head rows;
   - the dq convert, which reads each 8-column group from its swizzled block;
@@ -16,11 +16,11 @@ selections) and of random ascending tokens. Run: python3 bench/tools/dq_token_op
 import random
 
 
-def swz_session21(t, r, rp):  # session 21's key: 8 different keys per 8 rows (a full-warp bank model)
+def swz_fullwarp(t, r, rp):  # the earlier key: 8 different keys per 8 rows (a full-warp bank model)
     return 4 * ((r + rp * t) & 7)
 
 
-def swz_halfwarp(t, r, rp):  # bwd_params.cuh dq_swizzle since session 22: 4 keys per 4 rows of a half-warp
+def swz_halfwarp(t, r, rp):  # bwd_params.cuh dq_swizzle: 4 keys per 4 rows of a half-warp
     return 8 * ((r + rp * t) & 3)
 
 
@@ -54,9 +54,9 @@ def chunk(Hq, R, Rp, h0, toks, acc):
 def wavefronts(Rp, toks):
     """Per float2 store (8 rows x 4 column pairs, the 8 rows rq0 .. rq0 + 7 of the tile): the shared-memory
     wavefronts, counted as the GPU serves a 64-bit store: each half-warp (lanes 0-15: rows rq0 .. rq0 + 3; lanes
-    16-31: the next 4 rows) on its own, in as many wavefronts as the most accesses to one bank within it (ncu,
-    session 22: session 21's key, which spreads 8 rows over the banks, took 4 wavefronts per store, as this model
-    counts, where a full-warp model counts 2). 2 is the minimum for 256 bytes."""
+    16-31: the next 4 rows) on its own, in as many wavefronts as the most accesses to one bank within it (ncu: the
+    earlier key, which spreads 8 rows over the banks, took 4 wavefronts per store, as this model counts, where a
+    full-warp model counts 2). 2 is the minimum for 256 bytes."""
     out = []
     for base in range(0, 64, 8):
         for i in range(16):
@@ -103,7 +103,7 @@ def check(Hq, R, Rp, steps, total=5000, trials=20):
 
 
 if __name__ == "__main__":
-    for key in (swz_halfwarp, swz_session21):
+    for key in (swz_halfwarp, swz_fullwarp):
         swz = key
         random.seed(21)
         print(f"key {key.__name__}:")

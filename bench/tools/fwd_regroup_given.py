@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-# the library's own regrouping (session 24) would regroup the consecutive tiles too: this probe times the forward
+# the library's own regrouping (FLASHMSA_FWD_REGROUP) would regroup the consecutive tiles too: this probe times the forward
 # of consecutive tiles on reordered indices, so it runs with the regrouping off
 os.environ["FLASHMSA_FWD_REGROUP"] = "0"
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

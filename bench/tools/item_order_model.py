@@ -1,13 +1,14 @@
-"""Session 33: a model of the fused backward's item order and the L2 (design data for bench/tools/bwd-item-span*.patch).
+"""A model of the fused backward's item order and the L2 (design data for the item orders measured on the GPU:
+docs/kernels/bwd.md).
 
 Draws the bench's selection pattern on the CPU (bench/user_path.py's draw, pair_overlap.py's selection rule), builds the
 inverted lists, and schedules the items (key block, proxy head) on `--sms` CTAs that each take the next item from a
 counter when free (the fused kernel's persistent loop), in three orders: block-major (today: a block's proxy heads one
-after another) and groups of 4 or 8 consecutive blocks of one head (the span patches). An item of n list entries takes
+after another) and groups of 4 or 8 consecutive blocks of one head (block spans). An item of n list entries takes
 `--item-cost` + ceil(n / NTc) chunk times (NTc = 64 / Rp token slots per chunk, Rp = 16 at m3). Each chunk touches its
 tokens' rows (gathered Q/dO, dq added) for the item's head group; an access counts as an L2 hit when the same
-(token, head group) was touched less than `--window` chunk times before (session 30's reading: the L2 keeps a line
-~20 us, ~5 chunks, under this traffic).
+(token, head group) was touched less than `--window` chunk times before (a reading of the backward's profiles: the L2
+keeps a line ~20 us, ~5 chunks, under this traffic).
     python3 bench/tools/item_order_model.py --config m3 --seqlen 32768 --patterns clustered,random
     python3 bench/tools/item_order_model.py --config fmsa --seqlen 16384 --patterns clustered --spans 1 --lpt
 """
@@ -63,8 +64,8 @@ def main():
     ap.add_argument("--item-cost", type=float, default=6.0, help="fixed time of an item, in chunk times")
     ap.add_argument("--window", type=float, default=5.0, help="L2 lifetime of a line, in chunk times")
     ap.add_argument("--spans", default="1,4,8")
-    ap.add_argument("--lpt", action="store_true", help="also the items sorted by list length, longest first (session "
-                    "36: bench/tools/bwd-items-longest-first.patch), against the ideal makespan")
+    ap.add_argument("--lpt", action="store_true", help="also the items sorted by list length, longest first (an order "
+                    "measured on the GPU: docs/kernels/bwd.md), against the ideal makespan")
     ap.add_argument("--windows", default="", help="token windows W (comma-separated): items (block, head, window), "
                     "window-major, each list split at multiples of W (a token-window-major schedule)")
     a = ap.parse_args()

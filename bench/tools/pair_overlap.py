@@ -1,4 +1,4 @@
-"""Session 28: how much two adjacent key blocks' inverted lists share (design data for a backward that walks the
+"""How much two adjacent key blocks' inverted lists share (design data for a backward that walks the
 union of blocks 2i and 2i+1 in a 2-CTA cluster and sums their dQ on chip before one bulk add).
 
 Draws bench/user_path.py's selection pattern on the CPU, selects top-k blocks per token and proxy head as the library

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
-"""CPU check of the regrouping with masks (fwd_regroup.cu since session 25; prepared as bench/tools/fwd-regroup-masks.patch): a lane-by-lane Python transliteration of its regroup_kernel (the
-mask path at W = 2, 4, 8 words and the slot-by-slot path past 256 distinct blocks) against the host rule of the GPU tests
-(distinct valid blocks, ties to the earliest), on 400 random spans: topk 1-64, NT 2-128, repeats, invalid slots, partial
-spans. Prints the paths taken; fails on the first difference.  python3 bench/tools/regroup_masks_emu.py  (~10 s)"""
+"""CPU check of the regrouping with masks (src/cuda/fwd/fwd_regroup.cu): a lane-by-lane Python transliteration of its
+regroup_kernel (the mask path at W = 2, 4, 8 words and the slot-by-slot path past 256 distinct blocks) against the host
+rule of the GPU tests (distinct valid blocks, ties to the earliest), on 400 random spans: topk 1-64, NT 2-128, repeats,
+invalid slots, partial spans. Prints the paths taken; fails on the first difference.
+    python3 bench/tools/regroup_masks_emu.py  (~10 s)"""
 import random
 SPAN=128; KC=4; MW=8
 def popc(x): return bin(x & 0xffffffff).count('1')

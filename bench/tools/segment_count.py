@@ -1,4 +1,4 @@
-"""Session 30: how many kl segments (main-walk / kl-walk alternations) the fused backward runs per seg value, for
+"""How many kl segments (main-walk / kl-walk alternations) the fused backward runs per seg value, for
 the bench's selections drawn on the CPU (bench/tools/pair_overlap.py's selection rule). With the measured backward
 times at seg 1024 / 2048 / 4096 this prices one segment boundary:
     python3 bench/tools/segment_count.py --config m3 --seqlen 32768 --patterns clustered,random

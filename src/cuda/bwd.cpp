@@ -112,8 +112,7 @@ void run_bwd(const flashmsa_bwd_args_t& a, const Geometry& g, char* ws, const Bw
     c.fix = fix;
   }
   // the proxy side (the proxy gradient dkl and/or the kl value): the fused kernel runs it with the main backward (the
-  // teacher in a per-CTA scratch), in the deterministic mode too (a proxy side implies R = G: bwd_features); DENSE
-  // under FLASHMSA_BWD_FUSED_MAIN=0 in the recomputing proxy kernel after the standalone main kernel
+  // teacher in a per-CTA scratch), in every mode, the deterministic one too (a proxy side implies R = G: bwd_features)
   const bool proxy_side = bwd_proxy_side(a, g);
   ProxyRun r;
   attn_bwd::Common cp = c;
@@ -130,18 +129,14 @@ void run_bwd(const flashmsa_bwd_args_t& a, const Geometry& g, char* ws, const Bw
     r.kl_acc = present(a.kl) ? reinterpret_cast<float*>(ws + l.kl) : nullptr;
     r.dkl = static_cast<const float*>(a.dkl.data);
     r.grads = present(a.dkl);  // without dkl the accumulators stay zero
-    if (l.deterministic && l.has_teacher) {  // the fused kernel's kl walk: dqp, dkp in fixed point
+    if (l.deterministic) {  // the fused kernel's kl walk: dqp, dkp in fixed point
       cp.dqp_fix = reinterpret_cast<int64_t*>(ws + l.dqp);
       cp.dkp_fix = reinterpret_cast<int64_t*>(ws + l.dkp);
-    } else if (l.deterministic) {  // the recomputing proxy kernel (DENSE, knob 0): fp32 adds in turn order
-      cp.fix = nullptr;
-      cp.turn_rows = reinterpret_cast<int32_t*>(ws + l.turn_qp);
-      cp.turn_keys = reinterpret_cast<int32_t*>(ws + l.turn_kp);
     }
   }
   float* const kl_out = present(a.kl) ? static_cast<float*>(a.kl.data) : nullptr;
   uint64_t* const dq_word = l.dq_store_first ? reinterpret_cast<uint64_t*>(ws + l.dq_word) : nullptr;
-  if (l.has_teacher) {  // (has_teacher: the proxy side in SPARSE/GIVEN, or DENSE where a unit is a group; R = G here)
+  if (l.has_teacher) {  // (has_teacher: the proxy side, every mode; R = G here)
     run_fused(g, cp, r, false, fused_scratch(l, ws), kl_out, st, dq_word, l.dq_force_wait);
   } else if (l.fused_main) {  // the fused kernel's main walk alone (persistent; store-first dq in SPARSE/GIVEN)
     run_fused_main(g, c, fused_scratch(l, ws), st, dq_word, l.dq_force_wait);  // (no teacher: it nulls the scratch)
@@ -175,7 +170,6 @@ void run_bwd(const flashmsa_bwd_args_t& a, const Geometry& g, char* ws, const Bw
   if (g.has_proxy) {
     // dz was kept N / proxy_scale times larger
     const float pscale = proxy_side ? kl_scales(g).grad : 1.f;
-    if (proxy_side && !l.has_teacher) run_proxy(g, cp, r, kl_out, st);
     if (l.deterministic && l.has_teacher) {
       convert_fixed(d, ws + l.dqp, token_tensor<void>(a.dqp, g), seqs, g.max_seqlen, g.Hp, pscale,
                     fix + attn_bwd::kUnitDqp, 0, bad + 3, st);

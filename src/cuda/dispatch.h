@@ -122,15 +122,14 @@ size_t guard_bytes(const Geometry& g);
 // have changed since the size query, and a layout past the buffer is refused (FLASHMSA_ERROR_WORKSPACE).
 void check_layout_fits(const char* fn, const Geometry& g, size_t layout_bytes, size_t ws_bytes);
 // The fused kernel's teacher scratch (fused_kernel.cuh): one slot of kl_segment(g, ctas) fp32 rows of
-// 128 keys per persistent CTA, kl_ctas(g) CTAs (the device's SMs: one CTA each). SPARSE/GIVEN, and
-// the DENSE backward since session 37 (its deterministic mode since session 38; under FLASHMSA_BWD_FUSED_MAIN=0
-// the recomputing proxy kernel) and the forward's DENSE kl since session 38. The segment (list entries per
+// 128 keys per persistent CTA, kl_ctas(g) CTAs (the device's SMs: one CTA each), in every mode (the
+// backward's proxy side, default and deterministic, and the forward's kl). The segment (list entries per
 // alternation of the main and the kl walk): a quarter of the dq accumulator's bytes for the scratch
 // (total x Hq / (4 x ctas) entries, rounded down to 64), clamped to [kKlSegment, kKlSegmentMax];
 // FLASHMSA_KL_SEGMENT overrides it for tests and tuning; at most max_seqlen, rounded up to a
 // multiple of 64. Each segment boundary drains both walks' pipelines, adds dK/dV (or dKp) and
 // reloads K/V (or Kp): ~20 us per boundary on the H200 (m3 32k: the rule against 1024 entries, backward
-// -1.1%; docs/kernels/bwd.md "Session 30"). The quarter keeps the step's peak memory within ~5% of
+// -1.1%; docs/kernels/bwd.md, the kl segment). The quarter keeps the step's peak memory within ~5% of
 // what it was at 1024 (m3 32k: 3.81 -> 4.01 GB against cuDNN's 5.05) and leaves the small problems
 // (fmsa 16k, 32k) at 1024, where the step's memory is at cuDNN's. The layouts keep both numbers
 // (kl_seg, kl_ctas), so the kernel runs with exactly what its scratch was sized for.
@@ -143,7 +142,7 @@ int kl_segment(const Geometry& g, int ctas);
 // (1 to 3 digits): the router at that ratio, whatever R; "0": the shared-stream kernel only; "1":
 // the per-warpgroup rings kernel only. Anything else: FLASHMSA_ERROR_INVALID_ARGUMENT from every
 // forward query and call (fwd_workspace, fwd), whatever the mode.
-// kRingsMaxTokens (session 19, H200): with 16 tokens per warpgroup (fmsa, R = 4) a warpgroup's
+// kRingsMaxTokens (measured on the H200): with 16 tokens per warpgroup (fmsa, R = 4) a warpgroup's
 // list is nearly the tile's union even for random selections (the rings 12% slower on all tiles),
 // and the router's fixed cost (its kernel and a second launch, ~20 us) was +2.5% at fmsa 16k.
 constexpr int kRingsMaxTokens = 8;
@@ -165,7 +164,7 @@ attn_bwd::InversionArgs inversion_args(const int32_t* idx, int64_t idx_head, int
 
 // Workspace of the backward after the guard's, in order: lse2, dsum (padded), the deterministic
 // mode's dq units, the dq/dk/dv/dqp/dkp accumulators (deterministic mode: int64, except dq in
-// SPARSE/GIVEN: int32 pairs), the deterministic mode's bounds and flags and turn counters, the
+// SPARSE/GIVEN: int32 pairs), the deterministic mode's bounds and flags, the
 // inversion (or the block offsets in dense mode), the proxy lse, the kl partials, the teacher
 // scratch and the fused kernel's item counter.
 struct BwdLayout {
@@ -173,7 +172,6 @@ struct BwdLayout {
          next_item = 0, total = 0;
   int kl_seg = 0, kl_ctas = 0;  // the teacher scratch's segment and CTAs (has_teacher)
   size_t dq_unit = 0, fix = 0;  // deterministic mode: dq units [Hq, padded]; the FixWord block
-  size_t turn_qp = 0, turn_kp = 0;  // deterministic DENSE not fused: the recomputing proxy kernel's turns
   bool deterministic = false;
   bool dq32 = false;  // deterministic SPARSE/GIVEN: dq in 32-bit pairs (bwd_params.cuh, pack_pair32)
   int64_t padded = 0;
@@ -189,16 +187,12 @@ struct BwdLayout {
   bool fused_main = false;
 };
 BwdLayout bwd_layout(const flashmsa_bwd_args_t& a, const Geometry& g);
-// The fused backward's dq path (default mode), FLASHMSA_BWD_DQ (tests and tuning; docs/kernels/bwd.md "Session 31"):
+// The fused backward's dq path (default mode), FLASHMSA_BWD_DQ (tests and tuning; docs/kernels/bwd.md, the dQ path):
 // 'store': the first contribution to a row stores it (dq_acc not zeroed); 'add': dq_acc zeroed, adds only; unset:
 // bwd_layout's rule (store-first where Rp x topk >= 256); 'store-wait' (tests): 'store' with every later contribution
 // taking the writer's rare wait. Anything else is refused.
 enum class BwdDqPath { kAuto, kStoreFirst, kAddOnly, kStoreWait };
 BwdDqPath bwd_dq_path();
-// FLASHMSA_BWD_FUSED_MAIN (unset/empty/'1': true, '0': false, anything else refused): where one MSA group is one head
-// unit, the default-mode backward's main walk without a teacher, and DENSE's with its kl walk, in the fused kernel;
-// false keeps the standalone main kernel (and DENSE's recomputing proxy kernel). Tests and tuning.
-bool bwd_fused_knob();
 
 // Workspace of the forward after the guard's: the indices (SPARSE without an indices output),
 // then for compute_kl the padded lse2, the inversion, the proxy lse (when not an output), the kl
@@ -257,10 +251,6 @@ struct ProxyRun {
   const float* dkl = nullptr;
   bool grads = true;
 };
-// DENSE mode's proxy side under FLASHMSA_BWD_FUSED_MAIN=0 (tests and tuning; turn-ordered fp32 sums in the
-// deterministic mode): the recomputing proxy kernel (the teacher from the group's S^T, chunk by chunk); then, when
-// kl_out is given, the kl value there (the partials added in a fixed order).
-void run_proxy(const Geometry& g, const attn_bwd::Common& c, const ProxyRun& r, float* kl_out, cudaStream_t st);
 // The fused kernel's scratch in a layout's workspace (has_teacher).
 struct FusedScratch {
   float* teacher = nullptr;      // [ctas, seg, 128]
@@ -273,7 +263,7 @@ FusedScratch fused_scratch(const Layout& l, char* ws) {
 }
 // The proxy side in every mode (DENSE over implicit lists): the fused kernel (the main backward's walk
 // and the kl walk per CTA, the teacher in the scratch); c is the main backward's Common (the forward's kl:
-// teacher_only); then the kl value as run_proxy.
+// teacher_only); then, when kl_out is given, the kl value there (the partials added in a fixed order).
 // dq_word: the backward's store-first dq words (dq_writer.cuh; BwdLayout::dq_store_first), null: adds only;
 // dq_force_wait: BwdLayout::dq_force_wait.
 void run_fused(const Geometry& g, const attn_bwd::Common& c, const ProxyRun& r, bool teacher_only,

@@ -1,7 +1,7 @@
 // What the forward's kl value and the backward's proxy gradient share: the Common parameters of
-// the backward's kernels (with the index inversion), the proxy lse the kl needs, and the two
-// proxy-side launches (the fused main + kl kernel, every mode; the recomputing proxy kernel, DENSE under
-// FLASHMSA_BWD_FUSED_MAIN=0), and the fused kernel's main walk alone (no proxy side).
+// the backward's kernels (with the index inversion), the proxy lse the kl needs, the proxy side's
+// launch (the fused main + kl kernel, every mode), and the fused kernel's main walk alone (no proxy
+// side).
 #include <algorithm>
 #include <cstdint>
 
@@ -13,8 +13,7 @@ namespace flashmsa::cuda {
 namespace {
 
 // The default or the deterministic instantiation of a kernel: `det` says which the parameters ask
-// for, `ready` whether they carry what it needs (the main and kl kernels: their fixed-point
-// accumulators, bwd_params.cuh; the recomputing proxy kernel: its turn counters).
+// for, `ready` whether they carry what it needs (their fixed-point accumulators, bwd_params.cuh).
 bool deterministic(bool det, bool ready) {
   if (det && !ready) fail(FLASHMSA_ERROR_INTERNAL, "flashmsa_bwd: CUDA backend: deterministic mode without its sums");
   return det;
@@ -56,28 +55,6 @@ attn_bwd::Common proxy_common(const Geometry& g, const attn_bwd::Common& c, cons
   pc.kl_acc = r.kl_acc;
   pc.dkl = r.dkl;
   return pc;
-}
-
-// The recomputing proxy kernel (DENSE mode): the teacher from the group's S^T, chunk by chunk.
-void run_proxy_side(const Geometry& g, const attn_bwd::Common& c, const ProxyRun& r, cudaStream_t st) {
-  attn_bwd::ProxyArgs pp;
-  pp.c = proxy_common(g, c, r, st);
-  pp.G = g.Hq / g.Hp;
-  pp.grads = r.grads;
-  pp.batched = g.batched;
-  pp.total = g.total;
-  by_dtype(dtype_of(g), [&](auto D) {
-    // DENSE mode only (SPARSE/GIVEN has the teacher): a token's blocks take their dqp turns in
-    // block order
-    if (pp.c.turn_keys && !pp.c.dense)
-      fail(FLASHMSA_ERROR_INTERNAL, "flashmsa_bwd: CUDA backend: the deterministic proxy kernel needs DENSE mode");
-    by_det(deterministic(pp.c.turn_keys != nullptr, pp.c.turn_rows != nullptr), [&](auto Det) {
-      constexpr Dtype kD = decltype(D)::value;
-      constexpr bool kDet = decltype(Det)::value;
-      if (tiles::proxy_chunk_tokens(pp.G) == 16) attn_bwd::run_proxy<kD, 16, kDet>(pp, st);
-      else attn_bwd::run_proxy<kD, 64, kDet>(pp, st);
-    });
-  });
 }
 
 }  // namespace
@@ -125,11 +102,6 @@ void kl_reduce(const Geometry& g, const ProxyRun& r, float* kl_out, cudaStream_t
                                st);
 }
 }  // namespace
-
-void run_proxy(const Geometry& g, const attn_bwd::Common& c, const ProxyRun& r, float* kl_out, cudaStream_t st) {
-  run_proxy_side(g, c, r, st);
-  kl_reduce(g, r, kl_out, st);
-}
 
 namespace {
 // The fused kernel's arguments both launches share: c with one MSA group per head unit, the geometry, the persistent

@@ -71,8 +71,4 @@ inline int head_slots(int R) {
 // Global key blocks of all sequences together: at most total / 128 + B (+1 for a partial last).
 inline int global_blocks_bound(const Geometry& g) { return int(g.total / kBlock + g.batch + 1); }
 
-// Tokens per chunk of the recomputing proxy kernel (DENSE mode): 64 / G rows of a group's G heads
-// fit a 64-row chunk; the two instantiations are 16 and 64 tokens.
-inline int proxy_chunk_tokens(int G) { return kChunkRows / G <= 16 ? 16 : 64; }
-
 }  // namespace flashmsa::cuda::tiles

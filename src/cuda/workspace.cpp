@@ -74,10 +74,6 @@ BwdDqPath bwd_dq_path() {
        "or 'store-wait' (tests: 'store', every later contribution through the writer's wait), got '" + v + "'");
 }
 
-bool bwd_fused_knob() {
-  return onoff_knob("FLASHMSA_BWD_FUSED_MAIN", "the fused kernel for DENSE and the main walk alone", true);
-}
-
 FwdRings fwd_rings_policy() {
   FwdRings r;
   r.regroup = onoff_knob("FLASHMSA_FWD_REGROUP", "tokens regrouped by selection", true);
@@ -104,20 +100,18 @@ FwdRings fwd_rings_policy() {
 }
 
 namespace {
-// The kl side of a layout (forward's kl value, backward's proxy gradient): the proxy lse when it
-// is recomputed, the kl partials, and where the fused kernel runs it (teacher: every mode but DENSE's
-// backward under FLASHMSA_BWD_FUSED_MAIN=0) the teacher scratch.
+// The kl side of a layout (forward's kl value, backward's proxy gradient), which the fused kernel runs
+// in every mode: the proxy lse when it is recomputed, the kl partials, the teacher scratch and its
+// items' counter.
 template <class Layout, class Take>
-void take_kl_side(Layout& l, Take& take, const Geometry& g, bool teacher, bool plse) {
+void take_kl_side(Layout& l, Take& take, const Geometry& g, bool plse) {
   if (plse) l.plse = take(size_t(g.Hp) * g.total * 4);
   l.kl = take(size_t(g.Hp) * global_blocks_bound(g) * 4);
-  if (teacher) {  // the fused kernel's teacher scratch and its items' counter
-    l.kl_ctas = kl_ctas(g);
-    l.kl_seg = kl_segment(g, l.kl_ctas);
-    l.teach = take(size_t(l.kl_ctas) * size_t(l.kl_seg) * kBlockKeys * 4);
-    l.next_item = take(4);
-    l.has_teacher = true;
-  }
+  l.kl_ctas = kl_ctas(g);
+  l.kl_seg = kl_segment(g, l.kl_ctas);
+  l.teach = take(size_t(l.kl_ctas) * size_t(l.kl_seg) * kBlockKeys * 4);
+  l.next_item = take(4);
+  l.has_teacher = true;
 }
 }  // namespace
 
@@ -143,34 +137,31 @@ BwdLayout bwd_layout(const flashmsa_bwd_args_t& a, const Geometry& g) {
   l.lse2 = take(size_t(g.Hq) * l.padded * 4);
   l.dsum = take(size_t(g.Hq) * l.padded * 4);
   l.deterministic = a.deterministic;
-  // The main walk without a teacher (SPARSE/GIVEN without a proxy side, DENSE without one) in the fused kernel
-  // (main_only) where a head unit is one MSA group, in the default mode; FLASHMSA_BWD_FUSED_MAIN=0 keeps the standalone
-  // kernel (and DENSE's recomputing proxy kernel; tests and tuning; read in every mode, so a bad value is always
-  // refused). DENSE mode with a proxy side runs the fused kernel with its kl walk (the teacher in the scratch) under the
-  // same conditions, in the deterministic mode too (since session 38: dqp, dkp in fixed point as SPARSE's), not the
-  // standalone kernel and the recomputing proxy kernel.
+  // The proxy side runs in the fused kernel, main walk and kl walk (the teacher in the scratch), in every mode, the
+  // deterministic one too (dqp, dkp in fixed point): bwd_features refuses a proxy side unless every MSA group lies
+  // inside one kv head with G <= 64, so a head unit is one MSA group (R = G). Without a proxy side the main walk runs
+  // alone in the fused kernel (main_only) where a head unit is one MSA group, in the default mode; the deterministic
+  // mode and groups over several head units run the standalone main kernel.
   const bool proxy_side = bwd_proxy_side(a, g);
-  const bool unit_ok = bwd_fused_knob() && g.Hp > 0 && int64_t(tiles::bwd_unit_heads(g)) * g.Hp == g.Hq;
+  const bool unit_ok = g.Hp > 0 && int64_t(tiles::bwd_unit_heads(g)) * g.Hp == g.Hq;
   const bool fused_ok = unit_ok && !a.deterministic;
-  const bool dense_fused = a.mode == FLASHMSA_MODE_DENSE && unit_ok;
   // deterministic mode: the accumulators are 64-bit fixed point (bwd_params.cuh), with a unit per
-  // dq row (padded like dsum; written by the preprocess, so outside the zeroed range). The
-  // recomputing proxy kernel (DENSE under FLASHMSA_BWD_FUSED_MAIN=0) keeps fp32 dqp/dkp sums in turn order
-  // instead. SPARSE/GIVEN dq rows get at most topk contributions: 32 bits each, added in pairs.
+  // dq row (padded like dsum; written by the preprocess, so outside the zeroed range). SPARSE/GIVEN
+  // dq rows get at most topk contributions: 32 bits each, added in pairs.
   const size_t fix = a.deterministic ? 8 : 4;
   l.dq32 = a.deterministic && a.mode != FLASHMSA_MODE_DENSE;
   if (a.deterministic) l.dq_unit = take(size_t(g.Hq) * l.padded * 4);
   l.dq = take(size_t(g.total) * g.Hq * kHeadDim * (l.dq32 ? 4 : fix));
   l.dk = take(size_t(g.total) * g.Hkv * kHeadDim * fix);
   l.dv = take(size_t(g.total) * g.Hkv * kHeadDim * fix);
-  if (g.has_proxy) {  // (fixed point only for the fused kernel's kl walk)
-    const size_t fixp = a.mode == FLASHMSA_MODE_DENSE && !dense_fused ? 4 : fix;
+  if (g.has_proxy) {  // (DENSE with groups over several head units: no proxy side, the fp32 zeros converted)
+    const size_t fixp = a.mode == FLASHMSA_MODE_DENSE && !unit_ok ? 4 : fix;
     l.dqp = take(size_t(g.total) * g.Hp * kHeadDim * fixp);
     l.dkp = take(size_t(g.total) * g.Hpk * kHeadDim * fixp);
   }
   // the fused kernel (SPARSE/GIVEN with the proxy side, or its main walk alone), default mode: store-first dq rows (dq_writer.cuh), their words
   // zeroed with the accumulators. By default where a chunk holds at most a quarter of a first store on average: its
-  // 64 / Rp token slots each get one of up to topk contributions, so Rp x topk >= 256 (H200, session 31: m3 at 256
+  // 64 / Rp token slots each get one of up to topk contributions, so Rp x topk >= 256 (H200: m3 at 256
   // -1.1% clustered / -1.6% random backward at 32k; fmsa at 64 +10% at 16k, each first store's publication waits for
   // its chunk's bulk operations).
   const BwdDqPath dq_path = bwd_dq_path();
@@ -180,18 +171,12 @@ BwdLayout bwd_layout(const flashmsa_bwd_args_t& a, const Geometry& g) {
                       (dq_path == BwdDqPath::kAuto && int64_t(tiles::head_slots(g.Hq / g.Hp)) * g.topk >= 256));
   l.dq_force_wait = l.dq_store_first && dq_path == BwdDqPath::kStoreWait;
   if (l.dq_store_first) l.dq_word = take(size_t(g.Hp) * g.total * 8);
-  if (a.deterministic) {  // zeroed with the accumulators (the range [dq, inv))
-    l.fix = take(attn_bwd::kFixWords * 4);
-    if (a.mode == FLASHMSA_MODE_DENSE && !dense_fused) {  // the recomputing proxy kernel's turns
-      l.turn_qp = take(size_t(g.total) * g.Hp * 4);
-      l.turn_kp = take(size_t(global_blocks_bound(g)) * g.Hpk * 4);
-    }
-  }
+  if (a.deterministic) l.fix = take(attn_bwd::kFixWords * 4);  // zeroed with the accumulators (the range [dq, inv))
   l.inv = take(a.mode == FLASHMSA_MODE_DENSE ? attn_bwd::blk_off_workspace(g.batch)
                                              : attn_bwd::inversion_workspace(inversion_args(
                                                    static_cast<const int32_t*>(a.indices.data), a.indices.strides[0],
                                                    a.indices.strides[1], a.cu_seqlens, g)));
-  if (proxy_side) take_kl_side(l, take, g, a.mode != FLASHMSA_MODE_DENSE || dense_fused, true);
+  if (proxy_side) take_kl_side(l, take, g, true);
   if (l.fused_main) {  // the items' counter (zeroed by run_fused_main)
     l.kl_ctas = kl_ctas(g);
     l.next_item = take(4);
@@ -218,8 +203,8 @@ FwdLayout fwd_layout(const flashmsa_fwd_args_t& a, const Geometry& g) {
                      ? attn_bwd::blk_off_workspace(g.batch)
                      : attn_bwd::inversion_workspace(inversion_args(nullptr, 0, 0, a.cu_seqlens, g)));
     // the fused kernel's teacher_only walks in every mode (DENSE: over lists of every token from the block on, as the
-    // backward since session 37; the recomputing proxy kernel before session 38)
-    take_kl_side(l, take, g, true, !present(a.proxy_lse));
+    // backward's)
+    take_kl_side(l, take, g, !present(a.proxy_lse));
   }
   l.total = off;
   return l;
@@ -235,8 +220,7 @@ size_t fwd_workspace(const flashmsa_fwd_args_t& a, const Geometry& g) {
 
 size_t bwd_workspace(const flashmsa_bwd_args_t& a, const Geometry& g) {
   bwd_features(a, g);
-  bwd_dq_path();     // a bad FLASHMSA_BWD_DQ fails every backward query (and call: api.cpp), whatever the mode
-  bwd_fused_knob();  // a bad FLASHMSA_BWD_FUSED_MAIN likewise (bwd_layout, which reads it, skips empty problems)
+  bwd_dq_path();  // a bad FLASHMSA_BWD_DQ fails every backward query (and call: api.cpp), whatever the mode
   return guard_bytes(g) + (g.total == 0 ? 0 : bwd_layout(a, g).total);
 }
 

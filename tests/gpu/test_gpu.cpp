@@ -726,7 +726,6 @@ TEST(Proxy, BatchedFp16) {
 }
 // a token's 16 heads fill its head slots (R == Rp = 16) in the batched layout: the fused kernel's
 // main walk with whole octets of heads, the batch coordinate and the slots past the list's end
-// (bench/probes/bwd-tma-rows.patch loads these rows by TMA boxes)
 TEST(Proxy, M3Batched) {
   run_bwd_case(m3().with_topk(8).batched(2, 600), BwdCase().sparse().with_dkl(1.0).with_kl_value());
 }
@@ -825,8 +824,8 @@ TEST(Proxy, NearConvergedG4Fp16) {
 }
 // fp16 under a grown loss scale (2^24; GradScaler doubles its scale every 2000 steps without an inf): the outputs
 // are in range (dqp ~ 1e2), but g (s - t) reached fp16's overflow wherever |s - t| > 0.004 when the kernels formed dz
-// with g itself; dz's gain (kl_rule.cuh kl_gain) keeps it below 2^14. The kl walk (sparse) and the dense proxy
-// kernel, default and deterministic.
+// with g itself; dz's gain (kl_rule.cuh kl_gain) keeps it below 2^14. The kl walk over sparse and dense lists, default
+// and deterministic.
 TEST(Proxy, LossScaledFp16) {
   run_bwd_case(fmsa().with_topk(8).seqlens({1000, 129}).fp16(), BwdCase().sparse().with_dkl(16777216.0).with_kl_value());
 }
@@ -836,19 +835,10 @@ TEST(Proxy, LossScaledFp16Dense) {
 TEST(Deterministic, LossScaledFp16) {
   run_bwd_case(fmsa().with_topk(8).seqlens({700}).fp16(), BwdCase().sparse().with_dkl(16777216.0).deterministic());
 }
-TEST(Deterministic, LossScaledFp16Dense) {  // the fused kernel's fixed-point kl walk over dense lists (session 38)
+TEST(Deterministic, LossScaledFp16Dense) {  // the fused kernel's fixed-point kl walk over dense lists
   run_bwd_case(fmsa().with_topk(1).seqlens({300, 57}).fp16(), BwdCase().dense().with_dkl(16777216.0).deterministic());
 }
-// The deterministic DENSE backward's former path (only under FLASHMSA_BWD_FUSED_MAIN=0: a proxy side implies one MSA
-// group per head unit): the standalone main kernel, then the recomputing proxy kernel with its turn-ordered fp32
-// proxy sums (16-token chunks here, G = 4; the 64-token width: DenseG1Tok64*).
-TEST(Deterministic, DenseStandaloneByKnob) {
-  ScopedEnv knob("FLASHMSA_BWD_FUSED_MAIN", "0");
-  run_bwd_case(fmsa().with_topk(1).seqlens({300, 57}).fp16(), BwdCase().dense().with_dkl(16777216.0).deterministic());
-  run_bwd_case(fmsa().with_topk(1).seqlens({300, 57, 0, 130}),
-               BwdCase().dense().with_dlse().with_dkl(1.0).deterministic().with_kl_value());
-}
-// The deterministic DENSE backward in the fused kernel (since session 38): dense lists cut into 64-entry segments
+// The deterministic DENSE backward in the fused kernel: dense lists cut into 64-entry segments
 // (dq rows of up to 17 blocks, dkp sums over many segments, all in fixed point), and m3's heads batched.
 TEST(Deterministic, DenseSegmentedLists) {
   ScopedEnv seg("FLASHMSA_KL_SEGMENT", "64");
@@ -860,12 +850,12 @@ TEST(Deterministic, DenseM3Batched) {
 }
 // One long segment (FLASHMSA_KL_SEGMENT = 4096, clipped to the longest sequence, 2240): the early blocks' lists
 // of the 2200-token sequence (up to ~2200 entries) walked in one main walk and one kl walk, the teacher scratch
-// written and read at entries past 1024 (the default's scale at m3 32k: docs/kernels/bwd.md "Session 30").
+// written and read at entries past 1024 (the default's scale at m3 32k: docs/kernels/bwd.md, the kl segment).
 TEST(Proxy, LongSegment) {
   ScopedEnv seg("FLASHMSA_KL_SEGMENT", "4096");
   run_bwd_case(fmsa().with_topk(16).seqlens({2200, 129}), BwdCase().sparse().with_dlse().with_dkl(1.0).with_kl_value());
 }
-// DENSE mode's proxy side in the fused kernel (since session 37): lists of every token from the block on, cut into
+// DENSE mode's proxy side in the fused kernel: lists of every token from the block on, cut into
 // many short segments (64 entries: the teacher scratch refilled per segment), with the kl value and an lse gradient.
 TEST(Proxy, DenseSegmentedLists) {
   ScopedEnv seg("FLASHMSA_KL_SEGMENT", "64");
@@ -906,9 +896,7 @@ TEST(Deterministic, GivenRepeatedBlocksCountOnce) {
   run_bwd_case(fmsa().with_topk(5).seqlens({900, 3}),
                BwdCase().given().with_dkl(1.0).deterministic().with_repeated_blocks());
 }
-// every deterministic instantiation runs: fp16 fused (main + kl) kernels, the dense proxy kernel (under
-// FLASHMSA_BWD_FUSED_MAIN=0) in both chunk widths (G = 4: 16 tokens per chunk, DenseStandaloneByKnob; G = 1: 64,
-// DenseG1Tok64*) and both dtypes
+// every deterministic instantiation runs: fp16 fused (main + kl) kernels over sparse and dense lists
 TEST(Deterministic, BatchedFp16) {
   run_bwd_case(fmsa().with_topk(8).batched(2, 700).fp16(),
                BwdCase().sparse().with_dlse().with_dkl(1.0).deterministic());
@@ -916,20 +904,10 @@ TEST(Deterministic, BatchedFp16) {
 TEST(Deterministic, DenseFp16) {
   run_bwd_case(fmsa().with_topk(1).seqlens({300, 57, 0, 130}).fp16(), BwdCase().dense().with_dkl(1.0).deterministic());
 }
-TEST(Deterministic, DenseG1Tok64) {
-  {
-    ScopedEnv knob("FLASHMSA_BWD_FUSED_MAIN", "0");  // the proxy kernel's 64-token chunks
-    run_bwd_case(Problem().heads(4, 2).proxy_heads(4, 2).with_topk(1).seqlens({300, 130}),
-                 BwdCase().dense().with_dkl(1.0).deterministic());
-  }
-  // the same in the fused kernel (R = 1: one head slot per token)
+// G = 1 in the fused kernel (R = 1: one head slot per token)
+TEST(Deterministic, DenseG1) {
   run_bwd_case(Problem().heads(4, 2).proxy_heads(4, 2).with_topk(1).seqlens({300, 130}),
                BwdCase().dense().with_dkl(1.0).deterministic());
-}
-TEST(Deterministic, DenseG1Tok64Fp16) {
-  ScopedEnv knob("FLASHMSA_BWD_FUSED_MAIN", "0");
-  run_bwd_case(Problem().heads(4, 2).proxy_heads(4, 2).with_topk(1).seqlens({300, 130}).fp16(),
-               BwdCase().dense().with_dlse().with_dkl(1.0).deterministic());
 }
 TEST(Deterministic, SmallSparse) {
   run_bwd_case(Problem().heads(8, 2).proxy_heads(4, 1).with_topk(2).seqlens({130, 5, 300}),
@@ -1125,17 +1103,6 @@ TEST(Bwd, M3SparseMainOnly) {
 TEST(Bwd, GroupOverUnitsStandalone) {
   run_bwd_case(Problem().heads(8, 4).proxy_heads(2, 1).with_topk(3).seqlens({0, 300, 127}),
                BwdCase().sparse().with_dlse());
-}
-// FLASHMSA_BWD_FUSED_MAIN=0 keeps the standalone kernel where the fused main walk would run: SPARSE without a proxy
-// side, and DENSE with the recomputing proxy kernel after it, against fp64 on that path.
-TEST(Bwd, StandaloneByKnob) {
-  ScopedEnv knob("FLASHMSA_BWD_FUSED_MAIN", "0");
-  run_bwd_case(Problem().heads(8, 2).proxy_heads(4, 1).with_topk(2).seqlens({130, 5, 300}),
-               BwdCase().sparse().with_dlse());
-  run_bwd_case(Problem().heads(8, 2).proxy_heads(2, 1).with_topk(1).seqlens({200, 1}), BwdCase().dense().with_dkl(1.0));
-  // G = 1: the proxy kernel's 64-token chunks in the default mode (fp16, with the kl value)
-  run_bwd_case(Problem().heads(4, 2).proxy_heads(4, 2).with_topk(1).seqlens({300, 130}).fp16(),
-               BwdCase().dense().with_dkl(1.0).with_kl_value());
 }
 // Without proxy tensors at all: GIVEN takes its groups from the indices (fmsa: 4 proxy heads, the fused main walk);
 // DENSE makes every head its own group (R = 1: the fused main walk with one head slot per token).
@@ -1863,10 +1830,6 @@ TEST(Workspace, BwdDqRule) {
 TEST(Errors, BadBwdDqKnob) {
   expect_bwd_knob_refused("FLASHMSA_BWD_DQ", {"x", "Store", "1", " store", "add ", "last", "store-"});
 }
-
-// A bad FLASHMSA_BWD_FUSED_MAIN (the main walk without a teacher in the fused kernel or the standalone one): refused
-// by the workspace query and the call in every mode, and nothing is written.
-TEST(Errors, BadFusedMainKnob) { expect_bwd_knob_refused("FLASHMSA_BWD_FUSED_MAIN", {"2", "on", " 1", "yes", "00"}); }
 
 // A workspace pointer off a 16-byte boundary (the kernels' bulk copies and 64-bit atomics need it): the forward and
 // the backward refuse it with FLASHMSA_ERROR_WORKSPACE before any work, and write nothing; the forward on the same

@@ -1,8 +1,8 @@
 """The SASS check's rule for tiles both consumer warpgroups stage (tests/sass/check_sass.py, staged_gemm_barriers), on
 hand-written SASS in cuobjdump's form: the check must fail where the consumers do not meet between the GEMM that reads
 the staged tile and the next stmatrix store, whether that store comes later in the code or at the chunk loop's top.
-CI runs the check itself on the built kernels (CTest sass_check); session 34's negative control (the barrier removed,
-bench/probes/bwd-st3-no-barrier-control.patch) failed it in the main and fused kernels."""
+CI runs the check itself on the built kernels (CTest sass_bwd_reductions); a build with that barrier removed failed it
+in the main and fused kernels."""
 from file_module import load
 
 check_sass = load("tests/sass/check_sass.py", "check_sass")

@@ -14,15 +14,14 @@ gathering warps by shuffles, with no named barrier of the 96 gathering threads (
 racecheck reported the item broadcast while they had one); the standalone main kernel keeps that
 barrier, which shows the pattern matches. The deterministic main and kl
 kernels (kDet = true) add 64-bit fixed-point integers (bwd_params.cuh), whose sum does not depend
-on the order: they must hold 64-bit REDG adds, and no GPU-scope fence and no ATOMG. The
-deterministic recomputing proxy kernel (DENSE mode) orders fp32 adds by turn counters and must
-hold its GPU-scope fences. Every instantiation must be there, and no kernel's wgmma (forward and
+on the order: they must hold 64-bit REDG adds, and no GPU-scope fence and no ATOMG. Every
+instantiation must be there, and no kernel's wgmma (forward and
 selection included) may be serialised by ptxas (C7515: a wait after every HGMMA), which a branch
-around a wgmma or a write to an accumulator in flight causes. A fence anywhere in a kernel (the
-turn code's __threadfence) makes ptxas compile every atomicAdd of the kernel as ATOMG: that cost
-the main backward kernel 38% on the H200 (27.3 -> 37.7 ms at m3 32k) before the deterministic
-code moved into its own instantiation, and it is why the fixed-point kernels hold no turn at
-all. docs/kernels/bwd.md has the story.
+around a wgmma or a write to an accumulator in flight causes. A fence anywhere in a kernel (a
+__threadfence) makes ptxas compile every atomicAdd of the kernel as ATOMG: that cost the main
+backward kernel 38% on the H200 (27.3 -> 37.7 ms at m3 32k) while deterministic code with a fence
+shared its instantiation, and it is why the deterministic mode adds fixed-point integers, which
+need no order and no fence. docs/kernels/bwd.md has the design.
 
     python3 tests/sass/check_sass.py OBJECT.o ...      # the library's CUDA objects
     python3 tests/sass/check_sass.py --tools           # exit 0 when cuobjdump/nvdisasm are found
@@ -69,13 +68,13 @@ def sass(obj: str, cuobjdump: str, nvdisasm: str) -> dict[str, str]:
 
 
 # The backward kernels: (kernel name, instantiations expected). Each is a template on the
-# element type (bf16, fp16); the proxy kernel also on the chunk width (16, 64); all on kDet.
-KERNELS = {"bwd_main_kernel": 2, "bwd_fused_kernel": 2, "bwd_proxy_kernel": 4}
+# element type (bf16, fp16) and on kDet.
+KERNELS = {"bwd_main_kernel": 2, "bwd_fused_kernel": 2}
 KDET = re.compile(r"Lb([01])E")  # the mangled bool template argument kDet
 ATOMIC = re.compile(r"\bATOMG?\.E\.")  # global or generic atomics that return a value
 REDUCTION = re.compile(r"\bREDG\.E\.")  # fire-and-forget global reductions
 FIXED_ADD = re.compile(r"\bREDG\.E\.ADD\.64\b")  # the deterministic mode's 64-bit integer adds
-FIXED_KERNELS = ("bwd_main_kernel", "bwd_fused_kernel")  # deterministic in fixed point (the proxy kernel: turns)
+FIXED_KERNELS = ("bwd_main_kernel", "bwd_fused_kernel")  # deterministic in fixed point
 BULK_ADD = re.compile(r"\bUBLKRED\.G\.S\.ADD\.F32\b")  # the dQ writers' adds (default main and fused kernels)
 GPU_FENCE = re.compile(r"\bMEMBAR\.[A-Z.]*GPU\b")
 # The fused kernel's persistent CTAs take items from a counter: one 32-bit ATOMG.E.ADD per item
@@ -107,11 +106,11 @@ def address(line: str) -> int:
 
 # The walks that stage a tile both consumer warpgroups read (the main walk's dS^T for dQ = dS K, the kl walk's dz^T for
 # dQp = dz Kp): each warpgroup stmatrix-stores its half, the consumers meet, and each issues a GEMM that reads both
-# halves from shared memory. The main walk's dS^T has one buffer (bwd_kernel.cuh, since session 33), so after that
-# GEMM's wait the consumers must meet again before either stores the next chunk's dS^T: a warpgroup that ran ahead would
-# overwrite the tile the other's GEMM is still reading. The tests cannot produce that skew (a warpgroup four GEMMs
-# behind the other) and compute-sanitizer racecheck does not see wgmma's reads (session 34: the barrier removed,
-# bench/probes/bwd-st3-no-barrier-control.patch, passed 13 tests and racecheck). So the code is checked here: from the
+# halves from shared memory. The main walk's dS^T has one buffer (bwd_kernel.cuh: the room of a second one holds the
+# third pipeline stage), so after that GEMM's wait the consumers must meet again before either stores the next chunk's
+# dS^T: a warpgroup that ran ahead would overwrite the tile the other's GEMM is still reading. The tests cannot produce
+# that skew (a warpgroup four GEMMs behind the other) and compute-sanitizer racecheck does not see wgmma's reads (a build
+# with the barrier removed passed 13 tests and racecheck). So the code is checked here: from the
 # wait of every GEMM issued right after a consumers' barrier, every path of the control flow (branches followed, the
 # chunk loop's back edge included) meets a consumers' barrier before a stmatrix store. The removed barrier fails it in
 # all four main and fused instantiations.
@@ -212,7 +211,7 @@ def main(argv: list[str]) -> int:
             atomics, reds, fences, fixed, bulk = (len(r.findall(text))
                                                   for r in (ATOMIC, REDUCTION, GPU_FENCE, FIXED_ADD, BULK_ADD))
             gathers = len(GATHER_BARRIER.findall(text))
-            if (kernel == "bwd_fused_kernel") == (gathers > 0) and kernel != "bwd_proxy_kernel":
+            if (kernel == "bwd_fused_kernel") == (gathers > 0):
                 failures.append(f"{kname}: {gathers} named barriers of the 96 gathering threads (the fused kernel "
                                 f"must hand its token slots over by shuffles, the main kernel by the barrier)")
             staged, unguarded = staged_gemm_barriers(text) if kernel in STAGED_GEMMS else (0, [])
@@ -252,8 +251,6 @@ def main(argv: list[str]) -> int:
             if det == 1 and kernel in FIXED_KERNELS and (atomics or fences or not fixed):
                 failures.append(f"{kname}: {atomics} ATOMG/ATOM, {fences} GPU fences, {fixed} 64-bit REDG (the "
                                 f"fixed-point deterministic kernel must add 64-bit integers with REDG, fence-free)")
-            if det == 1 and kernel not in FIXED_KERNELS and not fences:
-                failures.append(f"{kname}: no GPU-scope fence (is the deterministic code compiled in?)")
     # the fused kernel's two walks each have a dQ writer loop (main: dQ, kl: dQp)
     for (kernel, elem), (bulk, kname) in bulk_default.items():
         main = bulk_default.get(("bwd_main_kernel", elem))

@@ -1,7 +1,8 @@
 // The backward's launch interface as the dispatcher sees it (CuTe-free): plain arguments of the
-// three wgmma kernels (main, fused main + kl, recomputing proxy) and one run_*<Dtype, ...>() per instantiation TU (bwd_{main,kl,proxy}_*.cu),
-// which builds the TMA descriptors of the resident key blocks and launches the kernel. The small
-// kernels (preprocess, inversion, convert, kl reduce) are in bwd_misc.cuh.
+// two wgmma kernels (main, fused main + kl) and one run_*<Dtype, ...>() per instantiation TU
+// (bwd_{main,fused}_*.cu), which builds the TMA descriptors of the resident key blocks and
+// launches the kernel. The small kernels (preprocess, inversion, convert, kl reduce) are in
+// bwd_misc.cuh.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -14,7 +15,7 @@
 namespace flashmsa::cuda::attn_bwd {
 
 // The main backward alone in the standalone kernel (bwd_kernel.cuh): dq, dk, dv, where the fused kernel does not run it
-// (the deterministic mode without a proxy side or in DENSE, groups over several head units, FLASHMSA_BWD_FUSED_MAIN=0).
+// (the deterministic mode without a proxy side, groups over several head units).
 struct MainArgs {
   bool batched = false;
   Common c;
@@ -23,8 +24,8 @@ struct MainArgs {
   int64_t total = 0;           // tokens of the per-token tensors (the TMA descriptors' extent)
 };
 
-// The main backward and the proxy side in one persistent kernel (fused_kernel.cuh; SPARSE/GIVEN
-// with a kl gradient or value, and DENSE with one, R = G): dq, dk, dv, dqp, dkp and the
+// The main backward and the proxy side in one persistent kernel (fused_kernel.cuh; every mode with
+// a kl gradient or value, R = G): dq, dk, dv, dqp, dkp and the
 // kl partials, the teacher in a per-CTA scratch; main_only: the main walk alone (no proxy side).
 struct FusedArgs {
   bool batched = false;
@@ -46,23 +47,11 @@ struct FusedArgs {
                                // had not completed, so the rare path runs
 };
 
-// The recomputing proxy kernel (proxy_kernel.cuh, DENSE mode): the teacher from the group's S.
-struct ProxyArgs {
-  bool batched = false;
-  Common c;
-  int G = 0;           // query heads per proxy head
-  bool grads = true;   // false: kl value only (a backward with kl and no dkl), no gradients
-  int64_t total = 0;
-};
-
-// kDet: the deterministic instantiation (c.turn_keys and the fixed-point fields of Common set),
-// else the default one.
+// kDet: the deterministic instantiation (the fixed-point fields of Common set), else the default
+// one.
 template <Dtype, bool kDet>
 void run_main(const MainArgs& a, int units, cudaStream_t stream);
 template <Dtype, bool kDet>
 void run_fused(const FusedArgs& a, cudaStream_t stream);
-// kTok: tokens per chunk (64 / G rounded: 16 or 64, tiles.h)
-template <Dtype, int kTok, bool kDet>
-void run_proxy(const ProxyArgs& a, cudaStream_t stream);
 
 }  // namespace flashmsa::cuda::attn_bwd

@@ -1,7 +1,7 @@
 // Device pieces shared by the backward's wgmma kernels (main walk: bwd_kernel.cuh, kl walk:
-// kl_kernel.cuh, recomputing proxy: proxy_kernel.cuh): the resident key block's layout and TMA
-// load, the chunk pipeline, the CTA's coordinates over (key block, unit), deterministic turns,
-// the dQ writer's bulk row add, the key-side gradient adds and the kl partials.
+// kl_kernel.cuh): the resident key block's layout and TMA load, the chunk pipeline, the CTA's
+// coordinates over (key block, unit), the dQ writer's bulk row add, the key-side gradient adds
+// (fp32, or the deterministic mode's fixed point) and the kl partials.
 #pragma once
 
 #include <cutlass/arch/barrier.h>
@@ -11,15 +11,14 @@
 #include "cuda/common/tma.cuh"
 #include "cuda/common/utils.cuh"
 #include "cuda/ptx/cp_async.cuh"
-#include "cuda/ptx/order.cuh"
 
 // The slot hand-off of the producer's chunk loop. The fused kernel's walks (Params::kFusedWalk):
 // every gathering warp loads the chunk's (at most 64) slot tokens itself, two per lane (slots
 // lane and lane + 32, coalesced, one chunk ahead), and each gathering thread takes its rows'
 // tokens by __shfl_sync; warps 0-1 still store the slots for the consumers. No named barrier in
 // the producers' chunk loops, so compute-sanitizer racecheck sees every producer warp execute the
-// same barrier sequence (with the kGatherers hand-off it reported the item broadcast; measured
-// session 17: 0 hazards, the speed of the barrier within 0.3% at m3 32k and 1% at fmsa 16k; the
+// same barrier sequence (with the kGatherers hand-off it reported the item broadcast; measured on
+// the H200: 0 hazards, the speed of the barrier within 0.3% at m3 32k and 1% at fmsa 16k; the
 // per-stage mbarrier hand-off cost 1-1.5%, the gathers reading the list 7-12%: docs/kernels/bwd.md).
 // The standalone main kernel keeps the kGatherers barrier: its 24-register producers spill with
 // the shuffles, and its barrier sequence draws no racecheck report.
@@ -139,45 +138,6 @@ __device__ __forceinline__ void add_fixed32_pair(int32_t* dst, float a, float b,
   atomicAdd(reinterpret_cast<unsigned long long*>(dst), pack_pair32(__float2int_rn(x), __float2int_rn(y)));
 }
 
-// Deterministic mode (ptx/order.cuh): the consumers wait for their turn on a shared counter (one
-// thread polls) and pass it on once every consumer thread's adds are visible. No-ops without a
-// counter.
-__device__ __forceinline__ void take_turn(const int32_t* turn, int32_t mine) {
-  if (!turn) return;
-  if (threadIdx.x == kWarpGroupThreads) ptx::wait_turn(turn, mine);
-  barrier_sync(NamedBarrier::kConsumers, kConsumerThreads);
-}
-__device__ __forceinline__ void pass_turn(int32_t* turn, int32_t mine) {
-  if (!turn) return;
-  __threadfence();
-  barrier_sync(NamedBarrier::kConsumers, kConsumerThreads);
-  if (threadIdx.x == kWarpGroupThreads) ptx::st_release_gpu(turn, mine + 1);
-}
-
-// A CTA with nothing to add: its kl partial (if any) is 0, and in deterministic mode it still
-// takes its turn on the key rows and passes it on.
-__device__ __forceinline__ void finish_empty_cta(float* kl_acc, int64_t kl_slot, int32_t* turn, int32_t mine) {
-  if (threadIdx.x != 0) return;
-  if (kl_acc) kl_acc[kl_slot] = 0.f;
-  if (turn) {
-    ptx::wait_turn(turn, mine);
-    ptx::st_release_gpu(turn, mine + 1);
-  }
-}
-
-// The deterministic mode's turn counters, present only in the kDet instantiation: the default one
-// holds no fence and no turn code (with a __threadfence in a kernel ptxas emits ATOMG, which
-// waits for its reply, instead of REDG for every gradient add: the main kernel took 37.7 ms
-// instead of 27.3 at m3 32k).
-struct Turns {
-  int32_t* rows;
-  int32_t* keys;
-};
-template <bool kDet>
-__device__ __forceinline__ Turns turns(const Common& p) {
-  return kDet ? Turns{p.turn_rows, p.turn_keys} : Turns{nullptr, nullptr};
-}
-
 // This warpgroup's 64 keys x 128 of a key block's gradient (fp32 accumulator fragment, coords
 // (key, d)) added to out [total, H, 128] at head h; keys past the sequence are skipped.
 template <class Acc, class Coord>
@@ -227,9 +187,8 @@ __device__ __forceinline__ void add_key_rows_fixed(const Acc& acc, const Coord& 
 // units, or proxy heads): a 1-D grid with the units of a key block next to each other, so every
 // unit's long lists (the early blocks, which most tokens may select) start first. A 2-D grid
 // (key blocks along x) dispatched unit after unit: the last unit's long lists started near the
-// end of the kernel. Measured (H200, m3 32k clustered, A/B in one call): backward 30.32 -> 24.73
-// ms, deterministic backward 134.2 -> 57.1 ms (every token's dq turn waits for its lowest
-// selected block, whose CTA now starts early). Waits still point to smaller linear indices.
+// end of the kernel. Measured (H200, m3 32k clustered, A/B on one machine): backward 30.32 -> 24.73
+// ms.
 struct CtaCoord {
   int gb, unit;
 };
@@ -272,27 +231,6 @@ __device__ __forceinline__ int item_list(const Common& p, int grp, int gb, int64
 __device__ __forceinline__ int32_t list_token(const Common& p, int64_t dense_first, const int32_t* list, int first,
                                               int i) {
   return p.dense ? int32_t(dense_first + first + i) : list[first + i];
-}
-
-// The CTA of a proxy-side kernel (kl, recomputing proxy): its key block and proxy head, the
-// block's sequence. False for a CTA past the last block, after writing its kl partial (0).
-struct ProxyCta {
-  int gb, grp, b, j;
-  int64_t kl_slot, s0, L;
-};
-__device__ __forceinline__ bool proxy_cta(const Common& p, ProxyCta& c) {
-  const CtaCoord cta = cta_coord(p.Hp);
-  c.gb = cta.gb;
-  c.grp = cta.unit;
-  c.kl_slot = int64_t(c.grp) * p.inv.nblk + c.gb;
-  c.b = seq_of_block(p.inv.blk_off, p.seqs.batch, c.gb);
-  if (c.b < 0) {
-    finish_empty_cta(p.kl_acc, c.kl_slot, nullptr, 0);
-    return false;
-  }
-  p.seqs.get(c.b, c.s0, c.L);
-  c.j = c.gb - p.inv.blk_off[c.b];
-  return true;
 }
 
 }  // namespace flashmsa::cuda::attn_bwd

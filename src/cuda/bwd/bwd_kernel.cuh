@@ -24,7 +24,7 @@
 // t(token, key) = mean_h P of every entry of the segment, fp32 [entry, 128], to the CTA's scratch;
 // teacher_only (the forward's kl) skips dP, dS and the gradients; without a proxy side it runs
 // alone there (main_only). The standalone kernel below (the deterministic mode without a proxy
-// side, groups over several head units, FLASHMSA_BWD_FUSED_MAIN=0) walks the whole list without a teacher.
+// side, groups over several head units) walks the whole list without a teacher.
 #pragma once
 
 #include <cutlass/arch/barrier.h>
@@ -36,13 +36,12 @@
 #include "cuda/bwd/dq_writer.cuh"
 #include "cuda/common/utils.cuh"
 #include "cuda/ptx/cp_async.cuh"
-#include "cuda/ptx/order.cuh"
 
-// The dQ path (docs/kernels/bwd.md, "Session 15"): the consumers stage each chunk's dQ tile in shared memory and the
-// producer warpgroup's last warp has the TMA engine add it to dq_acc, one token slot's R head rows per operation
-// (cp.reduce.async.bulk; session 21), so no consumer waits for its reductions to drain. Three stages since session 33
-// (m3 -1% to -2%; the room of dS^T's second buffer: bwd.md "Session 33"). The deterministic mode keeps its
-// fixed-point adds in the consumers.
+// The dQ path (docs/kernels/bwd.md): the consumers stage each chunk's dQ tile in shared memory and the producer
+// warpgroup's last warp has the TMA engine add it to dq_acc, one token slot's R head rows per operation
+// (cp.reduce.async.bulk), so no consumer waits for its reductions to drain. Three pipeline stages (m3 -1% to -2%
+// against two; the third takes the room a second dS^T buffer had). The deterministic mode keeps its fixed-point adds
+// in the consumers.
 
 namespace flashmsa::cuda::attn_bwd {
 
@@ -124,7 +123,7 @@ struct MainParams : MainArgs {
 // slots are the aligned column group of its rows: e0 pairs, then i groups of Rp / 8, then the
 // lanes xor 1 (Rp >= 4) and xor 2 (Rp >= 8); the rows' padding heads hold P = 0. Rp is a
 // template parameter (store_teacher dispatches): with a runtime Rp every step was a branch, and
-// the store took ~330 of the main walk's ~930 instructions per warp and chunk (session 14's ncu).
+// the store took ~330 of the main walk's ~930 instructions per warp and chunk (ncu).
 template <int kLogRp, class Acc>
 __device__ __forceinline__ void store_teacher_rp(const Acc& accS, int key0, int row0, const int32_t* slot_tok,
                                                  float* dst, float inv_g) {
@@ -374,7 +373,7 @@ __device__ __forceinline__ void main_consume(const Params& P, typename MainConfi
   Tensor tQrK = thr_dq.partition_fragment_B(sKtw);
   // dS^T to shared memory with stmatrix (8x8 tiles, 16 bytes per lane and instruction); the
   // element-wise store it replaces compiled to 32 generic 2-byte stores and ~220 address
-  // instructions per thread and chunk (ncu, session 8: 16% of the consumers' stall samples)
+  // instructions per thread and chunk (ncu: 16% of the consumers' stall samples)
   auto stsm_ds = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_sdp);
   auto thr_stsm = stsm_ds.get_thread_slice(wtid);
   Tensor accS = partition_fragment_C(mma_sdp, Shape<_64, Int<C::kRows>>{});

@@ -20,7 +20,7 @@ __device__ __forceinline__ float to_f(T x) { return float(x); }
 // the dq row's fixed-point unit. A block covers kPreTokens tokens of one head: each half-warp owns
 // one token's 128-element rows (16 lanes x 8 elements, 16-byte loads; support.cpp checks the
 // alignment), and a warp has all of its kPreSteps x 2 tokens' loads in flight before it reduces:
-// one 256-byte row per warp and step (the kernel before session 17) reached ~2 TB/s, half the HBM.
+// one 256-byte row per warp and step (an earlier form of this kernel) reached ~2 TB/s, half the HBM.
 constexpr int kPreSteps = 4;                         // tokens per half-warp
 constexpr int kPreTokens = 8 * 2 * kPreSteps;        // per block of 8 warps
 template <class Element>

@@ -1,5 +1,5 @@
 // Parameters shared by the backward's kernels (preprocess, index inversion, main backward,
-// proxy backward, convert). CuTe-free: the dispatcher fills them.
+// fused main + kl backward, convert). CuTe-free: the dispatcher fills them.
 #pragma once
 
 #include <cmath>
@@ -10,17 +10,17 @@
 
 namespace flashmsa::cuda::attn_bwd {
 
-// dq_acc's column order (docs/kernels/bwd.md, "Session 21" and "Session 22"): the main backward's dQ tile has unpadded
+// dq_acc's column order (docs/kernels/bwd.md, the dQ tile's swizzle): the main backward's dQ tile has unpadded
 // rows (128 floats), so that the dQ writer adds a token slot's R head rows with one bulk operation (they are adjacent in
 // the tile and in dq_acc, [token, head, 128]); to keep the tile's float2 stores free of bank conflicts, each row's
 // columns are XOR-swizzled, d -> d ^ dq_swizzle(t, r, Rp) for global token t and head r of its unit (Rp = R rounded up
 // to a power of two), and dq_acc keeps every row in that order (a property of the (token, head) row, whichever CTA adds
 // to it), which the dq convert undoes. The GPU serves a 64-bit store per half-warp: lanes 0-15 store 4 tile rows x 4
 // column pairs (32 words), so the 4 rows must fall into 4 different 8-bank groups, which the key 8 ((r + Rp t) mod 4)
-// does: 1 wavefront per half-warp, 2 per store (session 21's key, 4 ((r + Rp t) mod 8), put the 4 rows of a half-warp
-// into 2 groups: 4 wavefronts per store, ncu session 22). With Rp >= 4 the 4 rows are 4 heads of one token (keys r mod
+// does: 1 wavefront per half-warp, 2 per store (an earlier key, 4 ((r + Rp t) mod 8), put the 4 rows of a half-warp
+// into 2 groups: 4 wavefronts per store in ncu). With Rp >= 4 the 4 rows are 4 heads of one token (keys r mod
 // 4); with Rp = 2 or 1 they are 2 or 4 token slots, whose keys differ where the tokens are consecutive (clustered
-// lists) and may coincide otherwise (bench/probes/dq_token_ops_model.py counts both). Only the low bits of t matter,
+// lists) and may coincide otherwise (bench/tools/dq_token_ops_model.py counts both). Only the low bits of t matter,
 // hence the 32-bit product. The key is a multiple of 8, so aligned 8-column blocks move whole (the convert reads them
 // with two 16-byte loads).
 __host__ __device__ constexpr int dq_swizzle(int64_t t, int r, int rp) {
@@ -119,14 +119,9 @@ struct Common {
   float* dv_acc = nullptr;
   float* dqp_acc = nullptr;
   float* dkp_acc = nullptr;
-  float* kl_acc = nullptr;   // [num CTAs of the proxy kernel] partial kl sums, or null
+  float* kl_acc = nullptr;   // [Hp, nblk] partial kl sums (one per kl item), or null
   const float* dkl = nullptr;  // device scalar g (null: 0)
   int64_t total = 0;
-  // the recomputing proxy kernel's deterministic mode (DENSE; ptx/order.cuh): turn counters,
-  // zeroed before the launch, of the per-token rows (dqp: [total, Hp]) and of the per-block rows
-  // (dkp: [nblk, Hpk]); null: atomics in any order
-  int32_t* turn_rows = nullptr;
-  int32_t* turn_keys = nullptr;
   // deterministic mode's exact sums (bwd_common.cuh, "fixed point"): the main kernel's dq and the
   // kl kernel's dqp add 64-bit integers, (contribution * unit) rounded, so the sum does not depend
   // on the order of the adds. unit is a power of two chosen from a bound of the row's sum.

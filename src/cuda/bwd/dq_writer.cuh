@@ -1,4 +1,4 @@
-// The fused kernel's dQ writer with store-first rows (docs/kernels/bwd.md, "Session 31"): the first contribution to
+// The fused kernel's dQ writer with store-first rows (docs/kernels/bwd.md, the dQ path): the first contribution to
 // arrive at a (token, proxy head)'s G dq rows stores them (a plain bulk copy) instead of adding them, so dq_acc needs
 // no zeroing: the memset's write of dq_acc (1.07 GB at m3 32k) and the first adds' reads of its zeros go away. The
 // later contributions add as before (one bulk reduce per token slot), once the first has completed.
@@ -15,12 +15,11 @@
 // (fence.proxy.async.global), the warp synchronises and the slot's lane releases the word (red.release.gpu). A later
 // contribution acquires the word (atom.acquire or ld.acquire), then lane 0 orders the async-proxy adds after that
 // (fence.proxy.async.global) before issuing them. The kernel's end orders everything before the convert kernel. No
-// __threadfence: it turns the kernel's fire-and-forget REDs into waiting ATOMs (session 28).
+// __threadfence: it turns the kernel's fire-and-forget REDs into waiting ATOMs (tests/sass/check_sass.py checks it).
 #pragma once
 
 #include "cuda/bwd/bwd_common.cuh"
 #include "cuda/bwd/bwd_params.cuh"
-#include "cuda/ptx/order.cuh"
 
 namespace flashmsa::cuda::attn_bwd {
 
@@ -39,6 +38,12 @@ __device__ __forceinline__ uint64_t ld_acquire(const uint64_t* p) {
   asm volatile("ld.acquire.gpu.global.b64 %0, [%1];\n" : "=l"(v) : "l"(p) : "memory");
   return v;
 }
+// PTX ISA: %globaltimer, a nanosecond wall clock
+__device__ __forceinline__ uint64_t global_timer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
+  return t;
+}
 // PTX ISA: membar/fence, .proxy.async restricted to the global state space
 __device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;\n" ::: "memory"); }
 // a plain bulk copy of one slot's rows, shared -> global (PTX ISA: cp.async.bulk, bulk_group)
@@ -50,10 +55,10 @@ __device__ __forceinline__ void bulk_store_row(float* gdst, const float* ssrc, u
 constexpr uint64_t kStored = uint64_t(1) << 32;
 // A wait that never ends is a bug (a first store nobody publishes): trap after 30 s. Out of line (rarely run).
 static __device__ __noinline__ void wait_stored(const uint64_t* w) {
-  const uint64_t start = ptx::global_timer_ns();
+  const uint64_t start = global_timer_ns();
   while ((ld_acquire(w) >> 32) == 0) {
     __nanosleep(64);
-    if (ptx::global_timer_ns() - start > 30ull * 1000 * 1000 * 1000) __trap();
+    if (global_timer_ns() - start > 30ull * 1000 * 1000 * 1000) __trap();
   }
 }
 // Lane 0 issues the slots of `mask` (bit s: slot s, 0..63): a store where `first` has the bit, else an add.

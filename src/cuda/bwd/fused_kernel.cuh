@@ -1,5 +1,5 @@
-// The main backward and the proxy (kl) backward of SPARSE/GIVEN mode (and, since sessions 37-38, of the
-// DENSE backward and forward kl, whose lists are every token from the block on) in one persistent
+// The main backward and the proxy (kl) backward of every mode (DENSE's lists, of the backward and of the
+// forward's kl, are every token from the block on) in one persistent
 // kernel, with the teacher in a per-CTA scratch instead of a buffer over every inversion entry.
 //
 // With a kl the main walk's unit is one MSA group (R = G: one proxy head), so the main walk of
@@ -18,8 +18,7 @@
 // teacher_only (the forward's kl) walks without dP, dS and the gradients. main_only (SPARSE/GIVEN
 // without a proxy side, e.g. a frozen indexer; DENSE without one): the main walk alone, one segment
 // per item, no teacher (the persistent items, the slot shuffle and the store-first dq of this
-// kernel made that walk 7-13% faster than the standalone kernel's: H200, session 37,
-// docs/kernels/bwd.md).
+// kernel made that walk 7-13% faster than the standalone kernel's: H200, docs/kernels/bwd.md).
 #pragma once
 
 #include "cuda/bwd/bwd_kernel.cuh"
@@ -63,11 +62,9 @@ struct FusedConfig {
 // allocation of 168 per thread x 384 under __launch_bounds__(384, 1): setmaxnreg only moves
 // registers inside it; a producer at 32 with consumers at 240, 65536, hung the kernel). With the
 // standalone kernels' 24 / 240 the producer spilled in its gather loops and the backward was
-// 4-10% slower (H200, session 13: m3 32k random 23.15 vs 20.93 ms; docs/kernels/bwd.md).
-#ifndef FLASHMSA_FUSED_PRODUCER_REGS
-#define FLASHMSA_FUSED_PRODUCER_REGS 40  // (a build knob for measurements: 24, 40, 56)
-#endif
-constexpr RegBudget kFusedRegs{FLASHMSA_FUSED_PRODUCER_REGS, 240 - (FLASHMSA_FUSED_PRODUCER_REGS - 24) / 2};
+// 4-10% slower than with 40 / 232 (H200, m3 32k random 23.15 vs 20.93 ms; docs/kernels/bwd.md,
+// the fused kernel's register split).
+constexpr RegBudget kFusedRegs{40, 232};
 static_assert(fits_register_file(kFusedRegs), "setmaxnreg budgets exceed the CTA's launch allocation");
 
 template <class Element, bool kDet>
@@ -83,7 +80,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) bwd_fused_kernel(const __grid_
   // a named barrier with the CTA's thread count, as FlashAttention-3's tile scheduler syncs its
   // producer and consumers. (compute-sanitizer synccheck calls an aligned barrier reached from two
   // code locations divergent; the unaligned barrier.sync that it accepts made the backward 18%
-  // slower: docs/kernels/bwd.md, "Session 15".)
+  // slower: docs/kernels/bwd.md.)
   auto cta_sync = [] { barrier_sync(NamedBarrier::kCta, kCtaThreads); };
   const bool producer = role_wg == 0;
   init_dq_writer(S.ms);

@@ -1,19 +1,18 @@
-// The proxy (KL) walk from a stored teacher, SPARSE/GIVEN mode (and DENSE over implicit lists: the
-// backward since session 37, its deterministic mode and the forward's kl since session 38): dqp, dkp and the kl terms,
+// The proxy (KL) walk from a stored teacher, every mode (DENSE over implicit lists: every token from the block on;
+// the backward, its deterministic mode and the forward's kl alike): dqp, dkp and the kl terms,
 // key-block-outer over the same inversion as the main backward; run by the fused kernel
 // (fused_kernel.cuh) after the main walk of the same list segment.
 //
 // The main walk (bwd_kernel.cuh) already has the main probabilities of every list entry and
 // stores the teacher t(entry, key) = mean over the group's heads, fp32 [entry, 128], in the CTA's
-// scratch. This walk needs only the proxy side, so a chunk is 64 tokens (not 64 / G as when the
-// teacher is recomputed): one item = one key block j x one proxy head p; per chunk the producer
-// gathers the 64 Qp rows and the 64 teacher rows (contiguous entries) with cp.async; the
-// consumers (2 warpgroups x 64 keys) compute z^T = Kp Qp^T, the student s = exp(z - plse),
-// dz = g (s - t) (the 1/N and the proxy scale are applied by the convert kernel), the kl terms
-// t (ln t - ln s); dKp_j += dz^T Qp stays in registers for the segment, dQp = dz Kp goes through
-// dz^T staged in shared memory to an fp32 accumulator with float2 atomics. The caller writes the
-// item's kl partial. Under FLASHMSA_BWD_FUSED_MAIN=0 the DENSE backward runs the recomputing proxy
-// kernel instead (proxy_kernel.cuh).
+// scratch. This walk needs only the proxy side, so a chunk is 64 tokens (not 64 / G, as a walk
+// that recomputed the teacher from the G heads' S would need): one item = one key block j x one
+// proxy head p; per chunk the producer gathers the 64 Qp rows and the 64 teacher rows (contiguous
+// entries) with cp.async; the consumers (2 warpgroups x 64 keys) compute z^T = Kp Qp^T, the
+// student s = exp(z - plse), dz = g (s - t) (the 1/N and the proxy scale are applied by the
+// convert kernel), the kl terms t (ln t - ln s); dKp_j += dz^T Qp stays in registers for the
+// segment, dQp = dz Kp goes through dz^T staged in shared memory to an fp32 accumulator with
+// float2 atomics. The caller writes the item's kl partial.
 #pragma once
 
 #include <type_traits>
@@ -26,7 +25,6 @@
 #include "cuda/bwd/bwd_common.cuh"
 #include "cuda/bwd/kl_rule.cuh"
 #include "cuda/ptx/cp_async.cuh"
-#include "cuda/ptx/order.cuh"
 
 namespace flashmsa::cuda::attn_bwd {
 
@@ -64,7 +62,7 @@ struct KlConfig {
     float plse[kStages][kTok];
     int32_t tok[kStages][kTok];  // global token of each row; -1: past the list
     alignas(16) float dq[kTok][kDqpStride];  // the chunk's dQp tile (tokens x dp, padded rows: 2 wavefronts per
-                                             // float2 store; the 132 of session 21 took 4, ncu session 22)
+                                             // float2 store; a 132-float stride took 4 in ncu)
     int64_t dq_row[kTok];                    // dqp_acc offset of each row; -1: nothing to add
   };
   // the barriers (outside Smem: the fused kernel overlays the two walks' Smem)
@@ -266,7 +264,7 @@ __device__ __forceinline__ void kl_consume(const Params& P, typename KlConfig<El
             // branch-free: every row of a stage is readable (the producer zero-fills the rows past the range,
             // their plse too) and the masked elements' values are dropped by selects. A branch per element
             // (BSSY/BSYNC regions, the teacher's address recomputed in each) serialised the 32 elements: 5% of
-            // the consumers' stall samples; without it the backward is 0.5% faster (docs/kernels/bwd.md "Session 30")
+            // the consumers' stall samples; without it the backward is 0.5% faster (docs/kernels/bwd.md)
             const int x = 4 * i + 2 * e1 + e0;
             const bool ok = t >= 0 && kpos0 + 8 * e1 <= pos;
             const float zl2 = accZ(x) * psl2 - pl2;  // log2 of the student
@@ -327,7 +325,7 @@ __device__ __forceinline__ void kl_consume(const Params& P, typename KlConfig<El
   }
 
   if (kDet && bad) atomicOr(reinterpret_cast<int32_t*>(p.fix) + kBad + 3, 1);
-  add_dkp<C::kHeadDim, kDet>(p, P.grads, accdKp, gain.unscale, thr_dkp, nullptr, grp, k.pk, key_base, k.L, s0);
+  add_dkp<C::kHeadDim, kDet>(p, P.grads, accdKp, gain.unscale, thr_dkp, k.pk, key_base, k.L, s0);
 }
 
 }  // namespace flashmsa::cuda::attn_bwd

@@ -1,7 +1,6 @@
-// The KL rule of docs/semantics.md ("The KL term") on the device, in one place for the kernels
-// that apply it: the kl walk (kl_kernel.cuh, teacher stored by the main walk; fused_kernel.cuh) and the
-// recomputing proxy kernel (proxy_kernel.cuh, DENSE mode). The teacher's mean over the group
-// (1/G) is taken where the teacher is formed (bwd_kernel.cuh's store_teacher, proxy_kernel.cuh);
+// The KL rule of docs/semantics.md ("The KL term") on the device, in one place: the kl walk
+// (kl_kernel.cuh, teacher stored by the main walk; fused_kernel.cuh) applies it. The teacher's mean
+// over the group (1/G) is taken where the teacher is formed (bwd_kernel.cuh's store_teacher);
 // the 1/N of the kl value and the gradient's 1/N and proxy scale are the host's (kl_scales in
 // src/cuda/dispatch.h), applied once by the kl reduce and the conversion kernels.
 #pragma once
@@ -50,15 +49,14 @@ __device__ __forceinline__ float kl_element(float teacher, float zl2, float g, f
 }
 
 // dKp_j of a (key block, proxy head) walk: fp32 atomics (several proxy heads may share a proxy
-// key head; in proxy-head order with kp_turn, deterministic DENSE mode). dQp is added per chunk
-// by each kernel: the fused kernel's kl walk yields (token, dim) accumulators (float2 adds of
-// adjacent dims), the recomputing kernel's dQp^T = Kp^T dz^T yields (dim, token) ones (scalar adds).
+// key head). dQp is added per chunk by the kl walk ((token, dim) accumulators, float2 adds of
+// adjacent dims, through its dQ writer).
 // kFixed (the kl walk's deterministic instantiation): dKp in fixed point (bwd_params.cuh), no
-// turn and no fence in the kernel (a fence would make every add of the kernel a waiting ATOMG).
+// fence in the kernel (a fence would make every add of the kernel a waiting ATOMG).
 // unscale: kl_gain's 2^-k, applied to accdKp (in place) before it is added.
 template <int kHeadDim, bool kFixed = false, class Acc, class ThrMma>
 __device__ __forceinline__ void add_dkp(const Common& p, bool grads, Acc& accdKp, float unscale, const ThrMma& thr_dkp,
-                                        int32_t* kp_turn, int grp, int pk, int64_t key_base, int64_t L, int64_t s0) {
+                                        int pk, int64_t key_base, int64_t L, int64_t s0) {
   using namespace cute;
   if (!grads) return;
 #pragma unroll
@@ -69,22 +67,8 @@ __device__ __forceinline__ void add_dkp(const Common& p, bool grads, Acc& accdKp
     add_key_rows_fixed(accdKp, c, key_base, L, s0, p.Hpk, pk, p.dkp_fix, p.fix[kUnitDkp], bad);
     if (bad) atomicOr(reinterpret_cast<int32_t*>(p.fix) + kBad + 4, 1);
   } else {
-    const int order = grp % (p.Hp / p.Hpk);
-    take_turn(kp_turn, order);
     add_key_rows(accdKp, c, key_base, L, s0, p.Hpk, pk, p.dkp_acc);
-    pass_turn(kp_turn, order);
   }
-}
-
-// The tail of a (key block, proxy head) CTA of the recomputing kernel: dKp_j, then the CTA's kl
-// partial (added by the kl reduce in a fixed order).
-template <int kHeadDim, class Acc, class ThrMma>
-__device__ __forceinline__ void proxy_cta_tail(const Common& p, bool grads, Acc& accdKp, float unscale,
-                                               const ThrMma& thr_dkp, int32_t* kp_turn, int grp, int pk,
-                                               int64_t key_base, int64_t L, int64_t s0, float kl_sum,
-                                               float (&kl_warp)[8], int64_t kl_slot) {
-  add_dkp<kHeadDim>(p, grads, accdKp, unscale, thr_dkp, kp_turn, grp, pk, key_base, L, s0);
-  if (p.kl_acc) store_kl_partial(kl_sum, kl_warp, p.kl_acc, kl_slot);
 }
 
 }  // namespace flashmsa::cuda::attn_bwd

@@ -65,7 +65,7 @@ constexpr size_t kMaxSmemBytes = 227 * 1024;
 // Register budgets (setmaxnreg) per warpgroup: the producer gives registers back, the consumers
 // take them; 128 * producer + 256 * consumer must fit the CTA's launch allocation, 168 registers
 // per thread x 384 under __launch_bounds__(384, 1) = 64512 (setmaxnreg only moves registers
-// inside it: a budget of 65536 compiled and hung the consumers' increase, session 13).
+// inside it: a budget of 65536 compiled and hung the consumers' increase).
 // The forward and the selection keep 40 in the producer (it also builds the union / prefetches
 // token ids with ordinary code); the backward's producer only issues copies: 24, the minimum.
 struct RegBudget {

@@ -55,7 +55,7 @@ __host__ __device__ inline int64_t num_tiles(const Args& a) { return int64_t(a.n
 
 // The router (sparse mode): per tile, with n_w the blocks that warpgroup w's tokens selected and u
 // their union, the rings kernel when 1000 * max(n_0, n_1) <= ratio_permille * u. The default 0.8: a
-// ring block costs ~1.25x a shared-stream block (docs/kernels/fwd.md, sessions 18-19).
+// ring block costs ~1.25x a shared-stream block (docs/kernels/fwd.md, the router).
 constexpr int kRingRatioPermille = 800;
 constexpr int kRowsPerWarpGroup = 64;  // a consumer warpgroup's MMA rows (tokens row / R)
 // Consumer warpgroup w holds rows 64 w .. 64 w + 63, i.e. the tile's tokens first..last of these

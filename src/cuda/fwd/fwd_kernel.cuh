@@ -21,7 +21,7 @@
 // the producer warpgroup's warps 1-3 (the builders) prepare the next tile -- its token positions,
 // union, token masks and Q rows (cp.async) -- in a second set of buffers while the consumers run
 // the current one, so that a tile's prologue and epilogue no longer stall the tensor pipe
-// (docs/kernels/fwd.md, "Session 25" and "Session 26"). Where a second
+// (docs/kernels/fwd.md, the persistent forward). Where a second
 // set does not fit the shared memory (NT x topk > kTwoBufferUnion), one set: the builders
 // prepare a tile once the consumers have stored the previous one.
 #pragma once
@@ -40,14 +40,14 @@
 // union entries that one of its own tokens selected (m3 random: 2.89 x topk blocks instead of the
 // tile's 4.50), through its own K and V rings of one stage each (stage w of the two-stage
 // buffers), fed by two producer threads of its own (K: warp 2w, V: warp 2w + 1, lane 0). No entry
-// is skipped inside a stream, so no stage is held across a skip (session 10's per-warpgroup lists
-// over one stream paid for that). The consumer loop is sequential per block (S, softmax, P V),
+// is skipped inside a stream, so no stage is held across a skip (an earlier form, per-warpgroup
+// lists over one stream, paid for that). The consumer loop is sequential per block (S, softmax, P V),
 // FlashAttention-2's order: with one stage per ring, K_{n+1} loads under softmax_n and P_n V_n,
 // V_n under S_n and softmax_n, and the two warpgroups run desynchronised. Each warpgroup loads its
 // own copy of a shared block. A ring block costs 1.2-1.3x a shared-stream block (the lost overlap),
 // so the rings pay where a warpgroup's list is well under the tile's union: fwd_route.cu decides
 // per tile (sparse mode), and each of the two kernels runs the tiles routed to it (docs/kernels/fwd.md,
-// sessions 18-19). Measured alone (session 18): m3 32k random 15% faster, clustered 8% and dense
+// the router). Measured alone (H200, the rings kernel on every tile): m3 32k random 15% faster, clustered 8% and dense
 // 17% slower, fmsa random 12% slower. Rejected forms: one kernel choosing per tile (spilled), two
 // 64-key stages per ring with FlashAttention-3's overlap per half-block (slower everywhere);
 // both at commit 59f6503 (`FLASHMSA_FWD_WG_RINGS`), the measurements in docs/kernels/fwd.md.

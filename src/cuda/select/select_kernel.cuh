@@ -12,7 +12,7 @@
 //
 // Numbers (m3, 32k, Hp=4): 0.55 TFLOP of proxy logits; per key block a 128x128x128 GEMM
 // (~1000 cycles of tensor work per SM) and 16K exp2 (~1000 cycles of MUFU). Measured bound
-// (docs/kernels/select.md, session 10): the latency of each row's scoring chain and the list
+// (docs/kernels/select.md): the latency of each row's scoring chain and the list
 // insert, so both rows are reduced together in independent chains and each row has its own owner
 // lane.
 #pragma once
@@ -29,14 +29,12 @@
 
 namespace flashmsa::cuda::selection {
 
-// FLASHMSA_SELECT_POLY = n (0..8, default 1): in the unmasked blocks' lse, n of every 8 columns of
-// a thread take exp2f_poly (common/exp2_poly.h: the FMA pipe) instead of MUFU.EX2. Measured
-// (docs/kernels/select.md, session 18): n = 1 is 2-3.5% faster than n = 0 (MUFU only); n = 2 and 3
-// are slower than n = 0, the polynomial's 11 issue slots per exp outweigh the MUFU time they save.
-#ifndef FLASHMSA_SELECT_POLY
-#define FLASHMSA_SELECT_POLY 1
-#endif
-constexpr int kPolyCols = FLASHMSA_SELECT_POLY;
+// kPolyCols = n (0..8): in the unmasked blocks' lse, n of every 8 columns of a thread take
+// exp2f_poly (common/exp2_poly.h: the FMA pipe) instead of MUFU.EX2. Measured on the H200
+// (docs/kernels/select.md, the exps on both pipes): n = 1 is 2-3.5% faster than n = 0 (MUFU only);
+// n = 2 and 3 are slower than n = 0, the polynomial's 11 issue slots per exp outweigh the MUFU time
+// they save.
+constexpr int kPolyCols = 1;
 
 template <class Element>
 struct Config;
@@ -244,8 +242,8 @@ __global__ void __launch_bounds__(kCtaThreads, 1) select_kernel(const __grid_con
   // One key block's logits in `a` -> the rows' block max and block lse, into the list (or the
   // running lse). The causal mask only in the local block (j == m_block). Both rows of a thread
   // are reduced together and each reduction is a tree of kChains independent chains (a single
-  // chain of 32 dependent FMNMX/FADD per row was the loop's latency bound, docs/kernels/select.md,
-  // session 10); the max is exact in any order, the sum's order is fixed.
+  // chain of 32 dependent FMNMX/FADD per row was the loop's latency bound, docs/kernels/select.md);
+  // the max is exact in any order, the sum's order is fixed.
   constexpr int kCols = decltype(size<1>(accRC))::value, kChains = 8;
   static_assert(kCols % kChains == 0, "columns split into whole chains");
   auto score_block = [&](auto& a, int j, auto masked) {
@@ -284,7 +282,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) select_kernel(const __grid_con
     for (int r = 0; r < 2; ++r) mx[r] = quad_max(mx[r]);
     // A block that no row of the warp takes needs no lse: the select mode reads a block's lse only
     // at its insert; the local block and the lse-only modes always need it (docs/kernels/select.md,
-    // session 10: clustered -13% at 32k, -25% at 128k; random +1-2%).
+    // the lazy lse: clustered -13% at 32k, -25% at 128k; random +1-2%).
     if constexpr (!decltype(masked)::value) {
       if (p.lse_mode == kSelect) {
         const float sc = rank_score(own_r == 0 ? mx[0] : mx[1]);

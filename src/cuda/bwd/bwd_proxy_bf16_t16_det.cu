@@ -1,4 +1,0 @@
-#include "cuda/bwd/proxy_kernel.cuh"
-namespace flashmsa::cuda::attn_bwd {
-template void run_proxy<Dtype::kBf16, 16, true>(const ProxyArgs&, cudaStream_t);
-}
