@@ -70,17 +70,20 @@ def fwd_outputs(q, qp, indices, mode, topk, want_indices, want_proxy_lse, want_o
 
 
 # compute_kl codes of fwd(): the value (or NotSupportedError), a zero placeholder, the value where
-# the backend computes it (else the placeholder), and a placeholder that the backward fills in
-# (autograd: _autograd._backward writes the backward's kl value into the forward's kl tensor).
+# the backend computes it (else NaN), and NaN that the backward fills in (autograd:
+# _autograd._backward writes the backward's kl value into the forward's kl tensor). A kl that
+# holds no value reads NaN, so that it cannot pass for one; only the placeholder asked for
+# (compute_kl=False) reads 0.
 KL_VALUE, KL_PLACEHOLDER, KL_WHERE_SUPPORTED, KL_FROM_BACKWARD = 1, 0, -1, 2
+NO_VALUE = float("nan")
 
 
 def fwd(q, k, v, qp, kp, cu_seqlens, indices, max_seqlen: int, mode: int, numerics: int, topk: int,
         softmax_scale: float, proxy_scale: float, compute_kl: int, want_indices: bool,
         want_proxy_lse: bool, validate: bool, want_out_lo: bool = False):
-    """flashmsa_fwd. compute_kl: one of the KL_* codes above (KL_FROM_BACKWARD runs as the
-    placeholder here). want_proxy_lse is a hint for the backward; want_out_lo asks for the
-    output's low part (the backward's precise dpsum)."""
+    """flashmsa_fwd. compute_kl: one of the KL_* codes above (KL_FROM_BACKWARD: the library
+    does not touch kl, which reads NaN). want_proxy_lse is a hint for the backward; want_out_lo
+    asks for the output's low part (the backward's precise dpsum)."""
     outs = fwd_outputs(q, qp, indices, mode, topk, want_indices, want_proxy_lse, want_out_lo)
     out, lse, idx, plse, kl, out_lo = outs
     a = L.new_args(L.FwdArgs)
@@ -91,7 +94,8 @@ def fwd(q, k, v, qp, kp, cu_seqlens, indices, max_seqlen: int, mode: int, numeri
     a.softmax_scale, a.proxy_scale = softmax_scale, proxy_scale
     a.validate = int(validate)
     a.indices = L.view(indices if mode == L.MODE_GIVEN else idx if idx.numel() else None)
-    a.out, a.lse, a.kl = L.view(out), L.view(lse), L.view(kl)
+    a.out, a.lse = L.view(out), L.view(lse)
+    a.kl = L.NONE if compute_kl == KL_FROM_BACKWARD else L.view(kl)
     a.out_lo = L.view(out_lo if want_out_lo else None)
     a.stream = L.stream_of(q.device)
 
@@ -108,6 +112,8 @@ def fwd(q, k, v, qp, kp, cu_seqlens, indices, max_seqlen: int, mode: int, numeri
         L.call("fwd", a, q.device)
 
     _run_declining(run, optional, key)
+    if qp is not None and compute_kl != KL_PLACEHOLDER and not a.compute_kl:  # no value: deferred or declined
+        kl.fill_(NO_VALUE)
     return outs
 
 
@@ -154,7 +160,8 @@ def bwd(dout, dlse, dkl, q, k, v, qp, kp, cu_seqlens, indices, out, lse, proxy_l
         out_lo=None, want_kl: bool = False):
     """flashmsa_bwd -> (dq, dk, dv, dqp, dkp, kl); dqp, dkp are empty without qp, kp. out_lo: the
     forward's low output part, or None. want_kl: kl gets the kl value of the forward (the
-    backward's proxy side forms it at no extra pass) where the backend computes it, else 0."""
+    backward's proxy side forms it at no extra pass) where the backend computes it, else NaN
+    (without want_kl, 0: an output nobody reads)."""
     outs = bwd_outputs(q, k, v, qp, kp)
     dq, dk, dv, dqp, dkp, kl = outs
     a = L.new_args(L.BwdArgs)
@@ -183,7 +190,7 @@ def bwd(dout, dlse, dkl, q, k, v, qp, kp, cu_seqlens, indices, out, lse, proxy_l
         a.kl = L.view(kl) if "kl_bwd" in features else L.NONE
         L.call("bwd", a, q.device)
         if "kl_bwd" not in features:  # (the library writes kl only when it is passed)
-            kl.zero_()
+            kl.fill_(NO_VALUE if want_kl else 0.0)
 
     _run_declining(run, ["kl_bwd"] if want_kl and qp is not None else [], key)
     return outs

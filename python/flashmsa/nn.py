@@ -85,10 +85,10 @@ class MSAttention(nn.Module):
     forward(x [B, S, E], or x [total, E] with cu_seqlens / max_seqlen) returns
     (y of x's shape, kl_term): add kl_term to the loss; its gradient, scaled by kl_coef, trains
     the proxy projections to imitate the main attention. kl_term is msa_attention's kl (a view of
-    it, whose gradient is kl_coef times the upstream one): when training it reads 0 until the
-    backward has filled in the value (log it after loss.backward(); self.last_kl is the same
-    tensor), in evaluation the forward computes it; 0 where the backend declines the value. The
-    gradient is there either way.
+    it, whose gradient is kl_coef times the upstream one): when training it reads NaN until the
+    backward has filled in the value (log it after loss.backward(), apart from the task loss;
+    self.last_kl is the same tensor), in evaluation the forward computes it; NaN where the
+    backend declines the value. The gradient is there either way.
 
     `warmup=True` (attribute, switchable any time) runs dense causal attention and trains the
     proxy over the full causal set; False selects topk blocks. detach_proxy_input feeds the proxy
@@ -206,8 +206,8 @@ class MSAttention(nn.Module):
 def last_kl(model: nn.Module, reduce: str = "mean") -> Tensor:
     """The kl values of every MSAttention in `model` from its last forward, as one 0-dim tensor:
     their mean (reduce="mean", the per-layer average) or sum ("sum"). When training, a layer's
-    kl is filled in by the backward: read this after loss.backward() (a sum built in the forward
-    would hold the forward-time 0s). No host sync until .item()."""
+    kl is filled in by the backward: read this after loss.backward() (before it, or from a sum
+    built in the forward, it reads NaN). No host sync until .item()."""
     if reduce not in ("mean", "sum"):
         raise ValueError(f"flashmsa.nn.last_kl: reduce: expected 'mean' or 'sum', got {reduce!r}")
     vals = [m.last_kl for m in model.modules() if isinstance(m, MSAttention) and m.last_kl is not None]

@@ -200,8 +200,9 @@ def _compiling() -> bool:
 def _kl_mode(compute_kl: Optional[bool], has_proxy: bool, grad: bool, from_backward: bool) -> int:
     """The forward's compute_kl code (_kernels.KL_*). None: when a backward will follow (an input
     requires grad) the backward's proxy side forms the value at no extra pass and writes it into
-    kl (eager autograd; under torch.compile the forward computes it); otherwise the forward
-    computes it where the backend does. True: the forward computes it; False: a placeholder."""
+    kl, NaN until then (eager autograd; under torch.compile the forward computes it); otherwise
+    the forward computes it where the backend does. True: the forward computes it; False: a
+    zero placeholder."""
     if compute_kl is not None:
         return K.KL_VALUE if compute_kl else K.KL_PLACEHOLDER
     if not has_proxy:
@@ -229,16 +230,18 @@ def msa_attention(q: Tensor, k: Tensor, v: Tensor, qp: Optional[Tensor] = None,
     Modes: sparse (default; needs qp, kp), `warmup=True` (dense causal attention, kl over the
     full causal set), `indices=` [Hp, total, topk] int32 (reuse a selection; kl only with qp, kp).
 
-    compute_kl: None (default) -> when training (an input requires grad) kl is 0 after the
-    forward and holds the value once the backward has run: the backward's proxy side forms it at
-    no extra pass (read it after loss.backward() to log it; under torch.compile the forward
-    computes it). Without grad, the forward computes the value. Either way a zero placeholder
-    where the backend declines the value (the CUDA backend declines some head layouts).
+    compute_kl: None (default) -> when training (an input requires grad) the forward makes no
+    kl pass: kl reads NaN after the forward and holds the value once the backward has run (the
+    backward's proxy side forms it at no extra pass). Log it after loss.backward(), apart from
+    the task loss: a `task + kl` read before the backward is NaN, not a number to log. (Under
+    torch.compile the forward computes it.) Without grad, the forward computes the value. Either
+    way NaN where the backend declines the value (the CUDA backend declines some head layouts).
     True -> the forward computes the value (or NotImplementedError); it costs a pass over the
     selected blocks (about 20% of a training step): for evaluation, or a loss that needs kl's
-    value in the forward. False -> the placeholder. In every case the gradient of kl drives
+    value in the forward. False -> a zero placeholder. In every case the gradient of kl drives
     the proxy (dz = g/N (s - t)) and does not depend on kl's value: add kl to the loss (a
-    coefficient times kl, or kl itself).
+    coefficient times kl, or kl itself). A NaN or inf in q, k, qp or kp makes the kl value
+    NaN (or inf), as it makes the proxy gradient.
 
     numerics: None picks "train" (exact running max) when an input requires grad, else "infer".
 

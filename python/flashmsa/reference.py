@@ -324,7 +324,7 @@ def msa_attention(q: Tensor, k: Tensor, v: Tensor, qp: Optional[Tensor] = None,
             zm = z.masked_fill(~mask, _NEG_INF)
             _, plse = _safe_softmax(zm)
             log_s = zm - plse[..., None]
-            pos = t > 0
+            pos = t != 0  # 0 log 0 = 0; a NaN teacher makes kl NaN (as it makes the gradient), `t > 0` would drop it
             log_t = torch.where(pos, t, torch.ones_like(t)).log()
             kl_sum = kl_sum + torch.where(pos, t * (log_t - log_s), torch.zeros_like(t)).sum()
 

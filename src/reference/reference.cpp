@@ -240,11 +240,12 @@ static double proxy_probs(const Problem& pb, const double* qp, const double* kp,
 }
 
 // sum_j t_j log(t_j / s_j), with 0 log 0 = 0; log_s holds log s_j (finite even where s_j
-// underflows to 0, e.g. at a large proxy scale).
+// underflows to 0, e.g. at a large proxy scale). Only an exact zero is skipped: a NaN teacher
+// (`t > 0` is false for it) or student makes the row NaN, as it makes the row's gradient.
 static double kl_row(const std::vector<double>& t, const std::vector<double>& log_s, size_t n) {
   double acc = 0;
   for (size_t j = 0; j < n; ++j)
-    if (t[j] > 0) acc += t[j] * (std::log(t[j]) - log_s[j]);
+    if (t[j] != 0) acc += t[j] * (std::log(t[j]) - log_s[j]);
   return acc;
 }
 

@@ -303,6 +303,75 @@ TEST_F(Consistency, EmptyBatches) {
     }
 }
 
+// ---- non-finite inputs ---------------------------------------------------------------------
+
+// Whether any of tokens [t0, t1) of a per-token tensor [total, H, X] holds a NaN (any: t1 < 0 means to the end).
+bool nan_in_tokens(const Tensor& t, int64_t t0 = 0, int64_t t1 = -1) {
+  const int64_t per = t.shape()[1] * t.shape()[2];
+  const int64_t end = t1 < 0 ? t.shape()[0] : t1;
+  for (int64_t i = t0 * per; i < end * per; ++i)
+    if (std::isnan(t.get(i))) return true;
+  return false;
+}
+
+bool finite_tokens(const Tensor& t, int64_t t0, int64_t t1) {
+  const int64_t per = t.shape()[1] * t.shape()[2];
+  for (int64_t i = t0 * per; i < t1 * per; ++i)
+    if (!std::isfinite(t.get(i))) return false;
+  return true;
+}
+
+// A NaN in one element of q, k, qp or kp makes the kl value NaN, the forward's and the backward's, as it makes
+// the proxy gradient of the rows it reaches (dz = g/N (s - t) with a NaN teacher or student): value and gradient
+// agree. Before, a NaN teacher was dropped from the value (`t > 0` is false for NaN) while its gradient was NaN.
+// The other sequence's rows stay finite. A query row (token 150 of sequence 0) for q and qp; a key (token 20) that
+// every row of block 0 sees for k and kp.
+TEST_F(Consistency, NanInputMakesKlNan) {
+  for (flashmsa_mode_t mode : {FLASHMSA_MODE_SPARSE, FLASHMSA_MODE_GIVEN, FLASHMSA_MODE_DENSE})
+    for (const std::string name : {"q", "k", "qp", "kp"}) {
+      const Config c = head_configs(mode, {300, 200}, 2)[0];
+      SCOPED_TRACE(describe(c) + ", NaN in " + name);
+      Inputs in = make_inputs(c, rng);
+      Tensor& x = name == "q" ? in.q : name == "k" ? in.k : name == "qp" ? in.qp : in.kp;
+      const int64_t tok = name[0] == 'k' ? 20 : 150;
+      x.set(tok_index(tok, 0, 1, int(x.shape()[1]), int(x.shape()[2])), NAN);
+      const FwdResult f = run_fwd(c, in);
+      EXPECT_TRUE(std::isnan(f.kl_value())) << "forward kl " << f.kl_value();
+      BwdResult r;
+      Tensor dkl, kl(c.stat_dtype(), {1});
+      kl.set(0, 0.0);
+      flashmsa_bwd_args_t a = bwd_args(c, in, f, r, dkl, full_bwd(1.0));
+      a.kl = kl.view();
+      ASSERT_EQ(flashmsa_bwd(&a, nullptr, 0), FLASHMSA_SUCCESS) << flashmsa_last_error();
+      EXPECT_TRUE(std::isnan(kl.get(0))) << "backward kl " << kl.get(0);
+      EXPECT_TRUE(nan_in_tokens(r.dqp, 0, 300)) << "the rows the NaN reaches have a NaN proxy gradient";
+      EXPECT_TRUE(finite_tokens(r.dqp, 300, 500) && finite_tokens(r.dkp, 300, 500)) << "sequence 1";
+      // the same inputs without the NaN: a finite value (the test's NaN is what makes it NaN)
+      x.set(tok_index(tok, 0, 1, int(x.shape()[1]), int(x.shape()[2])), 0.5);
+      EXPECT_TRUE(std::isfinite(run_fwd(c, in).kl_value()));
+    }
+}
+
+// A teacher entry that is exactly 0 (a probability that underflows in fp64) still adds 0 to the kl value
+// (0 log 0 = 0), forward and backward, and its gradient stays finite.
+TEST_F(Consistency, ZeroTeacherEntriesAddNothing) {
+  for (flashmsa_mode_t mode : {FLASHMSA_MODE_SPARSE, FLASHMSA_MODE_GIVEN, FLASHMSA_MODE_DENSE}) {
+    Config c = head_configs(mode, {300}, 2)[0];
+    c.scale = 1e4;  // main logits spread by thousands: most P underflow to exactly 0
+    SCOPED_TRACE(describe(c));
+    const Inputs in = make_inputs(c, rng);
+    const FwdResult f = run_fwd(c, in);
+    EXPECT_TRUE(std::isfinite(f.kl_value()) && f.kl_value() > 0.0) << f.kl_value();
+    BwdResult r;
+    Tensor dkl, kl(c.stat_dtype(), {1});
+    flashmsa_bwd_args_t a = bwd_args(c, in, f, r, dkl, full_bwd(1.0));
+    a.kl = kl.view();
+    ASSERT_EQ(flashmsa_bwd(&a, nullptr, 0), FLASHMSA_SUCCESS) << flashmsa_last_error();
+    EXPECT_EQ(kl.get(0), f.kl_value());
+    EXPECT_TRUE(finite_tokens(r.dqp, 0, 300) && finite_tokens(r.dkp, 0, 300));
+  }
+}
+
 // ---- given indices -------------------------------------------------------------------------
 
 class GivenIndices : public Consistency {

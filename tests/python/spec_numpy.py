@@ -101,8 +101,9 @@ def msa(q, k, v, qp, kp, cu, topk, mode, dout, dlse=None, kl_grad=1.0, scale=Non
             plse = _logsumexp(z)
             s = np.exp(z - plse[:, None])
             r["proxy_lse"][p, sl] = plse
+            # 0 log 0 = 0: only an exact zero teacher is skipped (a NaN one makes kl NaN, as it does dz)
             with np.errstate(divide="ignore", invalid="ignore"):
-                kl += np.sum(np.where(teacher > 0, teacher * (np.log(teacher) - np.log(s)), 0.0))
+                kl += np.sum(np.where(teacher != 0, teacher * (np.log(teacher) - np.log(s)), 0.0))
             dz = (kl_grad / N) * (s - teacher)
             r["dqp"][sl, p] += proxy_scale * dz @ kp[sl, c]
             r["dkp"][sl, c] += proxy_scale * dz.T @ qp[sl, p]

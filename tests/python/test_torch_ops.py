@@ -1,5 +1,6 @@
 """flashmsa.msa_attention / msa_select on the CPU backend: agreement with flashmsa.reference,
 with the independent numpy spec, varlen vs batched, gradcheck in fp64, kl and grad conventions."""
+import math
 import pathlib
 import sys
 
@@ -117,11 +118,12 @@ def test_varlen_equals_batched(mode):
     rb, rv = run(flashmsa.msa_attention, xb, mode), run(flashmsa.msa_attention, xv, mode)
     assert rb[0].shape == (B, S, 4, 16) and rv[0].shape == (B * S, 4, 16)
     assert torch.equal(rb[0].reshape(B * S, 4, 16), rv[0])
-    for a, b in zip(rb[1:], rv[1:]):
+    for a, b in zip(rb[2:], rv[2:]):  # lse, indices
         assert (a is None and b is None) or torch.equal(a, b)
     gb, gv = grads(xb, loss_of(*rb[:3])), grads(xv, loss_of(*rv[:3]))
     for n in gb:
         assert rel_l2(gb[n].reshape(gv[n].shape), gv[n]) < 1e-14, n
+    assert torch.equal(rb[1], rv[1])  # kl, filled in by the backwards
 
 
 def test_strided_views():
@@ -207,18 +209,20 @@ def test_kl_placeholder_and_gradient_routing():
 
 @pytest.mark.parametrize("mode", ["sparse", "given", "warmup"])
 def test_kl_from_the_backward(mode):
-    """The default training call: kl is 0 after the forward (no kl pass), and after the backward
-    holds the forward's value (bitwise on the CPU); the gradients equal those of the forward-kl
-    call; without a kl gradient the value still comes and the proxy gradients stay zero;
-    compute_kl=False stays 0."""
+    """The default training call: kl reads NaN after the forward (no kl pass: it holds no value
+    yet), and after the backward holds the forward's value (bitwise on the CPU); the gradients
+    equal those of the forward-kl call (the gradient never depends on kl's value); without a kl
+    gradient the value still comes and the proxy gradients stay zero; compute_kl=False stays 0."""
     x = make_inputs(lengths=[300, 50, 0], requires_grad=True, seed=31)
     idx = flashmsa.msa_select(x["qp"], x["kp"], 2, cu_seqlens=x["cu_seqlens"], max_seqlen=300)
     args = [x[n] for n in MAIN + PROXY]
     _, want, _, _ = run(flashmsa.msa_attention, x, mode, indices=idx, compute_kl=True)
     assert want.item() > 0
     out, kl, lse, _ = run(flashmsa.msa_attention, x, mode, indices=idx)
-    assert kl.item() == 0.0  # nothing computed yet
-    got = torch.autograd.grad(loss_of(out, kl, lse), args)
+    assert math.isnan(kl.item())  # nothing computed yet
+    loss = loss_of(out, kl, lse)
+    assert math.isnan(loss.item())  # a task + kl read before the backward is NaN, not a number to log
+    got = torch.autograd.grad(loss, args)
     assert kl.item() == want.item()
     out_f, kl_f, lse_f, _ = run(flashmsa.msa_attention, x, mode, indices=idx, compute_kl=True)
     ref = torch.autograd.grad(loss_of(out_f, kl_f, lse_f), args)
@@ -244,9 +248,65 @@ def test_kl_from_the_backward_under_activation_checkpointing():
     kw = dict(cu_seqlens=x["cu_seqlens"], max_seqlen=300)
     want = flashmsa.msa_attention(*args, 2, compute_kl=True, **kw)[1].item()
     out, kl = checkpoint(lambda *a: flashmsa.msa_attention(*a, 2, **kw), *args, use_reentrant=False)
-    assert kl.item() == 0.0
+    assert math.isnan(kl.item())
     (out.square().sum() + kl).backward()
     assert kl.item() == want and x["qp"].grad.abs().max() > 0
+
+
+def test_kl_reads_nan_until_the_backward_fills_it():
+    """The deferred kl of a training call holds no value before the backward: it reads NaN (a
+    value that cannot pass for a kl), the backward writes the value into the same tensor, and the
+    gradient is the one of the forward-kl call (it never depended on the value)."""
+    x = make_inputs(lengths=[300, 50], requires_grad=True, seed=33)
+    args = [x[n] for n in MAIN + PROXY]
+    kw = dict(cu_seqlens=x["cu_seqlens"], max_seqlen=300)
+    out_f, kl_f = flashmsa.msa_attention(*args, 2, compute_kl=True, **kw)
+    want = torch.autograd.grad(out_f.square().sum() + 0.5 * kl_f, args)
+    out, kl = flashmsa.msa_attention(*args, 2, **kw)
+    assert math.isnan(kl.item())
+    task = out.square().sum()
+    got = torch.autograd.grad(task + 0.5 * kl, args)
+    assert kl.item() == kl_f.item() > 0
+    for n, a, b in zip(MAIN + PROXY, got, want):
+        assert torch.equal(a, b), n
+
+
+@pytest.mark.parametrize("mode", ["sparse", "warmup", "given"])
+@pytest.mark.parametrize("name", ["q", "k", "qp", "kp"])
+def test_nan_input_makes_kl_nan(mode, name):
+    """A NaN in one element of q, k, qp or kp makes the kl value NaN: the forward's, and the one
+    the backward fills in; the proxy gradient of the rows the NaN reaches is NaN too (value and
+    gradient agree), the other sequence's stays finite. The eager reference agrees. A query row
+    (token 150 of sequence 0) for q and qp; a key (token 20) that every row of block 0 sees for
+    k and kp."""
+    x = make_inputs(lengths=[300, 200], seed=41)
+    kw = dict(cu_seqlens=x["cu_seqlens"], max_seqlen=300)
+    idx = flashmsa.msa_select(x["qp"], x["kp"], 2, **kw) if mode == "given" else None
+    x[name][20 if name.startswith("k") else 150, 0, 1] = float("nan")
+    for n in MAIN + PROXY:
+        x[n].requires_grad_()
+    for fn in (flashmsa.msa_attention, R.msa_attention):
+        assert math.isnan(run(fn, x, mode, indices=idx, compute_kl=True)[1].item()), fn.__module__
+        out, kl, lse, _ = run(fn, x, mode, indices=idx)
+        dqp, dkp = torch.autograd.grad(kl, [x["qp"], x["kp"]])
+        assert math.isnan(kl.item()), fn.__module__
+        assert dqp[:300].isnan().any(), fn.__module__
+        assert dqp[300:].isfinite().all() and dkp[300:].isfinite().all(), fn.__module__
+    # without the NaN the value is finite: the NaN is what makes it NaN
+    with torch.no_grad():
+        x[name][20 if name.startswith("k") else 150, 0, 1] = 0.5
+    assert math.isfinite(run(flashmsa.msa_attention, x, mode, indices=idx, compute_kl=True)[1].item())
+
+
+def test_numpy_spec_kl_is_nan_for_a_nan_teacher():
+    """The numpy spec's kl rule: an exact zero teacher adds 0 (0 log 0 = 0), a NaN one makes kl NaN."""
+    x = make_inputs(lengths=[130], Hq=2, Hkv=1, Hp=1, Hpk=1, D=4, Dp=4, seed=42)
+    a = {n: x[n].numpy().copy() for n in MAIN + PROXY}
+    dout = np.zeros_like(a["q"])
+    cu = x["cu_seqlens"].numpy()
+    assert np.isfinite(spec_numpy.msa(a["q"], a["k"], a["v"], a["qp"], a["kp"], cu, 2, "warmup", dout)["kl"])
+    a["q"][100, 0, 1] = np.nan
+    assert np.isnan(spec_numpy.msa(a["q"], a["k"], a["v"], a["qp"], a["kp"], cu, 2, "warmup", dout)["kl"])
 
 
 def spy_kernel(monkeypatch, seen, name, what):
@@ -353,6 +413,8 @@ def test_reference_ignores_autocast():
 def test_empty_inputs():
     x = make_inputs(lengths=[0, 0], requires_grad=True)
     out, kl, lse, idx = run(flashmsa.msa_attention, x, "sparse")
-    assert out.shape == (0, 4, 16) and lse.shape == (4, 0) and idx.shape == (2, 0, 2) and kl.item() == 0
+    assert out.shape == (0, 4, 16) and lse.shape == (4, 0) and idx.shape == (2, 0, 2)
+    assert math.isnan(kl.item())  # training: filled in by the backward
     (out.sum() + kl).backward()
+    assert kl.item() == 0  # no rows: kl = 0
     assert x["q"].grad.shape == (0, 4, 16)

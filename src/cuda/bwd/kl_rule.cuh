@@ -34,8 +34,10 @@ __device__ __forceinline__ KlGain kl_gain(float g) {
 // One (token, key) of a proxy head: the student s = 2^zl2 (zl2 = log2 s, from the proxy logit and
 // the proxy lse), the teacher t. Returns dz = g (s - t) for the g given (the kernels pass
 // kl_gain(g).gain), kept N / proxy_scale times larger than SPEC's dz; kl_element also adds the kl
-// term t (ln t - ln s) to kl_sum (a zero teacher adds nothing: t ln t -> 0), kl_gradient does not
-// (the kl value not asked for: no log per element).
+// term t (ln t - ln s) to kl_sum (a zero teacher adds nothing: 0 ln 0 = 0; a NaN or inf teacher or
+// student adds NaN or inf, as its dz has: `teacher != 0`, never `teacher > 0`, which is false for
+// NaN and would drop the row from the value only), kl_gradient does not (the kl value not asked
+// for: no log per element).
 __device__ __forceinline__ float kl_gradient(float teacher, float zl2, float g) {
   return g * (ptx::exp2f_approx(zl2) - teacher);
 }
@@ -44,7 +46,7 @@ __device__ __forceinline__ float kl_gradient(float teacher, float zl2, float g) 
 __device__ __forceinline__ float kl_element(float teacher, float zl2, float g, float& kl_sum, bool valid = true) {
   const float dz = kl_gradient(teacher, zl2, g);
   const float term = teacher * (__logf(teacher) - zl2 * kLn2);
-  kl_sum += (valid && teacher > 0.f) ? term : 0.f;
+  kl_sum += (valid && teacher != 0.f) ? term : 0.f;
   return dz;
 }
 
