@@ -115,20 +115,43 @@ void bwd_features(const flashmsa_bwd_args_t& a, const Geometry& g) {
   }
 }
 
-void check_status_memory(const flashmsa_tensor_t& s, const Geometry& g, const char* fn) {
+namespace {
+cudaPointerAttributes pointer_attributes(const void* p) {
   cudaPointerAttributes attr{};
-  if (cudaPointerGetAttributes(&attr, s.data) != cudaSuccess) {
+  if (cudaPointerGetAttributes(&attr, p) != cudaSuccess) {
     cudaGetLastError();  // not a pointer CUDA knows
     attr.type = cudaMemoryTypeUnregistered;
   }
+  return attr;
+}
+}  // namespace
+
+void check_status_memory(const flashmsa_tensor_t& s, const Geometry& g, const char* fn) {
+  const bool on_device = s.device_type == FLASHMSA_DEVICE_CUDA;
+  auto usable = [&](const cudaPointerAttributes& attr) {
+    return on_device ? attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged
+                     : attr.type == cudaMemoryTypeHost && attr.devicePointer == s.data;
+  };
+  cudaPointerAttributes attr = pointer_attributes(s.data);
+  if (!usable(attr)) {
+    // The answer is the calling thread's current context's: a thread on which no CUDA call has bound one yet
+    // sees no device address for page-locked memory (torch's autograd thread, when the backward of a zero-token
+    // call launched nothing before flashmsa_bwd). Bind the current device's primary context, which this call's
+    // own work would bind anyway, and ask again.
+    int dev = -1;
+    if (cudaGetDevice(&dev) == cudaSuccess && cudaSetDevice(dev) == cudaSuccess)
+      attr = pointer_attributes(s.data);
+    else
+      cudaGetLastError();  // (the first answer stands)
+  }
   const std::string what = std::string(fn) + ": status: ";
-  if (s.device_type == FLASHMSA_DEVICE_CUDA) {
+  if (on_device) {
     if (attr.type != cudaMemoryTypeDevice && attr.type != cudaMemoryTypeManaged)
       invalid(what + "device_type is CUDA, but the pointer is not CUDA device memory");
     if (g.device == FLASHMSA_DEVICE_CUDA && attr.device != g.device_id)
       invalid(what + "expected memory of CUDA device " + std::to_string(g.device_id) + " (the device of the call), got device " +
               std::to_string(attr.device));
-  } else if (attr.type != cudaMemoryTypeHost || attr.devicePointer != s.data) {
+  } else if (!usable(attr)) {
     invalid(what + "host memory that the device writes must be page-locked and mapped (cudaHostAlloc, or a torch "
                    "tensor with pin_memory=True); got pageable host memory");
   }

@@ -2327,3 +2327,196 @@ TEST(Errors, BadPersistentKnob) { expect_knob_refused("FLASHMSA_FWD_PERSISTENT",
 
 }  // namespace
 }  // namespace gputest
+
+// ---- the kl of non-finite inputs; calls without tokens ---------------------------------------
+#include <thread>
+
+namespace gputest {
+namespace {
+
+// The device tensors of one forward (kl value asked for) and its backward (dkl = 1, kl output): `mode`'s key sets
+// (GIVEN: `given`), status words `status` (absent: NONE).
+struct KlRun {
+  Tensor out, lse, plse, kl, idx, dout, dkl, dq, dk, dv, dqp, dkp, bkl;
+  flashmsa::FwdArgs f;
+  flashmsa::BwdArgs b;
+};
+
+void kl_run_args(const Problem& pb, Inputs& in, flashmsa_mode_t mode, const std::vector<int32_t>& given,
+                 const flashmsa_tensor_t& status, KlRun& r) {
+  const int64_t T = pb.total();
+  const int K = mode == FLASHMSA_MODE_DENSE ? 0 : pb.topk;
+  r.out = output(token_shape(pb, pb.Hq, pb.D), pb.dtype);
+  r.lse = output({pb.Hq, T}, FLASHMSA_DTYPE_FP32);
+  r.plse = output({pb.Hp, T}, FLASHMSA_DTYPE_FP32);
+  r.kl = output({}, FLASHMSA_DTYPE_FP32);
+  r.bkl = output({}, FLASHMSA_DTYPE_FP32);
+  r.dkl = device_scalar(1.0);
+  r.dout = output(token_shape(pb, pb.Hq, pb.D), pb.dtype);
+  std::fill(r.dout.host.begin(), r.dout.host.end(), 0.25);
+  upload(r.dout);
+  r.dq = output(token_shape(pb, pb.Hq, pb.D), pb.dtype);
+  r.dk = output(token_shape(pb, pb.Hkv, pb.D), pb.dtype);
+  r.dv = output(token_shape(pb, pb.Hkv, pb.D), pb.dtype);
+  r.dqp = output(token_shape(pb, pb.Hp, pb.Dp), pb.dtype);
+  r.dkp = output(token_shape(pb, pb.Hpk, pb.Dp), pb.dtype);
+  if (mode == FLASHMSA_MODE_SPARSE) {
+    r.idx = output({pb.Hp, T, K}, FLASHMSA_DTYPE_INT32);
+  } else if (mode == FLASHMSA_MODE_GIVEN) {
+    r.idx.shape = {pb.Hp, T, K};
+    r.idx.dtype = FLASHMSA_DTYPE_INT32;
+    r.idx.host.assign(given.begin(), given.end());
+    upload(r.idx);
+  }
+  flashmsa::FwdArgs& a = r.f;
+  a.q = dev_view(in.q); a.k = dev_view(in.k); a.v = dev_view(in.v);
+  a.qp = dev_view(in.qp); a.kp = dev_view(in.kp);
+  if (pb.batch == 0) a.cu_seqlens = dev_view(in.cu);
+  a.max_seqlen = pb.batch ? 0 : pb.max_len();
+  a.mode = mode;
+  a.topk = mode == FLASHMSA_MODE_SPARSE ? K : 0;
+  a.compute_kl = 1;
+  if (mode != FLASHMSA_MODE_DENSE) a.indices = dev_view(r.idx);
+  a.out = dev_view(r.out); a.lse = dev_view(r.lse); a.proxy_lse = dev_view(r.plse); a.kl = dev_view(r.kl);
+  a.status = status;
+  flashmsa::BwdArgs& b = r.b;
+  b.q = a.q; b.k = a.k; b.v = a.v; b.qp = a.qp; b.kp = a.kp;
+  b.cu_seqlens = a.cu_seqlens;
+  b.max_seqlen = a.max_seqlen;
+  b.mode = mode;
+  b.indices = a.indices;
+  b.out = a.out; b.lse = a.lse; b.proxy_lse = a.proxy_lse;
+  b.dout = dev_view(r.dout); b.dkl = dev_view(r.dkl);
+  b.dq = dev_view(r.dq); b.dk = dev_view(r.dk); b.dv = dev_view(r.dv); b.dqp = dev_view(r.dqp); b.dkp = dev_view(r.dkp);
+  b.kl = dev_view(r.bkl);
+  b.status = status;
+}
+
+// Workspace queries and calls of the forward, then of the backward, on the default stream (no CUDA call of its own:
+// run on a fresh thread, the library's are the thread's first). An empty string, or the first failure's message.
+std::string run_kl_calls(const flashmsa_fwd_args_t& f, const flashmsa_bwd_args_t& b) {
+  auto failed = [](const char* what, flashmsa_status_t s) {
+    return std::string(what) + ": " + flashmsa_status_string(s) + ": " + flashmsa_last_error();
+  };
+  size_t fb = 0, bb = 0;
+  if (auto s = flashmsa_fwd_workspace_size(&f, &fb); s != FLASHMSA_SUCCESS) return failed("fwd workspace", s);
+  if (auto s = flashmsa_bwd_workspace_size(&b, &bb); s != FLASHMSA_SUCCESS) return failed("bwd workspace", s);
+  void* ws = Pool::get().take(std::max(fb, bb));
+  if (auto s = flashmsa_fwd(&f, ws, fb); s != FLASHMSA_SUCCESS) return failed("fwd", s);
+  if (auto s = flashmsa_bwd(&b, ws, bb); s != FLASHMSA_SUCCESS) return failed("bwd", s);
+  if (auto e = cudaStreamSynchronize(nullptr); e != cudaSuccess) return std::string("sync: ") + cudaGetErrorString(e);
+  return {};
+}
+
+// A NaN in one element of q, k, qp or kp makes the kl value NaN, the forward's and the backward's, as it makes
+// the proxy gradient of the rows it reaches (dz = g/N (s - t) with a NaN teacher or student): value and gradient
+// agree (kl_rule.cuh: `teacher != 0`, not `teacher > 0`, which is false for NaN and dropped the row from the value
+// only). The other sequence's proxy gradients stay finite. A query row (token 150 of sequence 0) for q and qp; a
+// key (token 20) that every row of block 0 sees for k and kp. SPARSE, DENSE and GIVEN (each row: its own block and
+// block 0).
+TEST(NonFinite, SmallNanInputMakesKlNan) {
+  const Problem pb = Problem().heads(4, 2).proxy_heads(2, 1).with_topk(2).seqlens({300, 200});
+  const int64_t T = pb.total();
+  std::vector<int32_t> given(size_t(pb.Hp) * T * 2, -1);
+  for (int p = 0; p < pb.Hp; ++p)
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t own = (t < 300 ? t : t - 300) / 128;
+      given[(size_t(p) * T + t) * 2] = int32_t(own);
+      if (own > 0) given[(size_t(p) * T + t) * 2 + 1] = 0;
+    }
+  for (flashmsa_mode_t mode : {FLASHMSA_MODE_SPARSE, FLASHMSA_MODE_DENSE, FLASHMSA_MODE_GIVEN})
+    for (const std::string name : {"q", "k", "qp", "kp"}) {
+      SCOPED_TRACE("mode " + std::to_string(int(mode)) + ", NaN in " + name);
+      PoolScope scope;
+      std::mt19937_64 rng(fresh_seed());
+      Inputs in = make_inputs(pb, rng);
+      Tensor& x = name == "q" ? in.q : name == "k" ? in.k : name == "qp" ? in.qp : in.kp;
+      const int64_t tok = name[0] == 'k' ? 20 : 150;
+      const size_t at = (size_t(tok) * size_t(x.shape[1])) * size_t(x.shape[2]) + 1;
+      for (double v : {double(NAN), 0.5}) {  // 0.5: the same inputs without the NaN give finite values
+        x.host[at] = v;
+        upload(x);
+        KlRun r;
+        kl_run_args(pb, in, mode, given, flashmsa::none(), r);
+        const std::string err = run_kl_calls(r.f, r.b);
+        ASSERT_TRUE(err.empty()) << err;
+        for (Tensor* t : {&r.kl, &r.bkl, &r.dqp, &r.dkp}) download(*t);
+        const size_t qrow = size_t(pb.Hp) * pb.Dp, krow = size_t(pb.Hpk) * pb.Dp;
+        auto finite = [](const std::vector<double>& h, size_t lo, size_t hi) {
+          for (size_t e = lo; e < hi; ++e)
+            if (!std::isfinite(h[e])) return false;
+          return true;
+        };
+        EXPECT_TRUE(finite(r.dqp.host, 300 * qrow, size_t(T) * qrow)) << "sequence 1's dqp";
+        EXPECT_TRUE(finite(r.dkp.host, 300 * krow, size_t(T) * krow)) << "sequence 1's dkp";
+        if (std::isnan(v)) {
+          EXPECT_TRUE(std::isnan(r.kl.host[0])) << "forward kl " << r.kl.host[0];
+          EXPECT_TRUE(std::isnan(r.bkl.host[0])) << "backward kl " << r.bkl.host[0];
+          bool nan_row = false;
+          for (size_t e = 0; e < 300 * qrow; ++e) nan_row = nan_row || std::isnan(r.dqp.host[e]);
+          EXPECT_TRUE(nan_row) << "the rows the NaN reaches have a NaN dqp";
+        } else {
+          EXPECT_TRUE(std::isfinite(r.kl.host[0]) && r.kl.host[0] > 0) << r.kl.host[0];
+          EXPECT_NEAR(r.bkl.host[0], r.kl.host[0], 1e-4 * r.kl.host[0]);  // (the same sums in another order)
+          EXPECT_TRUE(finite(r.dqp.host, 0, size_t(T) * qrow) && finite(r.dkp.host, 0, size_t(T) * krow));
+        }
+      }
+    }
+}
+
+// A call with no tokens (SPEC: valid; empty micro-batches and context-parallel shards happen in training): one
+// empty sequence, several, none (B = 0), and batched [2, 0, ...] tensors, in SPARSE, DENSE and GIVEN mode, forward
+// (kl value) and backward (dkl, kl output), with status words in page-locked host memory and the empty tensors'
+// data NULL (as torch passes them): every call succeeds, kl = 0, no fault recorded. Run on the test's thread and on
+// a fresh one whose first CUDA calls are the library's (torch's autograd thread runs the backward of empty tensors
+// so: their arithmetic launches nothing). There the status check once failed ("host memory that the device writes
+// must be page-locked and mapped"): cudaPointerGetAttributes answers for the thread's current context, and that
+// thread had none yet.
+TEST(Empty, SmallZeroTokens) {
+  int32_t* words = nullptr;
+  ASSERT_EQ(cudaHostAlloc(reinterpret_cast<void**>(&words), FLASHMSA_STATUS_WORDS * sizeof(int32_t),
+                          cudaHostAllocMapped),
+            cudaSuccess);
+  std::fill(words, words + FLASHMSA_STATUS_WORDS, 0);
+  const flashmsa_tensor_t status = flashmsa::view(words, FLASHMSA_DTYPE_INT32, {FLASHMSA_STATUS_WORDS});
+  const Problem base = Problem().heads(4, 2).proxy_heads(2, 1).with_topk(2);
+  const std::pair<const char*, Problem> cases[] = {{"one empty sequence", base.seqlens({0})},
+                                                   {"three empty sequences", base.seqlens({0, 0, 0})},
+                                                   {"no sequence", base.seqlens({})},
+                                                   {"batched [2, 0]", base.batched(2, 0)}};
+  for (const auto& [what, pb] : cases)
+    for (flashmsa_mode_t mode : {FLASHMSA_MODE_SPARSE, FLASHMSA_MODE_DENSE, FLASHMSA_MODE_GIVEN})
+      for (bool fresh_thread : {false, true}) {
+        SCOPED_TRACE(std::string(what) + ", mode " + std::to_string(int(mode)) +
+                     (fresh_thread ? ", on a fresh thread" : ""));
+        PoolScope scope;
+        std::mt19937_64 rng(fresh_seed());
+        Inputs in = make_inputs(pb, rng);
+        KlRun r;
+        kl_run_args(pb, in, mode, {}, status, r);
+        for (flashmsa_tensor_t* t : {&r.f.q, &r.f.k, &r.f.v, &r.f.qp, &r.f.kp, &r.f.out, &r.f.lse, &r.f.proxy_lse,
+                                     &r.f.indices, &r.b.q, &r.b.k, &r.b.v, &r.b.qp, &r.b.kp, &r.b.indices, &r.b.out,
+                                     &r.b.lse, &r.b.proxy_lse, &r.b.dout, &r.b.dq, &r.b.dk, &r.b.dv, &r.b.dqp,
+                                     &r.b.dkp})
+          if (t->ndim > 0) t->data = nullptr;  // (every one of them has no element)
+        std::string err;
+        if (fresh_thread) {
+          std::thread th([&] { err = run_kl_calls(r.f, r.b); });
+          th.join();
+        } else {
+          err = run_kl_calls(r.f, r.b);
+        }
+        ASSERT_TRUE(err.empty()) << err;
+        download(r.kl);
+        download(r.bkl);
+        EXPECT_EQ(r.kl.host[0], 0.0);
+        EXPECT_EQ(r.bkl.host[0], 0.0);
+        EXPECT_EQ(flashmsa_check_status(&status, nullptr, FLASHMSA_CHECK_SYNC | FLASHMSA_CHECK_RESET, nullptr),
+                  FLASHMSA_SUCCESS)
+            << flashmsa_last_error();
+      }
+  cudaFreeHost(words);
+}
+
+}  // namespace
+}  // namespace gputest

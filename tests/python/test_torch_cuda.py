@@ -5,7 +5,10 @@ and backward, kl modes, torch.compile(fullgraph=True), CUDA graph capture/replay
 The harness itself (check_forward) also runs on the CPU backend at a small size, so CI checks
 that these tests are sound before a GPU ever runs them.
 """
+import math
+import os
 import pathlib
+import subprocess
 import sys
 
 import pytest
@@ -64,12 +67,12 @@ def check_forward(cfg, device, dtype=torch.bfloat16, layout="varlen", D=128, see
         err = rel_l2(out, rout)
         assert err <= 2 * floor + 1e-5, f"{mode}: out rel-L2 {err:.3e} vs bar {2 * floor + 1e-5:.3e}"
         assert rel_l2(lse, rlse) <= 1e-5, f"{mode}: lse"
-        # kl: the value where the backend computes it, else the zero placeholder
-        if kl.item() != 0.0:
+        # kl: the value where the backend computes it, else NaN (no value)
+        if not math.isnan(kl.item()):
             assert abs(kl.item() - rkl.item()) <= 1e-3 * abs(rkl.item()) + 1e-6, mode
         else:
             key = K.feature_key(x["q"], x["k"], x["qp"], x["kp"], mkw["indices"], MODES[mode])
-            assert (key, "kl") in K._declined, f"{mode}: kl is 0 but the backend did not decline it"
+            assert (key, "kl") in K._declined, f"{mode}: kl is NaN but the backend did not decline it"
 
 
 def test_harness_on_cpu_backend():
@@ -163,8 +166,8 @@ def test_cuda_kl_modes():
         _, kl = flashmsa.msa_attention(*args, 16, compute_kl=True, **kw)
     except NotImplementedError as e:
         assert "kl" in str(e)
-        _, kl = flashmsa.msa_attention(*args, 16, **kw)  # compute_kl=None: the placeholder
-        assert kl.item() == 0.0
+        _, kl = flashmsa.msa_attention(*args, 16, **kw)  # compute_kl=None: no value
+        assert math.isnan(kl.item())
     else:
         rkl = R.msa_attention(*(t.double() for t in args), 16, **kw)[1]
         assert abs(kl.item() - rkl.item()) <= 1e-3 * rkl.item()
@@ -173,16 +176,16 @@ def test_cuda_kl_modes():
 @cuda
 @pytest.mark.parametrize("config", ["m3", "fmsa"])
 def test_cuda_kl_from_the_backward(config):
-    """The default training call: no kl pass in the forward (kl 0), the backward fills in the
-    value: the forward-kl call's value (same kernels' teacher) and the fp64 value of the kernel's
-    own selection; the proxy gradients equal the forward-kl call's."""
+    """The default training call: no kl pass in the forward (kl reads NaN), the backward fills in
+    the value: the forward-kl call's value (same kernels' teacher) and the fp64 value of the
+    kernel's own selection; the proxy gradients equal the forward-kl call's."""
     if not _backward_available():
         pytest.skip("the CUDA backward has not landed")
     cfg = CONFIGS[config]
     x = _inputs(cfg, "cuda", torch.bfloat16, "varlen", 128, seed=7, requires_grad=True)
     leaves, kw = [x[n] for n in MAIN_PROXY], _seq_kw(x)
     out, kl, idx = flashmsa.msa_attention(*leaves, cfg["topk"], return_indices=True, **kw)
-    assert kl.item() == 0.0
+    assert math.isnan(kl.item())
     got = torch.autograd.grad(out.float().square().mean() + kl, leaves[3:])
     out_f, kl_f = flashmsa.msa_attention(*leaves, cfg["topk"], compute_kl=True, **kw)
     want = torch.autograd.grad(out_f.float().square().mean() + kl_f, leaves[3:])
@@ -194,24 +197,29 @@ def test_cuda_kl_from_the_backward(config):
 
 
 @cuda
-def test_cuda_declined_kl_falls_back_to_the_placeholder():
+def test_cuda_declined_kl_reads_nan():
     """A geometry whose kl value a backend declines (here Hp < Hkv: an MSA group spans two kv
-    heads): compute_kl=None gives the placeholder, compute_kl=True says why, and training
-    without the kl term still works."""
+    heads): compute_kl=None gives NaN (no value: it cannot pass for a kl), compute_kl=True says
+    why, and training without the kl term still works (kl still NaN after its backward)."""
     x = make_inputs(lengths=[300, 700], Hq=16, Hkv=4, Hp=2, Hpk=1, D=128, Dp=128, dtype=torch.bfloat16,
                     device="cuda", requires_grad=True, seed=9)
     args, kw = [x[n] for n in MAIN_PROXY], _seq_kw(x)
     out, kl, lse = flashmsa.msa_attention(*args, 4, return_lse=True, **kw)
+    assert math.isnan(kl.item())  # training: no value before the backward
+    with torch.no_grad():
+        kl_eval = flashmsa.msa_attention(*args, 4, **kw)[1]
     rout, rkl, rlse = R.msa_attention(*(t.detach().double() for t in args), 4, return_lse=True, **kw)
     assert rel_l2(out, rout) <= 2 * rel_l2(rout.to(torch.bfloat16), rout) + 1e-5
-    if kl.item() == 0.0:  # declined (the CUDA backend's rule today)
+    declined = math.isnan(kl_eval.item())
+    if declined:  # (the CUDA backend's rule today)
         with pytest.raises(NotImplementedError, match="kl"):
             flashmsa.msa_attention(*args, 4, compute_kl=True, **kw)
     else:
-        assert abs(kl.item() - rkl.item()) <= 1e-3 * rkl.item()
+        assert abs(kl_eval.item() - rkl.item()) <= 1e-3 * rkl.item()
     if _backward_available():
         out.float().square().mean().backward()  # no kl gradient: no proxy gradient needed
         assert x["qp"].grad.abs().max() == 0 and x["q"].grad.abs().max() > 0
+        assert math.isnan(kl.item()) == declined
 
 
 @cuda
@@ -317,3 +325,102 @@ def test_cuda_graph_capture_replay(layout):
         for a, b in zip(static, eager):
             assert torch.equal(a, b)
     torch.cuda.synchronize()
+
+
+# ---- non-finite inputs and empty calls ----------------------------------------------------------
+def check_nan_input(device, dtype, mode, name, D=128):
+    """A NaN in one element of q, k, qp or kp: the kl value is NaN, the forward's and the one the
+    backward fills in, as the proxy gradient of the rows the NaN reaches is (value and gradient
+    agree); the other sequence's proxy gradient stays finite. A query row (token 150 of sequence
+    0) for q and qp; a key (token 20) that every row of block 0 sees for k and kp."""
+    x = make_inputs(lengths=[300, 200], Hq=4, Hkv=2, Hp=2, Hpk=1, D=D, Dp=D, dtype=dtype, device=device,
+                    seed=43)
+    kw = _seq_kw(x)
+    idx = flashmsa.msa_select(x["qp"], x["kp"], 2, **kw) if mode == "given" else None
+    mkw = dict(warmup=mode == "warmup", indices=idx, **kw)
+    x[name][20 if name.startswith("k") else 150, 0, 1] = float("nan")
+    args = [x[n].requires_grad_() for n in MAIN_PROXY]
+    with torch.no_grad():
+        assert math.isnan(flashmsa.msa_attention(*args, 2, compute_kl=True, **mkw)[1].item()), "forward kl"
+    out, kl = flashmsa.msa_attention(*args, 2, **mkw)
+    dqp, dkp = torch.autograd.grad(kl, [x["qp"], x["kp"]])
+    assert math.isnan(kl.item()), "the kl the backward filled in"
+    assert dqp[:300].isnan().any(), "the rows the NaN reaches have a NaN proxy gradient"
+    assert dqp[300:].isfinite().all() and dkp[300:].isfinite().all(), "sequence 1"
+
+
+@pytest.mark.parametrize("mode", ["sparse", "warmup", "given"])
+@pytest.mark.parametrize("name", ["q", "k", "qp", "kp"])
+def test_nan_harness_on_cpu_backend(mode, name):
+    check_nan_input("cpu", torch.bfloat16, mode, name, D=16)
+
+
+@cuda
+@pytest.mark.parametrize("mode", ["sparse", "warmup", "given"])
+@pytest.mark.parametrize("name", ["q", "k", "qp", "kp"])
+def test_cuda_nan_input_makes_kl_nan(mode, name):
+    if not _backward_available():
+        pytest.skip("the CUDA backward has not landed")
+    check_nan_input("cuda", torch.bfloat16, mode, name)
+
+
+ZERO_TOKEN_CASES = {"one_empty_sequence": dict(lengths=[0]), "three_empty_sequences": dict(lengths=[0, 0, 0]),
+                    "no_sequence": dict(lengths=[]), "batched_S0": dict(batch=2, seqlen=0)}
+
+
+def check_zero_tokens(device, dtype, case, mode, D=128):
+    """A call with no tokens (SPEC: valid): empty outputs forward, empty gradients backward, kl NaN
+    until the backward fills it in, then 0."""
+    x = make_inputs(**ZERO_TOKEN_CASES[case], Hq=4, Hkv=2, Hp=2, Hpk=1, D=D, Dp=D, dtype=dtype, device=device,
+                    requires_grad=True, seed=44)
+    kw = _seq_kw(x)
+    idx = None
+    if mode == "given":
+        idx = flashmsa.msa_select(x["qp"].detach(), x["kp"].detach(), 2, **kw)
+        assert idx.shape == (2, 0, 2)
+    out, kl, lse = flashmsa.msa_attention(*(x[n] for n in MAIN_PROXY), 2, return_lse=True,
+                                          warmup=mode == "warmup", indices=idx, **kw)
+    assert out.shape == x["q"].shape and out.numel() == 0 and lse.shape == (4, 0)
+    assert math.isnan(kl.item())
+    (out.float().sum() + lse.sum() + kl).backward()
+    assert kl.item() == 0.0
+    for n in MAIN_PROXY:
+        assert x[n].grad is not None and x[n].grad.shape == x[n].shape, n
+    with torch.no_grad():
+        assert flashmsa.msa_attention(*(x[n] for n in MAIN_PROXY), 2, warmup=mode == "warmup", indices=idx,
+                                      **kw)[1].item() == 0.0
+
+
+@pytest.mark.parametrize("mode", ["sparse", "warmup", "given"])
+@pytest.mark.parametrize("case", list(ZERO_TOKEN_CASES))
+def test_zero_tokens_harness_on_cpu_backend(case, mode):
+    check_zero_tokens("cpu", torch.bfloat16, case, mode, D=16)
+
+
+@cuda
+@pytest.mark.parametrize("mode", ["sparse", "warmup", "given"])
+@pytest.mark.parametrize("case", list(ZERO_TOKEN_CASES))
+def test_cuda_zero_tokens(case, mode):
+    if not _backward_available():
+        pytest.skip("the CUDA backward has not landed")
+    check_zero_tokens("cuda", torch.bfloat16, case, mode)
+
+
+@cuda
+def test_cuda_zero_tokens_as_the_first_backward():
+    """In a fresh process whose first backward is a zero-token call: autograd runs it on its own
+    device thread, where no CUDA call has bound a context yet (the empty tensors launch nothing
+    before flashmsa_bwd). Its status-word check once failed there ("host memory that the device
+    writes must be page-locked and mapped")."""
+    script = (
+        "import torch, flashmsa\n"
+        "from flashmsa.testing import make_inputs\n"
+        "x = make_inputs(lengths=[0, 0], D=128, Dp=128, dtype=torch.bfloat16, device='cuda', requires_grad=True)\n"
+        "args = [x[n] for n in ('q', 'k', 'v', 'qp', 'kp')]\n"
+        "out, kl = flashmsa.msa_attention(*args, 2, cu_seqlens=x['cu_seqlens'], max_seqlen=0)\n"
+        "(out.float().sum() + kl).backward()\n"
+        "assert kl.item() == 0.0 and all(t.grad.shape == t.shape for t in args)\n"
+        "print('ok')\n")
+    env = dict(os.environ, PYTHONPATH=str(pathlib.Path(flashmsa.__file__).resolve().parents[1]))
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr
