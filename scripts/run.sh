@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# The main job on a fresh machine, as a user gets it: install what is missing and build
-# (scripts/setup.sh), pip install . into a venv that sees this machine's packages (torch; the
-# install reuses the build above), then the package's console command `flashmsa run` with its
-# defaults (on the GPU when one is present, else on the CPU). Extra arguments go to `flashmsa run`.
+# The main job on a fresh machine: scripts/setup.sh --main-job (installs what is missing, builds
+# the library and the main job: no tests, no torch), then `flashmsa run` with its defaults (on
+# the GPU when one is visible, else on the CPU); extra arguments go to `flashmsa run`.
+# Where no GPU is visible the build is CPU-only: the CUDA kernels take minutes to compile and
+# could not run here. FLASHMSA_CUDA=ON (or AUTO: when nvcc is found) builds them anyway.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
-VENV=$(realpath -m "${FLASHMSA_RUN_VENV:-${BUILD_DIR:-build}/run-venv}")
-echo "[run] pip install . (into $VENV)"
-python3 -m venv --system-site-packages "$VENV"
-"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check .
-exec "$VENV/bin/flashmsa" run "$@"
+if [ -z "${FLASHMSA_CUDA:-}" ] && ! nvidia-smi -L >/dev/null 2>&1; then
+  echo "[run] no GPU visible: the CPU backend alone (FLASHMSA_CUDA=ON builds the CUDA kernels too)"
+  export FLASHMSA_CUDA=OFF
+fi
+bash scripts/setup.sh --main-job
+# (build/flashmsa is the program that `pip install .` puts on the PATH as `flashmsa`)
+exec "${BUILD_DIR:-build}/flashmsa" run "$@"
