@@ -22,7 +22,8 @@ if ! (cd "$work/flashmsa" && "$PY" -m pip install -v --disable-pip-version-check
   echo "[first contact] FAILED: pip install ." >&2
   exit 1
 fi
-echo "[first contact] pip install . took $(secs "$t0") s ($(grep -cE '^\[[0-9]+/[0-9]+\] ' "$work/pip.log") build steps)"
+echo "[first contact] pip install . took $(secs "$t0") s: $(grep -oE 'CUDA backend (ON|OFF)' "$work/pip.log")," \
+  "$(grep -cE '^ *\[[0-9]+/[0-9]+\] Building' "$work/pip.log") files compiled (through ccache when present)"
 
 # from outside the clone, so that the installed package is the one imported
 t0=$(date +%s.%N)
