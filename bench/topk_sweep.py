@@ -151,6 +151,7 @@ def run(args) -> dict:
     dev = torch.device("cuda")
     info = run_bench.gpu_info()
     result = dict(run_bench.run_meta(args, info), pattern=args.pattern, rows=[])
+    os.makedirs(args.out, exist_ok=True)
     table = run_bench.seed_table(args.out, args.results_dir, "topk_sweep.md")
     latest = os.path.join(args.out, "topk_sweep.latest.json")
     cols = sweep_columns()

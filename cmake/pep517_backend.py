@@ -61,7 +61,7 @@ def _settings(config_settings):
     nvcc = cuda_compiler(config_settings)
     settings[_KEY] = "ON" if nvcc else "OFF"
     if nvcc:
-        os.environ.setdefault("CUDACXX", nvcc)
+        os.environ["CUDACXX"] = nvcc  # the compiler the decision found (a CUDACXX it rejected is not kept)
     return settings
 
 

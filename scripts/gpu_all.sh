@@ -185,7 +185,7 @@ if has user; then
     n=$((n + 1)); mkdir -p "$OUT/user/$n"
     PYTHONUNBUFFERED=1 timeout ${USER_S:-400} python3 bench/run_bench.py --user-only --out "$OUT/user/$n" $args \
       > "$OUT/user/$n/log.txt" 2>&1; echo "user ($args) rc=$?"
-    grep -E "^\| (m3|fmsa)" "$OUT"/user/$n/*.md 2>/dev/null || tail -5 "$OUT/user/$n/log.txt"
+    grep -E '^\| [0-9]{4}-' "$OUT"/user/$n/user_path.md 2>/dev/null || tail -5 "$OUT/user/$n/log.txt"
   done
 fi
 if has sweep; then
@@ -193,7 +193,7 @@ if has sweep; then
   mkdir -p "$OUT/sweep"
   PYTHONUNBUFFERED=1 timeout ${SWEEP_S:-560} python3 bench/topk_sweep.py --out "$OUT/sweep" ${SWEEP_ARGS:-} \
     > "$OUT/sweep/log.txt" 2>&1; echo "sweep rc=$?"
-  grep -E "^\| (m3|fmsa)" "$OUT/sweep/topk-sweep.md" 2>/dev/null || tail -5 "$OUT/sweep/log.txt"
+  grep -E '^\| [0-9]{4}-' "$OUT/sweep/topk_sweep.md" 2>/dev/null || tail -5 "$OUT/sweep/log.txt"
 fi
 if has ab; then
   stamp "A/B variants"

@@ -12,6 +12,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-all}
+case $mode in all | --main-job) ;; *) echo "usage: bash scripts/setup.sh [--main-job]" >&2; exit 2 ;; esac
 BUILD_DIR=${BUILD_DIR:-build}
 cuda_off=false
 case ${FLASHMSA_CUDA:-AUTO} in OFF | off | Off) cuda_off=true ;; esac

@@ -233,7 +233,9 @@ def msa_attention(q: Tensor, k: Tensor, v: Tensor, qp: Optional[Tensor] = None,
     compute_kl: None (default) -> when training (an input requires grad) the forward makes no
     kl pass: kl reads NaN after the forward and holds the value once the backward has run (the
     backward's proxy side forms it at no extra pass). Log it after loss.backward(), apart from
-    the task loss: a `task + kl` read before the backward is NaN, not a number to log. (Under
+    the task loss: a `task + kl` built in the forward reads NaN, before and after the backward
+    (only kl's own tensor is filled in); a training loop that checks its loss for NaN must check
+    the task loss, or pass compute_kl=True. (Under
     torch.compile the forward computes it.) Without grad, the forward computes the value. Either
     way NaN where the backend declines the value (the CUDA backend declines some head layouts).
     True -> the forward computes the value (or NotImplementedError); it costs a pass over the

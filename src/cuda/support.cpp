@@ -136,10 +136,10 @@ void check_status_memory(const flashmsa_tensor_t& s, const Geometry& g, const ch
   if (!usable(attr)) {
     // The answer is the calling thread's current context's: a thread on which no CUDA call has bound one yet
     // sees no device address for page-locked memory (torch's autograd thread, when the backward of a zero-token
-    // call launched nothing before flashmsa_bwd). Bind the current device's primary context, which this call's
-    // own work would bind anyway, and ask again.
-    int dev = -1;
-    if (cudaGetDevice(&dev) == cudaSuccess && cudaSetDevice(dev) == cudaSuccess)
+    // call launched nothing before flashmsa_bwd). cudaFree(nullptr) binds the current device's primary context
+    // only where the thread has no context (a caller's own context stays current), as this call's own work would;
+    // then ask again.
+    if (cudaFree(nullptr) == cudaSuccess)
       attr = pointer_attributes(s.data);
     else
       cudaGetLastError();  // (the first answer stands)

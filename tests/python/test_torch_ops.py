@@ -224,6 +224,7 @@ def test_kl_from_the_backward(mode):
     assert math.isnan(loss.item())  # a task + kl read before the backward is NaN, not a number to log
     got = torch.autograd.grad(loss, args)
     assert kl.item() == want.item()
+    assert math.isnan(loss.item())  # a loss built in the forward keeps the NaN: only kl itself is filled in
     out_f, kl_f, lse_f, _ = run(flashmsa.msa_attention, x, mode, indices=idx, compute_kl=True)
     ref = torch.autograd.grad(loss_of(out_f, kl_f, lse_f), args)
     for n, a, b in zip(MAIN + PROXY, got, ref):
