@@ -102,7 +102,8 @@ def kernel_calls(inputs, topk, dout):
     from flashmsa import _lib as L
     q, k, v, qp, kp, cu = (x.detach() for x in inputs)
     shared = dict(q=q, k=k, v=v, qp=qp, kp=kp, cu_seqlens=cu, max_seqlen=q.shape[0], mode=L.MODE_SPARSE,
-                  softmax_scale=0.0, proxy_scale=0.0)  # 0.0: the library's default scales
+                  softmax_scale=0.0, proxy_scale=0.0,  # 0.0: the library's default scales
+                  cu_seqlens_q=None, q_origin=None, max_seqlen_q=0)  # no query segments
     fa = A.args_tuple(A.FWD_ARGS, dict(shared, indices=None, numerics=L.NUMERICS_TRAIN, topk=topk, compute_kl=0,
                                        want_indices=True, want_proxy_lse=True, validate=False, want_out_lo=False))
     o = dict(zip(A.FWD_OUTPUTS, K.fwd(*fa)))

@@ -98,6 +98,9 @@ typedef struct flashmsa_select_args {
   flashmsa_tensor_t kp;          /* [total, Hpk, Dp] or [B, S, Hpk, Dp] */
   flashmsa_tensor_t cu_seqlens;  /* [B+1] int32 (varlen); absent for batched inputs */
   int64_t max_seqlen;            /* varlen: >= every length; batched: 0 or S */
+  flashmsa_tensor_t cu_seqlens_q; /* optional [S+1] int32: query segments (see "Query segments" below) */
+  flashmsa_tensor_t q_origin;     /* [S, 2] int32, with cu_seqlens_q: (key sequence, first position) */
+  int64_t max_seqlen_q;           /* with cu_seqlens_q: >= every segment's length */
   int32_t topk;                  /* 1..FLASHMSA_MAX_TOPK, counts the local block */
   double proxy_scale;            /* 0 selects 1/sqrt(Dp); else finite, > 0 and <= FLASHMSA_MAX_SCALE */
   flashmsa_tensor_t indices;     /* out: [Hp, total, topk] int32 */
@@ -114,6 +117,9 @@ typedef struct flashmsa_fwd_args {
   flashmsa_tensor_t kp;          /* [total, Hpk, Dp]; given together with qp */
   flashmsa_tensor_t cu_seqlens;
   int64_t max_seqlen;
+  flashmsa_tensor_t cu_seqlens_q; /* optional [S+1] int32: query segments (see "Query segments" below) */
+  flashmsa_tensor_t q_origin;     /* [S, 2] int32, with cu_seqlens_q: (key sequence, first position) */
+  int64_t max_seqlen_q;           /* with cu_seqlens_q: >= every segment's length */
   flashmsa_mode_t mode;
   flashmsa_numerics_t numerics;
   int32_t topk;                  /* SPARSE: 1..64; GIVEN: taken from indices; DENSE: ignored */
@@ -138,6 +144,9 @@ typedef struct flashmsa_bwd_args {
   flashmsa_tensor_t qp, kp;      /* optional together; needed for the proxy gradient */
   flashmsa_tensor_t cu_seqlens;
   int64_t max_seqlen;
+  flashmsa_tensor_t cu_seqlens_q; /* optional [S+1] int32: query segments (see "Query segments" below) */
+  flashmsa_tensor_t q_origin;     /* [S, 2] int32, with cu_seqlens_q: (key sequence, first position) */
+  int64_t max_seqlen_q;           /* with cu_seqlens_q: >= every segment's length */
   flashmsa_mode_t mode;          /* SPARSE and GIVEN read indices; DENSE reads none */
   double softmax_scale;
   double proxy_scale;
@@ -160,6 +169,25 @@ typedef struct flashmsa_bwd_args {
   flashmsa_tensor_t status;      /* optional status words (see "Metadata faults" below) */
   void* stream;
 } flashmsa_bwd_args_t;
+
+/* ---- query segments (context parallelism) ---------------------------------------------
+ * By default every per-query tensor row is a key position too: token t of sequence b is the query
+ * and the key at position t - cu_seqlens[b]. With cu_seqlens_q, the queries are a subset of
+ * positions (a chunk of a sequence against the whole prefix of its keys, as a context-parallel
+ * rank holds them):
+ *   - k, v, kp (and dk, dv, dkp) keep the layout cu_seqlens gives: B key sequences, total_k rows;
+ *   - q, qp, out, out_lo, dout, dq, dqp have total_q = cu_seqlens_q[S] rows, and lse, dlse,
+ *     proxy_lse, indices [H, total_q(, topk)];
+ *   - rows [cu_seqlens_q[s], cu_seqlens_q[s+1]) of segment s are the queries at positions
+ *     q_origin[s][1], q_origin[s][1] + 1, ... of key sequence q_origin[s][0].
+ * The causal mask, the blocks (their ids count from the key sequence's start), the local block,
+ * the kl's normaliser (N = Hp * total_q) and every gradient are those of the whole sequence,
+ * restricted to these queries; segments may share a key sequence (dk, dv, dkp then sum over them).
+ * Requirements: varlen inputs; cu_seqlens_q[0] = 0, non-decreasing, last value total_q, every
+ * segment length <= max_seqlen_q; 0 <= q_origin[s][0] < B and 0 <= q_origin[s][1] with
+ * q_origin[s][1] + length(s) <= the length of key sequence q_origin[s][0]. The CPU backend checks
+ * the values before it computes (INVALID_ARGUMENT); the CUDA backend does not run segments yet
+ * (NOT_SUPPORTED). */
 
 /* Initialise an argument struct: every tensor absent, scales 0 (defaults), TRAIN numerics. */
 FLASHMSA_API void flashmsa_select_args_init(flashmsa_select_args_t* args);
@@ -233,7 +261,7 @@ FLASHMSA_API const char* flashmsa_version(void);
 
 /* ABI of this header: bindings compare it (and the struct sizes) with what they were written
  * against before their first call. Bumped whenever a struct or an enum changes. */
-#define FLASHMSA_ABI_VERSION 4
+#define FLASHMSA_ABI_VERSION 5
 typedef enum flashmsa_struct {
   FLASHMSA_STRUCT_TENSOR = 0,
   FLASHMSA_STRUCT_SELECT_ARGS = 1,

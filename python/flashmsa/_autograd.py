@@ -28,16 +28,18 @@ HAS_CUSTOM_OP = hasattr(torch.library, "custom_op") and hasattr(torch.library, "
 # reordering an argument in one place and not the others fails at import, naming the position.
 FWD_ARGS = ("q", "k", "v", "qp", "kp", "cu_seqlens", "indices", "max_seqlen", "mode", "numerics",
             "topk", "softmax_scale", "proxy_scale", "compute_kl", "want_indices", "want_proxy_lse",
-            "validate", "want_out_lo")
+            "validate", "want_out_lo", "cu_seqlens_q", "q_origin", "max_seqlen_q")
 FWD_OUTPUTS = ("out", "lse", "indices", "proxy_lse", "kl", "out_lo")
 BWD_ARGS = ("dout", "dlse", "dkl", "q", "k", "v", "qp", "kp", "cu_seqlens", "indices", "out", "lse",
             "proxy_lse", "max_seqlen", "mode", "softmax_scale", "proxy_scale", "deterministic", "out_lo",
-            "want_kl")
+            "want_kl", "cu_seqlens_q", "q_origin", "max_seqlen_q")
 BWD_OUTPUTS = ("dq", "dk", "dv", "dqp", "dkp", "kl")
-SELECT_ARGS = ("qp", "kp", "cu_seqlens", "max_seqlen", "topk", "proxy_scale", "want_proxy_lse")
+SELECT_ARGS = ("qp", "kp", "cu_seqlens", "max_seqlen", "topk", "proxy_scale", "want_proxy_lse", "cu_seqlens_q",
+               "q_origin", "max_seqlen_q")
 SELECT_OUTPUTS = ("indices", "proxy_lse")
 # what the forward saves for the backward, in save_for_backward order
-_SAVED = ("q", "k", "v", "qp", "kp", "cu_seqlens", "indices", "out", "lse", "proxy_lse", "out_lo")
+_SAVED = ("q", "k", "v", "qp", "kp", "cu_seqlens", "indices", "out", "lse", "proxy_lse", "out_lo", "cu_seqlens_q",
+          "q_origin")
 # the differentiable inputs of the forward and the bwd op's output that is their gradient
 _GRADS = {"q": "dq", "k": "dk", "v": "dv", "qp": "dqp", "kp": "dkp"}
 
@@ -70,7 +72,7 @@ def _setup_context(ctx, inputs, output):
     saved = dict(a, indices=sel, out=o["out"], lse=o["lse"], proxy_lse=o["proxy_lse"],
                  out_lo=o["out_lo"] if a["want_out_lo"] else None)
     ctx.save_for_backward(*(saved[n] for n in _SAVED))
-    ctx.max_seqlen, ctx.mode = a["max_seqlen"], mode
+    ctx.max_seqlen, ctx.max_seqlen_q, ctx.mode = a["max_seqlen"], a["max_seqlen_q"], mode
     ctx.softmax_scale, ctx.proxy_scale = a["softmax_scale"], a["proxy_scale"]
     ctx.mark_non_differentiable(o["indices"], o["proxy_lse"], o["out_lo"])
     ctx.set_materialize_grads(False)
@@ -106,7 +108,7 @@ def _backward(ctx, *output_grads):
     deterministic = torch.are_deterministic_algorithms_enabled()
     kl_out = ctx.kl_out
     outs = bwd_op(*args_tuple(BWD_ARGS, dict(
-        s, dout=dout, dlse=dlse, dkl=dkl, max_seqlen=ctx.max_seqlen, mode=ctx.mode,
+        s, dout=dout, dlse=dlse, dkl=dkl, max_seqlen=ctx.max_seqlen, max_seqlen_q=ctx.max_seqlen_q, mode=ctx.mode,
         softmax_scale=ctx.softmax_scale, proxy_scale=ctx.proxy_scale, deterministic=deterministic,
         want_kl=kl_out is not None)))
     d = dict(zip(BWD_OUTPUTS, outs))
@@ -125,13 +127,15 @@ if HAS_CUSTOM_OP:
     def fwd_op(q: Tensor, k: Tensor, v: Tensor, qp: Optional[Tensor], kp: Optional[Tensor],
                cu_seqlens: Optional[Tensor], indices: Optional[Tensor], max_seqlen: int, mode: int,
                numerics: int, topk: int, softmax_scale: float, proxy_scale: float, compute_kl: int,
-               want_indices: bool, want_proxy_lse: bool, validate: bool, want_out_lo: bool
+               want_indices: bool, want_proxy_lse: bool, validate: bool, want_out_lo: bool,
+               cu_seqlens_q: Optional[Tensor], q_origin: Optional[Tensor], max_seqlen_q: int
                ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
         return K.fwd(*args_tuple(FWD_ARGS, locals()))
 
     @fwd_op.register_fake
     def _fwd_fake(q, k, v, qp, kp, cu_seqlens, indices, max_seqlen, mode, numerics, topk, softmax_scale,
-                  proxy_scale, compute_kl, want_indices, want_proxy_lse, validate, want_out_lo):
+                  proxy_scale, compute_kl, want_indices, want_proxy_lse, validate, want_out_lo, cu_seqlens_q,
+                  q_origin, max_seqlen_q):
         return K.fwd_outputs(q=q, qp=qp, indices=indices, mode=mode, topk=topk, want_indices=want_indices,
                              want_proxy_lse=want_proxy_lse, want_out_lo=want_out_lo)
 
@@ -140,7 +144,8 @@ if HAS_CUSTOM_OP:
                v: Tensor, qp: Optional[Tensor], kp: Optional[Tensor], cu_seqlens: Optional[Tensor],
                indices: Optional[Tensor], out: Tensor, lse: Tensor, proxy_lse: Optional[Tensor],
                max_seqlen: int, mode: int, softmax_scale: float, proxy_scale: float,
-               deterministic: bool, out_lo: Optional[Tensor], want_kl: bool
+               deterministic: bool, out_lo: Optional[Tensor], want_kl: bool,
+               cu_seqlens_q: Optional[Tensor], q_origin: Optional[Tensor], max_seqlen_q: int
                ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
         return K.bwd(*args_tuple(BWD_ARGS, locals()))
 
@@ -150,11 +155,13 @@ if HAS_CUSTOM_OP:
 
     @torch.library.custom_op("flashmsa::select", mutates_args=())
     def select_op(qp: Tensor, kp: Tensor, cu_seqlens: Optional[Tensor], max_seqlen: int, topk: int,
-                  proxy_scale: float, want_proxy_lse: bool) -> Tuple[Tensor, Tensor]:
+                  proxy_scale: float, want_proxy_lse: bool, cu_seqlens_q: Optional[Tensor],
+                  q_origin: Optional[Tensor], max_seqlen_q: int) -> Tuple[Tensor, Tensor]:
         return K.select(*args_tuple(SELECT_ARGS, locals()))
 
     @select_op.register_fake
-    def _select_fake(qp, kp, cu_seqlens, max_seqlen, topk, proxy_scale, want_proxy_lse):
+    def _select_fake(qp, kp, cu_seqlens, max_seqlen, topk, proxy_scale, want_proxy_lse, cu_seqlens_q, q_origin,
+                     max_seqlen_q):
         return K.select_outputs(qp=qp, topk=topk, want_proxy_lse=want_proxy_lse)
 
     _FAKES = {"flashmsa::fwd": _fwd_fake, "flashmsa::bwd": _bwd_fake, "flashmsa::select": _select_fake}

@@ -80,16 +80,19 @@ NO_VALUE = float("nan")
 
 def fwd(q, k, v, qp, kp, cu_seqlens, indices, max_seqlen: int, mode: int, numerics: int, topk: int,
         softmax_scale: float, proxy_scale: float, compute_kl: int, want_indices: bool,
-        want_proxy_lse: bool, validate: bool, want_out_lo: bool = False):
+        want_proxy_lse: bool, validate: bool, want_out_lo: bool = False, cu_seqlens_q=None, q_origin=None,
+        max_seqlen_q: int = 0):
     """flashmsa_fwd. compute_kl: one of the KL_* codes above (KL_FROM_BACKWARD: the library
     does not touch kl, which reads NaN). want_proxy_lse is a hint for the backward; want_out_lo
-    asks for the output's low part (the backward's precise dpsum)."""
+    asks for the output's low part (the backward's precise dpsum). cu_seqlens_q, q_origin,
+    max_seqlen_q: query segments (C header, "Query segments"), or None, None, 0."""
     outs = fwd_outputs(q, qp, indices, mode, topk, want_indices, want_proxy_lse, want_out_lo)
     out, lse, idx, plse, kl, out_lo = outs
     a = L.new_args(L.FwdArgs)
     a.q, a.k, a.v, a.qp, a.kp = L.view(q), L.view(k), L.view(v), L.view(qp), L.view(kp)
     a.cu_seqlens = L.view(cu_seqlens)
     a.max_seqlen = max_seqlen
+    _segments(a, cu_seqlens_q, q_origin, max_seqlen_q)
     a.mode, a.numerics, a.topk = mode, numerics, topk if mode == L.MODE_SPARSE else 0
     a.softmax_scale, a.proxy_scale = softmax_scale, proxy_scale
     a.validate = int(validate)
@@ -115,6 +118,11 @@ def fwd(q, k, v, qp, kp, cu_seqlens, indices, max_seqlen: int, mode: int, numeri
     if qp is not None and compute_kl != KL_PLACEHOLDER and not a.compute_kl:  # no value: deferred or declined
         kl.fill_(NO_VALUE)
     return outs
+
+
+def _segments(a, cu_seqlens_q, q_origin, max_seqlen_q: int) -> None:
+    a.cu_seqlens_q, a.q_origin = L.view(cu_seqlens_q), L.view(q_origin)
+    a.max_seqlen_q = max_seqlen_q if cu_seqlens_q is not None else 0
 
 
 def _run_declining(run, optional, key):
@@ -157,7 +165,7 @@ def bwd_outputs(q, k, v, qp, kp):
 
 def bwd(dout, dlse, dkl, q, k, v, qp, kp, cu_seqlens, indices, out, lse, proxy_lse,
         max_seqlen: int, mode: int, softmax_scale: float, proxy_scale: float, deterministic: bool,
-        out_lo=None, want_kl: bool = False):
+        out_lo=None, want_kl: bool = False, cu_seqlens_q=None, q_origin=None, max_seqlen_q: int = 0):
     """flashmsa_bwd -> (dq, dk, dv, dqp, dkp, kl); dqp, dkp are empty without qp, kp. out_lo: the
     forward's low output part, or None. want_kl: kl gets the kl value of the forward (the
     backward's proxy side forms it at no extra pass) where the backend computes it, else NaN
@@ -168,6 +176,7 @@ def bwd(dout, dlse, dkl, q, k, v, qp, kp, cu_seqlens, indices, out, lse, proxy_l
     a.q, a.k, a.v, a.qp, a.kp = L.view(q), L.view(k), L.view(v), L.view(qp), L.view(kp)
     a.cu_seqlens = L.view(cu_seqlens)
     a.max_seqlen = max_seqlen
+    _segments(a, cu_seqlens_q, q_origin, max_seqlen_q)
     a.mode = mode
     a.softmax_scale, a.proxy_scale = softmax_scale, proxy_scale
     a.deterministic = int(deterministic)
@@ -204,12 +213,14 @@ def select_outputs(qp, topk, want_proxy_lse):
     return idx, plse
 
 
-def select(qp, kp, cu_seqlens, max_seqlen: int, topk: int, proxy_scale: float, want_proxy_lse: bool):
+def select(qp, kp, cu_seqlens, max_seqlen: int, topk: int, proxy_scale: float, want_proxy_lse: bool,
+           cu_seqlens_q=None, q_origin=None, max_seqlen_q: int = 0):
     outs = select_outputs(qp, topk, want_proxy_lse)
     idx, plse = outs
     a = L.new_args(L.SelectArgs)
     a.qp, a.kp, a.cu_seqlens = L.view(qp), L.view(kp), L.view(cu_seqlens)
     a.max_seqlen, a.topk, a.proxy_scale = max_seqlen, topk, proxy_scale
+    _segments(a, cu_seqlens_q, q_origin, max_seqlen_q)
     a.indices = L.view(idx)
     a.proxy_lse = L.view(plse if want_proxy_lse else None)
     a.stream = L.stream_of(qp.device)

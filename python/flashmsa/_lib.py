@@ -89,6 +89,9 @@ class SelectArgs(ctypes.Structure):
         ("kp", Tensor),
         ("cu_seqlens", Tensor),
         ("max_seqlen", ctypes.c_int64),
+        ("cu_seqlens_q", Tensor),
+        ("q_origin", Tensor),
+        ("max_seqlen_q", ctypes.c_int64),
         ("topk", ctypes.c_int32),
         ("proxy_scale", ctypes.c_double),
         ("indices", Tensor),
@@ -107,6 +110,9 @@ class FwdArgs(ctypes.Structure):
         ("kp", Tensor),
         ("cu_seqlens", Tensor),
         ("max_seqlen", ctypes.c_int64),
+        ("cu_seqlens_q", Tensor),
+        ("q_origin", Tensor),
+        ("max_seqlen_q", ctypes.c_int64),
         ("mode", ctypes.c_int),
         ("numerics", ctypes.c_int),
         ("topk", ctypes.c_int32),
@@ -134,6 +140,9 @@ class BwdArgs(ctypes.Structure):
         ("kp", Tensor),
         ("cu_seqlens", Tensor),
         ("max_seqlen", ctypes.c_int64),
+        ("cu_seqlens_q", Tensor),
+        ("q_origin", Tensor),
+        ("max_seqlen_q", ctypes.c_int64),
         ("mode", ctypes.c_int),
         ("softmax_scale", ctypes.c_double),
         ("proxy_scale", ctypes.c_double),
@@ -207,7 +216,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
-ABI_VERSION = 4  # FLASHMSA_ABI_VERSION of the header these structs mirror
+ABI_VERSION = 5  # FLASHMSA_ABI_VERSION of the header these structs mirror
 
 # Every constant of this module that mirrors flashmsa.h -> its name there. _check_abi compares each
 # with the library (tests/python/test_abi.py checks that no int constant of the module is missing).

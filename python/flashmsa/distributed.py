@@ -62,7 +62,7 @@ Tensor = torch.Tensor
 _P = "flashmsa.distributed"
 _ALIGN = 16  # bytes; every piece of a packed buffer starts at a multiple of this
 
-__all__ = ["msa_attention_cp", "shard_sizes", "shard_bounds", "shard_tokens", "head_ranges",
+__all__ = ["msa_attention_cp", "shard_sizes", "shard_bounds", "shard_tokens", "zigzag_rows", "head_ranges",
            "all_to_all_impl", "set_all_to_all_impl"]
 
 
@@ -89,6 +89,16 @@ def shard_tokens(x: Tensor, world_size: int, rank: int, dim: int = 0,
     of batched [B, S, H, D]; `sizes` defaults to shard_sizes(x.shape[dim], world_size)."""
     sizes = list(sizes) if sizes is not None else shard_sizes(x.shape[dim], world_size)
     return x.narrow(dim, sum(sizes[:rank]), sizes[rank])
+
+
+def zigzag_rows(cu_seqlens, world_size: int, rank: int) -> Tensor:
+    """The rows of the packed total that rank `rank` holds in the zigzag layout (every sequence
+    split into 2P chunks by shard_sizes(length, 2P), rank r holding chunks r and 2P - 1 - r of each,
+    in sequence order): x.index_select(0, zigzag_rows(cu, P, r)) is its shard of a varlen tensor,
+    and len() of it is its entry of shard_sizes."""
+    cu = [int(c) for c in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)]
+    mine = _chunks(cu, [0] * int(world_size), "zigzag")[int(rank)]
+    return torch.tensor([cu[b] + pos + i for b, pos, n in mine for i in range(n)], dtype=torch.long)
 
 
 def head_ranges(Hq: int, Hkv: int, Hp: Optional[int], Hpk: Optional[int], world_size: int
@@ -338,6 +348,175 @@ class _ToTokens(torch.autograd.Function):
         return (None, None, None, dkl / ctx.plan.P, *grads, *([None] * (len(gs) - n)))
 
 
+# ---- token parallelism: queries stay on their rank, the keys are gathered ---------------------
+def _chunks(cu: List[int], tsizes: List[int], layout: str, batched_S: Optional[int] = None
+            ) -> List[List[Tuple[int, int, int]]]:
+    """Per rank, the (sequence, first position, length) chunks of the full problem its rows hold,
+    in row order. Varlen contiguous: rank r holds [start_r, start_r + T_r) of the packed total
+    (a sequence may straddle ranks). Zigzag: every sequence of length n is split into 2P chunks
+    (shard_sizes(n, 2P)) and rank r holds chunks r and 2P - 1 - r of each sequence, in sequence
+    order. Batched (batched_S): rank r holds positions [start_r, start_r + T_r) of every sequence."""
+    P, B = len(tsizes), len(cu) - 1
+    res: List[List[Tuple[int, int, int]]] = [[] for _ in range(P)]
+    if batched_S is not None:
+        start = [sum(tsizes[:r]) for r in range(P)]
+        for r in range(P):
+            res[r] = [(b, start[r], tsizes[r]) for b in range(B)]
+        return res
+    if layout == "zigzag":
+        for b in range(B):
+            n = cu[b + 1] - cu[b]
+            sz = shard_sizes(n, 2 * P)
+            st = [sum(sz[:i]) for i in range(2 * P)]
+            for r in range(P):
+                for c in (r, 2 * P - 1 - r):
+                    if sz[c]:
+                        res[r].append((b, st[c], sz[c]))
+        return res
+    start = 0
+    for r in range(P):
+        lo, hi = start, start + tsizes[r]
+        for b in range(B):
+            a, e = max(lo, cu[b]), min(hi, cu[b + 1])
+            if a < e:
+                res[r].append((b, a - cu[b], e - a))
+        start = hi
+    return res
+
+
+class _TokenPlan:
+    """Who holds which rows: chunks per rank, the row of every rank's tokens in the full packed
+    key tensor (perm), and this rank's query segments."""
+
+    def __init__(self, group, rank, P, chunks, cu, device):
+        self.group, self.rank, self.P, self.device = group, rank, P, device
+        self.cu = cu
+        self.total = cu[-1]
+        self.rows = [sum(n for _, _, n in c) for c in chunks]
+        perm = [cu[b] + pos + i for c in chunks for b, pos, n in c for i in range(n)]
+        self.perm = torch.tensor(perm, dtype=torch.long, device=device)  # full row of each gathered row
+        self.offsets = [sum(self.rows[:r]) for r in range(P)]
+        mine = chunks[rank]
+        cuq = [0]
+        for _, _, n in mine:
+            cuq.append(cuq[-1] + n)
+        self.cu_seqlens_q = torch.tensor(cuq, dtype=torch.int32, device=device)
+        self.q_origin = torch.tensor([[b, pos] for b, pos, _ in mine], dtype=torch.int32,
+                                     device=device).reshape(-1, 2)
+        self.max_seqlen_q = max([n for _, _, n in mine], default=0)
+
+    def gather(self, xs: List[Tensor]) -> List[Tensor]:
+        """This rank's rows of each tensor -> the full packed tensor (every rank's rows in place)."""
+        shapes = [x.shape for x in xs]
+
+        def spec(s, d):
+            return [((self.rows[s],) + tuple(sh[1:]), x.dtype) for sh, x in zip(shapes, xs)]
+
+        recv = _exchange([list(xs) for _ in range(self.P)], spec, self)
+        res = []
+        for i, x in enumerate(xs):
+            cat = torch.cat([recv[s][i] for s in range(self.P)], dim=0)
+            full = torch.empty((self.total,) + tuple(x.shape[1:]), dtype=x.dtype, device=self.device)
+            res.append(full.index_copy_(0, self.perm, cat))
+        return res
+
+    def reduce(self, gs: List[Tensor]) -> List[Tensor]:
+        """Full-length partial gradients -> this rank's rows, summed over the ranks in rank order
+        (bf16/fp16 partials sent in fp32, rounded once)."""
+        low = [g.dtype in (torch.bfloat16, torch.float16) for g in gs]
+        wire = [g.float() if lo else g for g, lo in zip(gs, low)]
+
+        def spec(s, d):
+            return [((self.rows[d],) + tuple(g.shape[1:]), w.dtype) for g, w in zip(gs, wire)]
+
+        send = [[w.index_select(0, self.perm.narrow(0, self.offsets[d], self.rows[d])) for w in wire]
+                for d in range(self.P)]
+        recv = _exchange(send, spec, self)
+        res = []
+        for i, g in enumerate(gs):
+            acc = recv[0][i].clone()
+            for s in range(1, self.P):
+                acc.add_(recv[s][i])
+            res.append(acc.to(g.dtype))
+        return res
+
+
+class _GatherKeys(torch.autograd.Function):
+    """Forward: every rank's rows of k, v, kp -> the full tensors. Backward: the full-length
+    partial gradients -> summed into each owner's rows."""
+
+    @staticmethod
+    def forward(ctx, plan, *xs):
+        ctx.plan = plan
+        outs = plan.gather(list(xs))
+        ctx.meta = [(o.shape, o.dtype) for o in outs]
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *gs):
+        gs = [g if g is not None else torch.zeros(sh, dtype=dt, device=ctx.plan.device)
+              for g, (sh, dt) in zip(gs, ctx.meta)]
+        return (None, *ctx.plan.reduce(gs))
+
+
+class _KlMean(torch.autograd.Function):
+    """Forward: the ranks' local kl values (each a mean over Hp x its rows) -> the mean over all
+    rows (fp64, rank order: identical bits on every rank). Backward: rank r's local kl gets
+    g x rows_r / total, so that every proxy gradient equals the single-process one."""
+
+    @staticmethod
+    def forward(ctx, plan, kl):
+        ctx.share = plan.rows[plan.rank] / plan.total if plan.total else 0.0
+        recv = _exchange([[kl] for _ in range(plan.P)], lambda s, d: [((), kl.dtype)], plan)
+        vals = torch.stack([recv[s][0] for s in range(plan.P)]).double()
+        w = torch.tensor(plan.rows, dtype=torch.float64, device=vals.device)
+        mean = (vals * w).sum() / plan.total if plan.total else vals.sum() * 0
+        return mean.to(kl.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        return None, g * ctx.share
+
+
+def _token_parallel(q, k, v, qp, kp, topk, cu_seqlens, max_seqlen, indices, return_lse, return_indices,
+                    tsizes, layout, group, rank, P, kw):
+    """The tokens scheme (docs/distributed.md): k, v, kp gathered to every rank, each rank's own
+    queries run as query segments against them; dk, dv, dkp summed back to their owners."""
+    batched = q.dim() == 4
+    if batched:
+        B, S_loc = q.shape[0], q.shape[1]
+        S = sum(tsizes)
+        cu = [b * S for b in range(B + 1)]
+        chunks = _chunks(cu, tsizes, layout, batched_S=S)
+        flat = lambda t: None if t is None else t.reshape((-1,) + tuple(t.shape[2:]))  # noqa: E731
+        q, k, v, qp, kp = (flat(t) for t in (q, k, v, qp, kp))
+        cu_t = torch.tensor(cu, dtype=torch.int32, device=q.device)
+        max_seqlen = S
+    else:
+        cu = [int(x) for x in cu_seqlens.tolist()]  # (a host read of cu_seqlens: B + 1 values)
+        chunks = _chunks(cu, tsizes, layout)
+        cu_t = cu_seqlens
+    plan = _TokenPlan(group, rank, P, chunks, cu, q.device)
+    keys = [k, v] + ([kp] if kp is not None else [])
+    full = _GatherKeys.apply(plan, *keys)
+    kf, vf = full[0], full[1]
+    kpf = full[2] if kp is not None else None
+    sparse = indices is None and not kw["warmup"]
+    res = _ops._attention(q, kf, vf, qp, kpf, topk, cu_seqlens=cu_t, max_seqlen=max_seqlen, indices=indices,
+                          return_lse=bool(return_lse), return_indices=bool(return_indices) and sparse,
+                          precise_dpsum=False, kl_from_backward=False, cu_seqlens_q=plan.cu_seqlens_q,
+                          q_origin=plan.q_origin, max_seqlen_q=plan.max_seqlen_q, **kw)
+    out, kl = res[0], _KlMean.apply(plan, res[1])
+    if batched:
+        out = out.view(B, S_loc, *out.shape[1:])
+    result = [out, kl]
+    if return_lse:
+        result.append(res[2])
+    if return_indices:
+        result.append(res[-1] if sparse else indices)
+    return tuple(result)
+
+
 # ---- the operation -----------------------------------------------------------------------------
 def _check_agreement(sig: Dict[str, int], error: Optional[Exception], group, device, P: int) -> None:
     """validate=True: one all_gather of every rank's argument signature and of whether its local
@@ -414,10 +593,19 @@ def _signature(q, k, v, qp, kp, indices, cu_seqlens, max_seqlen, topk, warmup, r
     return sig
 
 
+_SCHEMES = (None, "heads", "tokens")
+_LAYOUTS = ("contiguous", "zigzag")
+
+
 def _prepare(q, k, v, qp, kp, cu_seqlens, indices, max_seqlen, warmup, shard_sizes, options, validate,
-             group, rank, P):
-    """The local argument checks (no traffic): the plan, B, this rank's token count, Hp.
-    options: the keyword arguments of msa_attention that need no tensor (checked first)."""
+             group, rank, P, scheme=None, layout="contiguous"):
+    """The local argument checks (no traffic): the plan (None for the tokens scheme), B, this rank's
+    token count, Hp, the scheme. options: the keyword arguments of msa_attention that need no tensor
+    (checked first)."""
+    if scheme not in _SCHEMES:
+        raise ValueError(f"{_P}: scheme: expected None, 'heads' or 'tokens', got {scheme!r}")
+    if layout not in _LAYOUTS:
+        raise ValueError(f"{_P}: layout: expected 'contiguous' or 'zigzag', got {layout!r}")
     _ops._check_inputs(q, k, v, qp, kp, cu_seqlens, indices)
     _ops._check_options(**options)
     if max_seqlen is not None:
@@ -488,10 +676,28 @@ def _prepare(q, k, v, qp, kp, cu_seqlens, indices, max_seqlen, warmup, shard_siz
         raise ValueError(f"{_P}: v: expected {Hkv} heads (those of k), got {v.shape[-2]}")
     if qp is not None and indices is not None and indices.shape[0] != Hp:
         raise ValueError(f"{_P}: indices: expected {Hp} proxy heads (those of qp), got {indices.shape[0]}")
+    if scheme is None:  # heads where P lines up with the head counts, else tokens
+        try:
+            head_ranges(Hq, Hkv, Hp, Hpk, P)
+            scheme = "heads"
+        except ValueError:
+            scheme = "tokens"
+    if layout == "zigzag" and (scheme != "tokens" or batched):
+        raise ValueError(f"{_P}: layout: 'zigzag' needs scheme='tokens' and varlen inputs (got scheme "
+                         f"{scheme!r}, {'batched' if batched else 'varlen'} inputs)")
+    if layout == "zigzag" and cu_seqlens.numel():
+        cu = [int(x) for x in cu_seqlens.tolist()]
+        want = [sum(n for _, _, n in c) for c in _chunks(cu, tsizes, "zigzag")]
+        if want != tsizes:
+            raise ValueError(f"{_P}: shard_sizes: with layout='zigzag' rank r holds chunks r and 2P-1-r of "
+                             f"every sequence, {want} tokens per rank for these cu_seqlens, but the shards "
+                             f"hold {tsizes}")
+    if scheme == "tokens":
+        return None, B, T_loc, Hp, scheme, tsizes
     ranges = head_ranges(Hq, Hkv, Hp, Hpk, P)
     full = {"q": Hq, "kv": Hkv, "qp": Hp, "kp": Hpk}
     plan = _Plan(group, rank, P, tsizes, ranges, full, q.device)
-    return plan, B, T_loc, Hp
+    return plan, B, T_loc, Hp, scheme, tsizes
 
 
 def msa_attention_cp(q: Tensor, k: Tensor, v: Tensor, qp: Optional[Tensor] = None,
@@ -502,9 +708,17 @@ def msa_attention_cp(q: Tensor, k: Tensor, v: Tensor, qp: Optional[Tensor] = Non
                      softmax_scale: Optional[float] = None, proxy_scale: Optional[float] = None,
                      compute_kl: Optional[bool] = None, return_lse: bool = False,
                      return_indices: bool = False, numerics: Optional[str] = None,
-                     validate: bool = False):
+                     validate: bool = False, scheme: Optional[str] = None,
+                     layout: str = "contiguous"):
     """flashmsa.msa_attention with every per-token tensor sharded by tokens over the ranks of
     `group` (default: the world). Arguments and results as in msa_attention, except:
+
+    - scheme: "heads" (an all-to-all to whole MSA groups per rank: P must line up with the head
+      counts), "tokens" (k, v, kp gathered to every rank, each rank's queries against them: any P;
+      the CPU backend for now), or None: heads where P lines up, else tokens.
+    - layout: "contiguous" (rank r holds the next T_r tokens of the packed total) or "zigzag"
+      (tokens scheme, varlen: every sequence split into 2P chunks, rank r holding chunks r and
+      2P-1-r of each, in sequence order: the causal work is the same on every rank).
 
     - no precise_dpsum (each rank's local msa_attention runs with the default).
     - q, k, v, qp, kp: this rank's token shard ([T_r, H, D] varlen, [B, S_r, H, D] batched);
@@ -532,21 +746,27 @@ def msa_attention_cp(q: Tensor, k: Tensor, v: Tensor, qp: Optional[Tensor] = Non
     options = dict(topk=topk, return_lse=return_lse, return_indices=return_indices, **kw)
     tsizes = None
     try:
-        plan, B, T_loc, Hp = _prepare(q, k, v, qp, kp, cu_seqlens, indices, max_seqlen, warmup,
-                                      shard_sizes, options, validate is True, group, rank, P)
-        tsizes, error = plan.T, None
+        plan, B, T_loc, Hp, scheme, tsizes = _prepare(q, k, v, qp, kp, cu_seqlens, indices, max_seqlen, warmup,
+                                                      shard_sizes, options, validate is True, group, rank, P,
+                                                      scheme, layout)
+        error = None
     except (TypeError, ValueError) as e:
         if not agree:
             raise
         error = e
     if agree:  # before any other traffic: bad arguments on one rank raise on every rank
         dev = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
-        _check_agreement(_signature(q, k, v, qp, kp, indices, cu_seqlens, max_seqlen, topk, warmup,
-                                    return_lse, return_indices, shard_sizes, tsizes, P), error, group, dev, P)
+        sig = _signature(q, k, v, qp, kp, indices, cu_seqlens, max_seqlen, topk, warmup, return_lse,
+                         return_indices, shard_sizes, tsizes, P)
+        sig.update(scheme=_SCHEMES.index(scheme) if scheme in _SCHEMES else -2,
+                   layout=_LAYOUTS.index(layout) if layout in _LAYOUTS else -2)
+        _check_agreement(sig, error, group, dev, P)
+    if scheme == "tokens":
+        return _token_parallel(q, k, v, qp, kp, topk, cu_seqlens, max_seqlen, indices, return_lse,
+                               return_indices, tsizes, layout, group, rank, P, kw)
     batched = q.dim() == 4
     td = 1 if batched else 0
     Hq = q.shape[-2]
-    tsizes = plan.T
 
     # ---- tokens -> heads (one all-to-all for every input)
     hd = td + 1

@@ -180,6 +180,37 @@ def _max_seqlen(x: Tensor, cu_seqlens: Optional[Tensor], max_seqlen) -> int:
     return max_seqlen
 
 
+def _segments(x: Tensor, cu_seqlens, cu_seqlens_q, q_origin, max_seqlen_q):
+    """Checks the query segments (cu_seqlens_q [S+1], q_origin [S, 2], int32, together, varlen only)
+    and returns max_seqlen_q for the library: 0 without segments; else the given value or the longest
+    segment of cu_seqlens_q (a host read)."""
+    _tensor("cu_seqlens_q", cu_seqlens_q, optional=True)
+    _tensor("q_origin", q_origin, optional=True)
+    if cu_seqlens_q is None:
+        if q_origin is not None:
+            raise ValueError("flashmsa: q_origin: needs cu_seqlens_q (query segments)")
+        if max_seqlen_q is not None:
+            raise ValueError(f"flashmsa: max_seqlen_q: expected None without cu_seqlens_q, got {_show(max_seqlen_q)}")
+        return 0
+    if q_origin is None:
+        raise ValueError("flashmsa: q_origin: is required with cu_seqlens_q ([S, 2] int32: for each query segment "
+                         "its key sequence and the position of its first query)")
+    if cu_seqlens is None:
+        raise ValueError("flashmsa: cu_seqlens_q: needs varlen [total, H, D] inputs with cu_seqlens (the key "
+                         "sequences)")
+    for name, t, nd, form in (("cu_seqlens_q", cu_seqlens_q, 1, "1 dimension [S+1]"),
+                              ("q_origin", q_origin, 2, "2 dimensions [S, 2]")):
+        if t.dtype != torch.int32:
+            raise TypeError(f"flashmsa: {name}: expected dtype torch.int32, got {t.dtype}")
+        if t.device != x.device:
+            raise ValueError(f"flashmsa: {name}: expected device {x.device} (the device of q), got {t.device}")
+        _rank(name, t, (nd,), form)
+    if max_seqlen_q is not None:
+        return _int("max_seqlen_q", max_seqlen_q, 0, INT32_MAX)
+    # (a host read, like max_seqlen's: pass max_seqlen_q under torch.compile / CUDA graphs)
+    return max(int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item()), 0) if cu_seqlens_q.numel() > 1 else 0
+
+
 def _check_select_ranks(qp, kp, cu_seqlens) -> None:
     _rank("qp", qp, (3, 4), "3 dimensions [total, Hp, Dp] or 4 dimensions [B, S, Hp, Dp]")
     nd = qp.dim()
@@ -220,7 +251,9 @@ def msa_attention(q: Tensor, k: Tensor, v: Tensor, qp: Optional[Tensor] = None,
                   softmax_scale: Optional[float] = None, proxy_scale: Optional[float] = None,
                   compute_kl: Optional[bool] = None, return_lse: bool = False,
                   return_indices: bool = False, numerics: Optional[str] = None,
-                  precise_dpsum: bool = False, validate: bool = False):
+                  precise_dpsum: bool = False, validate: bool = False,
+                  cu_seqlens_q: Optional[Tensor] = None, q_origin: Optional[Tensor] = None,
+                  max_seqlen_q: Optional[int] = None):
     """MiniMax Sparse Attention: proxy selection of topk 128-token blocks, then causal GQA
     attention over them, plus the proxy's KL term.
 
@@ -251,17 +284,27 @@ def msa_attention(q: Tensor, k: Tensor, v: Tensor, qp: Optional[Tensor] = None,
     (out_lo, one more activation of out's size) and the backward computes dpsum from
     out + out_lo: more accurate dq and dk on peaked rows (SPEC section 3, docs/numerics.md).
 
+    Query segments (context parallelism; CPU backend for now): with cu_seqlens_q [S+1] and
+    q_origin [S, 2] (int32), q, qp (and out, lse, indices) hold only some queries: rows
+    cu_seqlens_q[s] .. cu_seqlens_q[s+1] are positions q_origin[s, 1], q_origin[s, 1] + 1, ... of key
+    sequence q_origin[s, 0], while k, v, kp hold the whole key sequences that cu_seqlens describes.
+    Everything (mask, selection, kl terms, gradients) is the whole sequence's, restricted to these
+    queries; kl is their mean (N = Hp x the query rows). max_seqlen_q: the longest segment (None:
+    read from cu_seqlens_q).
+
     Returns (out, kl), then lse [Hq, total] fp32 if return_lse (differentiable), then indices
     [Hp, total, topk] int32 if return_indices (None in warmup mode).
     """
     return _attention(q, k, v, qp, kp, topk, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, warmup=warmup,
                       indices=indices, softmax_scale=softmax_scale, proxy_scale=proxy_scale,
                       compute_kl=compute_kl, return_lse=return_lse, return_indices=return_indices,
-                      numerics=numerics, precise_dpsum=precise_dpsum, validate=validate, kl_from_backward=True)
+                      numerics=numerics, precise_dpsum=precise_dpsum, validate=validate, kl_from_backward=True,
+                      cu_seqlens_q=cu_seqlens_q, q_origin=q_origin, max_seqlen_q=max_seqlen_q)
 
 
 def _attention(q, k, v, qp, kp, topk, *, cu_seqlens, max_seqlen, warmup, indices, softmax_scale, proxy_scale,
-               compute_kl, return_lse, return_indices, numerics, precise_dpsum, validate, kl_from_backward):
+               compute_kl, return_lse, return_indices, numerics, precise_dpsum, validate, kl_from_backward,
+               cu_seqlens_q=None, q_origin=None, max_seqlen_q=None):
     """msa_attention with the choice of where the default kl value comes from: kl_from_backward
     (msa_attention) or the forward (flashmsa.distributed, whose kl is a cross-rank mean)."""
     _check_inputs(q, k, v, qp, kp, cu_seqlens, indices)
@@ -281,6 +324,7 @@ def _attention(q, k, v, qp, kp, topk, *, cu_seqlens, max_seqlen, warmup, indices
             raise ValueError("flashmsa: qp: qp and kp are required in sparse mode (they select the blocks); "
                              "pass indices= to reuse a selection, or warmup=True for dense attention")
     max_seqlen = _max_seqlen(q, cu_seqlens, max_seqlen)
+    max_seqlen_q = _segments(q, cu_seqlens, cu_seqlens_q, q_origin, max_seqlen_q)
     grad = _needs_grad(q, k, v, qp, kp)
     if num is None:
         num = L.NUMERICS_TRAIN if grad else L.NUMERICS_INFER
@@ -289,7 +333,8 @@ def _attention(q, k, v, qp, kp, topk, *, cu_seqlens, max_seqlen, warmup, indices
         q=q, k=k, v=v, qp=qp, kp=kp, cu_seqlens=cu_seqlens, indices=indices, max_seqlen=max_seqlen, mode=mode,
         numerics=num, topk=topk, softmax_scale=sm_scale, proxy_scale=px_scale, compute_kl=kl_mode,
         want_indices=return_indices or grad, want_proxy_lse=grad and has_proxy, validate=validate,
-        want_out_lo=precise_dpsum and grad))
+        want_out_lo=precise_dpsum and grad, cu_seqlens_q=cu_seqlens_q, q_origin=q_origin,
+        max_seqlen_q=max_seqlen_q))
     result = [out, kl]
     if return_lse:
         result.append(lse)
@@ -300,10 +345,12 @@ def _attention(q, k, v, qp, kp, topk, *, cu_seqlens, max_seqlen, warmup, indices
 
 def msa_select(qp: Tensor, kp: Tensor, topk: int = 16, *, cu_seqlens: Optional[Tensor] = None,
                max_seqlen: Optional[int] = None, proxy_scale: Optional[float] = None,
-               return_proxy_lse: bool = False):
+               return_proxy_lse: bool = False, cu_seqlens_q: Optional[Tensor] = None,
+               q_origin: Optional[Tensor] = None, max_seqlen_q: Optional[int] = None):
     """The selection alone: indices [Hp, total, topk] int32 (slots 0..n-2 the chosen blocks by
     descending score, slot n-1 the query's own block, -1 padding), and proxy_lse [Hp, total]
-    fp32 (the proxy's log-normaliser over the selected keys) if return_proxy_lse."""
+    fp32 (the proxy's log-normaliser over the selected keys) if return_proxy_lse. Query segments
+    (cu_seqlens_q, q_origin, max_seqlen_q) as in msa_attention."""
     _tensor("qp", qp)
     _tensor("kp", kp)
     _tensor("cu_seqlens", cu_seqlens, optional=True)
@@ -320,6 +367,8 @@ def msa_select(qp: Tensor, kp: Tensor, topk: int = 16, *, cu_seqlens: Optional[T
     px_scale = _scale("proxy_scale", proxy_scale)
     _flag("return_proxy_lse", return_proxy_lse)
     max_seqlen = _max_seqlen(qp, cu_seqlens, max_seqlen)
+    max_seqlen_q = _segments(qp, cu_seqlens, cu_seqlens_q, q_origin, max_seqlen_q)
     idx, plse = A.select_op(*A.select_args(qp=qp, kp=kp, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, topk=topk,
-                                           proxy_scale=px_scale, want_proxy_lse=return_proxy_lse))
+                                           proxy_scale=px_scale, want_proxy_lse=return_proxy_lse,
+                                           cu_seqlens_q=cu_seqlens_q, q_origin=q_origin, max_seqlen_q=max_seqlen_q))
     return (idx, plse) if return_proxy_lse else idx

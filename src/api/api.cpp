@@ -125,13 +125,13 @@ extern "C" {
 void flashmsa_select_args_init(flashmsa_select_args_t* a) {
   if (!a) return;
   *a = flashmsa_select_args_t{};
-  a->qp = a->kp = a->cu_seqlens = a->indices = a->proxy_lse = a->status = none();
+  a->qp = a->kp = a->cu_seqlens = a->cu_seqlens_q = a->q_origin = a->indices = a->proxy_lse = a->status = none();
 }
 
 void flashmsa_fwd_args_init(flashmsa_fwd_args_t* a) {
   if (!a) return;
   *a = flashmsa_fwd_args_t{};
-  a->q = a->k = a->v = a->qp = a->kp = a->cu_seqlens = a->indices = a->out = a->lse =
+  a->q = a->k = a->v = a->qp = a->kp = a->cu_seqlens = a->cu_seqlens_q = a->q_origin = a->indices = a->out = a->lse =
       a->proxy_lse = a->kl = a->status = none();
   a->mode = FLASHMSA_MODE_SPARSE;
   a->numerics = FLASHMSA_NUMERICS_TRAIN;
@@ -140,7 +140,7 @@ void flashmsa_fwd_args_init(flashmsa_fwd_args_t* a) {
 void flashmsa_bwd_args_init(flashmsa_bwd_args_t* a) {
   if (!a) return;
   *a = flashmsa_bwd_args_t{};
-  a->q = a->k = a->v = a->qp = a->kp = a->cu_seqlens = a->indices = a->out = a->lse =
+  a->q = a->k = a->v = a->qp = a->kp = a->cu_seqlens = a->cu_seqlens_q = a->q_origin = a->indices = a->out = a->lse =
       a->proxy_lse = a->dout = a->dlse = a->dkl = a->dq = a->dk = a->dv = a->dqp = a->dkp =
           a->kl = a->status = none();
   a->mode = FLASHMSA_MODE_SPARSE;

@@ -20,10 +20,22 @@ std::vector<int64_t> read_cu(const flashmsa_tensor_t& cu_t, const Geometry& g, c
                          g.batched ? 0 : cu_t.strides[0], g, fn);
 }
 
-ref::Problem make_problem(const Geometry& g, std::vector<int64_t> cu, flashmsa_mode_t mode) {
+// The reference's problem: key sequences from cu_seqlens, query segments (when given) checked
+// against them.
+template <class A>
+ref::Problem make_problem(const A& a, const Geometry& g, flashmsa_mode_t mode, const char* fn) {
   ref::Problem pb;
-  pb.cu = std::move(cu);
+  pb.cu = read_cu(a.cu_seqlens, g, fn);
+  if (g.segmented) {
+    Segments sg = checked_segments(static_cast<const int32_t*>(a.cu_seqlens_q.data), a.cu_seqlens_q.strides[0],
+                                   static_cast<const int32_t*>(a.q_origin.data), a.q_origin.strides[0],
+                                   a.q_origin.strides[1], pb.cu, g, fn);
+    pb.cuq = std::move(sg.cuq);
+    pb.qseq = std::move(sg.qseq);
+    pb.qpos = std::move(sg.qpos);
+  }
   pb.total = g.total;
+  pb.total_k = g.total_k;
   pb.Hq = g.Hq;
   pb.Hkv = g.Hkv;
   pb.Hp = g.Hp;
@@ -37,33 +49,33 @@ ref::Problem make_problem(const Geometry& g, std::vector<int64_t> cu, flashmsa_m
   return pb;
 }
 
-// Per-token tensor -> dense [total][H][X] doubles.
-std::vector<double> gather_tokens(const flashmsa_tensor_t& t, const Geometry& g,
-                                  const ref::Problem& pb) {
+// Per-token tensor -> dense [rows][H][X] doubles: the query rows (total) or, for k, v, kp and their
+// gradients, the key rows (total_k).
+std::vector<double> gather_tokens(const flashmsa_tensor_t& t, const Geometry& g, bool key_side = false) {
   const int H = int(t.shape[t.ndim - 2]), X = int(t.shape[t.ndim - 1]);
-  std::vector<double> out(size_t(g.total) * H * X);
+  const int64_t rows = key_side ? g.total_k : g.total;
+  std::vector<double> out(size_t(rows) * H * X);
   const TokenLayout L = token_layout(t, g);
-  for (int b = 0; b < pb.batch(); ++b)
-    for (int64_t tok = pb.cu[size_t(b)]; tok < pb.cu[size_t(b) + 1]; ++tok)
-      for (int h = 0; h < H; ++h) {
-        const int64_t off = L.offset(b, tok, h);
-        double* dst = out.data() + (tok * H + h) * X;
-        for (int x = 0; x < X; ++x) dst[x] = load_as_double(t.dtype, t.data, off + x);
-      }
+  for (int64_t tok = 0; tok < rows; ++tok)
+    for (int h = 0; h < H; ++h) {
+      const int64_t off = L.offset(g.batched ? int(tok / g.seqlen) : 0, tok, h);
+      double* dst = out.data() + (tok * H + h) * X;
+      for (int x = 0; x < X; ++x) dst[x] = load_as_double(t.dtype, t.data, off + x);
+    }
   return out;
 }
 
-void scatter_tokens(const flashmsa_tensor_t& t, const Geometry& g, const ref::Problem& pb,
-                    const std::vector<double>& src) {
+void scatter_tokens(const flashmsa_tensor_t& t, const Geometry& g, const std::vector<double>& src,
+                    bool key_side = false) {
   const int H = int(t.shape[t.ndim - 2]), X = int(t.shape[t.ndim - 1]);
+  const int64_t rows = key_side ? g.total_k : g.total;
   const TokenLayout L = token_layout(t, g);
-  for (int b = 0; b < pb.batch(); ++b)
-    for (int64_t tok = pb.cu[size_t(b)]; tok < pb.cu[size_t(b) + 1]; ++tok)
-      for (int h = 0; h < H; ++h) {
-        const int64_t off = L.offset(b, tok, h);
-        const double* s = src.data() + (tok * H + h) * X;
-        for (int x = 0; x < X; ++x) store_from_double(t.dtype, t.data, off + x, s[x]);
-      }
+  for (int64_t tok = 0; tok < rows; ++tok)
+    for (int h = 0; h < H; ++h) {
+      const int64_t off = L.offset(g.batched ? int(tok / g.seqlen) : 0, tok, h);
+      const double* s = src.data() + (tok * H + h) * X;
+      for (int x = 0; x < X; ++x) store_from_double(t.dtype, t.data, off + x, s[x]);
+    }
 }
 
 std::vector<double> gather_heads(const flashmsa_tensor_t& t, const Geometry& g) {
@@ -106,7 +118,8 @@ void scatter_indices(const flashmsa_tensor_t& t, const Geometry& g, const std::v
 
 void check_indices(const std::vector<int32_t>& idx, const ref::Problem& pb, bool validate,
                    const char* fn) {
-  check_index_rows(idx, pb.cu, pb.Hp, pb.total, pb.topk, validate, fn);
+  Segments sg{pb.cuq, pb.qpos, pb.qseq};
+  check_index_rows(idx, pb.cu, pb.Hp, pb.total, pb.topk, validate, fn, &sg);
 }
 
 void store_scalar(const flashmsa_tensor_t& t, double v) { store_from_double(t.dtype, t.data, 0, v); }
@@ -146,8 +159,8 @@ void bwd(const flashmsa_bwd_args_t& a, const Geometry& g) {
 namespace {
 
 void select_impl(const flashmsa_select_args_t& a, const Geometry& g) {
-  ref::Problem pb = make_problem(g, read_cu(a.cu_seqlens, g, "flashmsa_select"), FLASHMSA_MODE_SPARSE);
-  const auto qp = gather_tokens(a.qp, g, pb), kp = gather_tokens(a.kp, g, pb);
+  ref::Problem pb = make_problem(a, g, FLASHMSA_MODE_SPARSE, "flashmsa_select");
+  const auto qp = gather_tokens(a.qp, g), kp = gather_tokens(a.kp, g, true);
   std::vector<int32_t> idx(size_t(g.Hp) * g.total * g.topk);
   std::vector<double> plse(size_t(g.Hp) * g.total);
   ref::select(pb, qp.data(), kp.data(), idx.data(), plse.data());
@@ -156,18 +169,17 @@ void select_impl(const flashmsa_select_args_t& a, const Geometry& g) {
 }
 
 void fwd_impl(const flashmsa_fwd_args_t& a, const Geometry& g) {
-  ref::Problem pb = make_problem(g, read_cu(a.cu_seqlens, g, "flashmsa_fwd"), a.mode);
+  ref::Problem pb = make_problem(a, g, a.mode, "flashmsa_fwd");
   std::vector<int32_t> idx;
   if (a.mode == FLASHMSA_MODE_GIVEN) {
     idx = gather_indices(a.indices, g);
     check_indices(idx, pb, a.validate != 0, "flashmsa_fwd");
   }
-  const auto q = gather_tokens(a.q, g, pb), k = gather_tokens(a.k, g, pb),
-             v = gather_tokens(a.v, g, pb);
+  const auto q = gather_tokens(a.q, g), k = gather_tokens(a.k, g, true), v = gather_tokens(a.v, g, true);
   std::vector<double> qp, kp;
   if (g.has_proxy) {
-    qp = gather_tokens(a.qp, g, pb);
-    kp = gather_tokens(a.kp, g, pb);
+    qp = gather_tokens(a.qp, g);
+    kp = gather_tokens(a.kp, g, true);
   }
   if (a.mode == FLASHMSA_MODE_SPARSE) {
     idx.assign(size_t(g.Hp) * g.total * g.topk, -1);
@@ -185,9 +197,9 @@ void fwd_impl(const flashmsa_fwd_args_t& a, const Geometry& g) {
     std::vector<double> lo(out.size());
     for (size_t i = 0; i < out.size(); ++i)
       lo[i] = round_to(a.out.dtype, out[i] - round_to(a.out.dtype, out[i]));
-    scatter_tokens(a.out_lo, g, pb, lo);
+    scatter_tokens(a.out_lo, g, lo);
   }
-  scatter_tokens(a.out, g, pb, out);
+  scatter_tokens(a.out, g, out);
   scatter_heads(a.lse, g, lse);
   if (present(a.proxy_lse)) scatter_heads(a.proxy_lse, g, plse);
   if (present(a.kl)) store_scalar(a.kl, a.compute_kl ? kl : 0.0);
@@ -195,18 +207,18 @@ void fwd_impl(const flashmsa_fwd_args_t& a, const Geometry& g) {
 }
 
 void bwd_impl(const flashmsa_bwd_args_t& a, const Geometry& g) {
-  ref::Problem pb = make_problem(g, read_cu(a.cu_seqlens, g, "flashmsa_bwd"), a.mode);
+  ref::Problem pb = make_problem(a, g, a.mode, "flashmsa_bwd");
   std::vector<int32_t> idx;
   if (a.mode != FLASHMSA_MODE_DENSE) {
     idx = gather_indices(a.indices, g);
     check_indices(idx, pb, a.validate != 0, "flashmsa_bwd");
   }
-  const auto q = gather_tokens(a.q, g, pb), k = gather_tokens(a.k, g, pb),
-             v = gather_tokens(a.v, g, pb), dout = gather_tokens(a.dout, g, pb);
+  const auto q = gather_tokens(a.q, g), k = gather_tokens(a.k, g, true), v = gather_tokens(a.v, g, true),
+             dout = gather_tokens(a.dout, g);
   std::vector<double> qp, kp, dlse;
   if (g.has_proxy) {
-    qp = gather_tokens(a.qp, g, pb);
-    kp = gather_tokens(a.kp, g, pb);
+    qp = gather_tokens(a.qp, g);
+    kp = gather_tokens(a.kp, g, true);
   }
   if (present(a.dlse)) dlse = gather_heads(a.dlse, g);
   const double dkl = present(a.dkl) ? load_as_double(a.dkl.dtype, a.dkl.data, 0) : 0.0;
@@ -218,12 +230,12 @@ void bwd_impl(const flashmsa_bwd_args_t& a, const Geometry& g) {
   ref::backward(pb, q.data(), k.data(), v.data(), g.has_proxy ? qp.data() : nullptr,
                 g.has_proxy ? kp.data() : nullptr, idx.empty() ? nullptr : idx.data(), dout.data(),
                 dlse.empty() ? nullptr : dlse.data(), dkl, o);
-  scatter_tokens(a.dq, g, pb, dq);
-  scatter_tokens(a.dk, g, pb, dk);
-  scatter_tokens(a.dv, g, pb, dv);
+  scatter_tokens(a.dq, g, dq);
+  scatter_tokens(a.dk, g, dk, true);
+  scatter_tokens(a.dv, g, dv, true);
   if (g.has_proxy) {
-    scatter_tokens(a.dqp, g, pb, dqp);
-    scatter_tokens(a.dkp, g, pb, dkp);
+    scatter_tokens(a.dqp, g, dqp);
+    scatter_tokens(a.dkp, g, dkp, true);
   }
   if (present(a.kl)) store_scalar(a.kl, kl);
 }

@@ -139,11 +139,28 @@ struct V {
         bad(name, "expected total <= " + std::to_string(kMaxInt) +
                       " tokens (cu_seqlens is int32), got " + std::to_string(g.total));
     }
+    g.total_k = g.total;
+  }
+
+  // With query segments, the first key-side tensor (k, or kp for a selection) fixes total_k.
+  void first_keys(const std::string& name, const flashmsa_tensor_t& t) {
+    if (!g.segmented) return;
+    if (g.batched) bad("cu_seqlens_q", "needs varlen [total, H, D] inputs (batched inputs have no query segments)");
+    if (!present(t)) bad(name, "is required");
+    basic(name, t);
+    if (t.ndim != 3)
+      bad(name, "expected 3 dimensions [total_k, H, D], got " + std::to_string(t.ndim) + " " + shape_string(t));
+    g.total_k = t.shape[0];
+    if (g.total_k > kMaxInt)
+      bad(name, "expected total_k <= " + std::to_string(kMaxInt) +
+                    " tokens (cu_seqlens is int32), got " + std::to_string(g.total_k));
   }
 
   // A per-token tensor: returns (H, X). want_h / want_x < 0: free.
   std::pair<int, int> tokens(const std::string& name, const flashmsa_tensor_t& t, int want_h,
-                             int want_x, const std::string& hname, const std::string& xname) const {
+                             int want_x, const std::string& hname, const std::string& xname,
+                             bool key_side = false) const {
+    const int64_t rows = key_side ? g.total_k : g.total;
     if (!present(t)) bad(name, "is required");
     basic(name, t);
     same_device(name, t);
@@ -157,7 +174,11 @@ struct V {
       if (t.shape[0] != g.batch || t.shape[1] != g.seqlen)
         bad(name, "expected B = " + std::to_string(g.batch) + ", S = " + std::to_string(g.seqlen) +
                       " (from q), got " + shape_string(t));
-    } else if (t.shape[0] != g.total) {
+    } else if (t.shape[0] != rows) {
+      if (g.segmented)
+        bad(name, std::string("expected ") + (key_side ? "total_k = " : "total_q = ") + std::to_string(rows) +
+                      (key_side ? " key tokens (from k)" : " query tokens (from q)") + ", got " +
+                      std::to_string(t.shape[0]) + " in " + shape_string(t));
       bad(name, "expected total = " + std::to_string(g.total) + " tokens (from q), got " +
                     std::to_string(t.shape[0]) + " in " + shape_string(t));
     }
@@ -223,6 +244,42 @@ struct V {
                             " (sequence lengths are int32), got " + std::to_string(max_seqlen));
     g.batch = narrow("cu_seqlens", "B (its length - 1)", cu.shape[0] - 1);
     g.max_seqlen = max_seqlen;
+  }
+
+  // Query segments: cu_seqlens_q [S+1] and q_origin [S, 2], int32, together (their values are data:
+  // the backends check them).
+  void segments(const flashmsa_tensor_t& cuq, const flashmsa_tensor_t& origin, int64_t max_seqlen_q) {
+    if (!g.segmented) {
+      g.max_seqlen_q = g.max_seqlen;
+      return;
+    }
+    if (!present(origin)) bad("q_origin", "is required with cu_seqlens_q ([S, 2] int32: key sequence, first position)");
+    for (auto [name, t] : {std::pair<const char*, const flashmsa_tensor_t*>{"cu_seqlens_q", &cuq}, {"q_origin", &origin}}) {
+      basic(name, *t);
+      same_device(name, *t);
+      if (t->dtype != FLASHMSA_DTYPE_INT32)
+        bad(name, std::string("expected dtype int32, got ") + flashmsa_dtype_name(t->dtype));
+    }
+    if (cuq.ndim != 1 || cuq.shape[0] < 1)
+      bad("cu_seqlens_q", "expected 1 dimension [S+1] with S >= 0, got " + shape_string(cuq));
+    g.segments = narrow("cu_seqlens_q", "S (its length - 1)", cuq.shape[0] - 1);
+    if (origin.ndim != 2 || origin.shape[0] != g.segments || origin.shape[1] != 2)
+      bad("q_origin", "expected shape [" + std::to_string(g.segments) +
+                          ", 2] (S from cu_seqlens_q: key sequence, first position), got " + shape_string(origin));
+    if (max_seqlen_q < 0 || max_seqlen_q > kMaxInt)
+      bad("max_seqlen_q", "expected 0 <= max_seqlen_q <= " + std::to_string(kMaxInt) + ", got " +
+                              std::to_string(max_seqlen_q));
+    g.max_seqlen_q = max_seqlen_q;
+  }
+
+  // Before anything else: whether the call has query segments (they change what the other
+  // tensors' row counts must be).
+  template <class A>
+  void segmentation(const A& a) {
+    g.segmented = present(a.cu_seqlens_q);
+    if (!g.segmented && present(a.q_origin)) bad("q_origin", "needs cu_seqlens_q (query segments)");
+    if (!g.segmented && a.max_seqlen_q != 0)
+      bad("max_seqlen_q", "expected 0 without cu_seqlens_q, got " + std::to_string(a.max_seqlen_q));
   }
 
   void ratios() const {
@@ -301,8 +358,9 @@ struct V {
     g.D = narrow("q", "D", q.shape[q.ndim - 1]);
     if (g.Hq < 1) bad("q", "expected Hq >= 1, got " + std::to_string(g.Hq));
     if (g.D < 1) bad("q", "expected D >= 1, got " + std::to_string(g.D));
-    g.Hkv = tokens("k", k, -1, g.D, "Hkv", "D").first;
-    tokens("v", v, g.Hkv, g.D, "Hkv", "D");
+    first_keys("k", k);
+    g.Hkv = tokens("k", k, -1, g.D, "Hkv", "D", true).first;
+    tokens("v", v, g.Hkv, g.D, "Hkv", "D", true);
     if (present(qp) != present(kp))
       bad(present(qp) ? "kp" : "qp", "qp and kp must be given together");
     g.has_proxy = present(qp);
@@ -310,7 +368,7 @@ struct V {
       auto hd = tokens("qp", qp, -1, -1, "Hp", "Dp");
       g.Hp = hd.first;
       g.Dp = hd.second;
-      g.Hpk = tokens("kp", kp, -1, g.Dp, "Hpk", "Dp").first;
+      g.Hpk = tokens("kp", kp, -1, g.Dp, "Hpk", "Dp", true).first;
     }
   }
 };
@@ -334,16 +392,19 @@ HeadLayout head_layout(const flashmsa_tensor_t& t) { return {t.strides[0], t.str
 
 Geometry validate_select(const flashmsa_select_args_t& a) {
   V v{"flashmsa_select", {}};
+  v.segmentation(a);
   v.first_tokens("qp", a.qp);
   v.g.Hp = v.narrow("qp", "Hp", a.qp.shape[a.qp.ndim - 2]);
   v.g.Dp = v.narrow("qp", "Dp", a.qp.shape[a.qp.ndim - 1]);
   if (v.g.Hp < 1) v.bad("qp", "expected Hp >= 1, got " + std::to_string(v.g.Hp));
   if (v.g.Dp < 1) v.bad("qp", "expected Dp >= 1, got " + std::to_string(v.g.Dp));
-  v.g.Hpk = v.tokens("kp", a.kp, -1, v.g.Dp, "Hpk", "Dp").first;
+  v.first_keys("kp", a.kp);
+  v.g.Hpk = v.tokens("kp", a.kp, -1, v.g.Dp, "Hpk", "Dp", true).first;
   v.g.has_proxy = true;
   v.g.Hq = v.g.Hp;  // no main heads in a selection call
   v.g.Hkv = 1;
   v.seqlens(a.cu_seqlens, a.max_seqlen);
+  v.segments(a.cu_seqlens_q, a.q_origin, a.max_seqlen_q);
   if (v.g.Hp % v.g.Hpk != 0)
     v.bad("heads", "Hp (" + std::to_string(v.g.Hp) + ") must be a multiple of Hpk (" +
                        std::to_string(v.g.Hpk) + ")");
@@ -361,12 +422,14 @@ Geometry validate_select(const flashmsa_select_args_t& a) {
 
 Geometry validate_fwd(const flashmsa_fwd_args_t& a) {
   V v{"flashmsa_fwd", {}};
+  v.segmentation(a);
   v.mode(a.mode);
   if (a.numerics != FLASHMSA_NUMERICS_TRAIN && a.numerics != FLASHMSA_NUMERICS_INFER)
     v.bad("numerics", "expected FLASHMSA_NUMERICS_TRAIN (0) or INFER (1), got " +
                           std::to_string(int(a.numerics)));
   v.main_inputs(a.q, a.k, a.v, a.qp, a.kp);
   v.seqlens(a.cu_seqlens, a.max_seqlen);
+  v.segments(a.cu_seqlens_q, a.q_origin, a.max_seqlen_q);
   v.flag("compute_kl", a.compute_kl);
   v.flag("validate", a.validate);
   if (a.mode == FLASHMSA_MODE_SPARSE) {
@@ -406,9 +469,11 @@ Geometry validate_fwd(const flashmsa_fwd_args_t& a) {
 
 Geometry validate_bwd(const flashmsa_bwd_args_t& a) {
   V v{"flashmsa_bwd", {}};
+  v.segmentation(a);
   v.mode(a.mode);
   v.main_inputs(a.q, a.k, a.v, a.qp, a.kp);
   v.seqlens(a.cu_seqlens, a.max_seqlen);
+  v.segments(a.cu_seqlens_q, a.q_origin, a.max_seqlen_q);
   v.flag("deterministic", a.deterministic);
   v.flag("validate", a.validate);
   if (a.mode == FLASHMSA_MODE_DENSE) {
@@ -443,11 +508,11 @@ Geometry validate_bwd(const flashmsa_bwd_args_t& a) {
       v.bad("dkl", std::string("expected dtype fp32 or fp64, got ") + flashmsa_dtype_name(a.dkl.dtype));
   }
   v.tokens("dq", a.dq, v.g.Hq, v.g.D, "Hq", "D");
-  v.tokens("dk", a.dk, v.g.Hkv, v.g.D, "Hkv", "D");
-  v.tokens("dv", a.dv, v.g.Hkv, v.g.D, "Hkv", "D");
+  v.tokens("dk", a.dk, v.g.Hkv, v.g.D, "Hkv", "D", true);
+  v.tokens("dv", a.dv, v.g.Hkv, v.g.D, "Hkv", "D", true);
   if (v.g.has_proxy) {
     v.tokens("dqp", a.dqp, v.g.Hp, v.g.Dp, "Hp", "Dp");
-    v.tokens("dkp", a.dkp, v.g.Hpk, v.g.Dp, "Hpk", "Dp");
+    v.tokens("dkp", a.dkp, v.g.Hpk, v.g.Dp, "Hpk", "Dp", true);
   } else {
     if (present(a.dqp)) v.bad("dqp", "must be absent when qp and kp are absent");
     if (present(a.dkp)) v.bad("dkp", "must be absent when qp and kp are absent");

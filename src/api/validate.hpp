@@ -48,8 +48,12 @@ struct Geometry {
   bool batched = false;
   int batch = 0;             // B
   int64_t seqlen = 0;        // S (batched only)
-  int64_t total = 0;
+  int64_t total = 0;         // query rows (q, qp, out, lse, indices, ...)
+  int64_t total_k = 0;       // key rows (k, v, kp): total, unless query segments are given
   int64_t max_seqlen = 0;    // batched: S
+  bool segmented = false;    // query segments (cu_seqlens_q, q_origin) are given
+  int segments = 0;          // S, with segmented
+  int64_t max_seqlen_q = 0;  // with segmented: >= every segment's length; else max_seqlen
   int Hq = 0, Hkv = 0, Hp = 0, Hpk = 0, D = 0, Dp = 0;
   int topk = 0;
   double scale = 0, proxy_scale = 0;  // resolved

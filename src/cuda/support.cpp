@@ -68,6 +68,9 @@ void check_supported(const Geometry& g, const char* fn) {
     unsupported(fn, "at most " + std::to_string(tiles::kMaxGridYZ) + " sequences per call, got " + std::to_string(g.batch));
   if (std::max({g.Hq, g.Hkv, g.Hp, g.Hpk}) > tiles::kMaxGridYZ)
     unsupported(fn, "at most " + std::to_string(tiles::kMaxGridYZ) + " heads of each kind");
+  if (g.segmented)
+    unsupported(fn, "query segments (cu_seqlens_q, q_origin) run on the CPU backend only; the CUDA kernels "
+                    "take one query per key position");
   if (g.max_seqlen > tiles::kMaxSeqlen)
     unsupported(fn, "max_seqlen " + std::to_string(g.max_seqlen) + " exceeds " + std::to_string(tiles::kMaxSeqlen));
 }

@@ -63,6 +63,17 @@ int Problem::seq_of(int64_t t) const {
   return int(it - cu.begin()) - 1;
 }
 
+Problem::Query Problem::query(int64_t t) const {
+  if (cuq.empty()) {
+    const int b = seq_of(t);
+    return {b, cu[size_t(b)], t - cu[size_t(b)]};
+  }
+  // last segment s with cuq[s] <= t < cuq[s+1] (skips empty segments)
+  const size_t s = size_t(std::upper_bound(cuq.begin(), cuq.end(), t) - cuq.begin()) - 1;
+  const int b = qseq[s];
+  return {b, cu[size_t(b)], qpos[s] + (t - cuq[s])};
+}
+
 int num_threads() {
   const char* env = std::getenv("FLASHMSA_NUM_THREADS");
   if (env != nullptr && *env != '\0') {
@@ -139,10 +150,10 @@ static void for_items(int64_t first, int64_t n, int stride_threads, F&& f) {
 void key_set(const Problem& pb, const int32_t* indices, int p, int64_t t,
              std::vector<int64_t>& keys) {
   keys.clear();
-  const int b = pb.seq_of(t);
-  const int64_t s0 = pb.cu[b], len = pb.cu[b + 1] - s0;
+  const Problem::Query qy = pb.query(t);
+  const int64_t s0 = qy.s0, len = pb.cu[size_t(qy.b) + 1] - s0, last = s0 + qy.pos;  // last key row
   if (pb.mode == FLASHMSA_MODE_DENSE) {
-    for (int64_t u = s0; u <= t; ++u) keys.push_back(u);
+    for (int64_t u = s0; u <= last; ++u) keys.push_back(u);
     return;
   }
   const int64_t nblocks = (len + kBlock - 1) / kBlock;
@@ -150,7 +161,7 @@ void key_set(const Problem& pb, const int32_t* indices, int p, int64_t t,
   for (int s = 0; s < pb.topk; ++s) {
     const int64_t j = row[s];
     if (j < 0 || j >= nblocks) continue;  // empty slot
-    const int64_t lo = s0 + j * kBlock, hi = std::min(lo + kBlock, t + 1);
+    const int64_t lo = s0 + j * kBlock, hi = std::min(lo + kBlock, last + 1);
     for (int64_t u = lo; u < hi; ++u) keys.push_back(u);
   }
 }
@@ -165,8 +176,8 @@ void select(const Problem& pb, const double* qp, const double* kp, int32_t* indi
     for_items(first, n, T, [&](int64_t r) {
       const int p = int(r / pb.total);
       const int64_t t = r % pb.total;
-      const int b = pb.seq_of(t);
-      const int64_t s0 = pb.cu[b], pos = t - s0, l = pos / kBlock;
+      const Problem::Query qy = pb.query(t);
+      const int64_t s0 = qy.s0, pos = qy.pos, l = pos / kBlock;
       const double* qrow = qp + (t * pb.Hp + p) * pb.Dp;
       const int c = pb.pk_of(p);
       z.assign(size_t(pos + 1), 0.0);
@@ -298,8 +309,8 @@ void backward(const Problem& pb, const double* q, const double* k, const double*
   const bool want_kl = qp && kp && o.kl;
   std::vector<double> kl_rows(want_kl ? size_t(n) : 0, 0.0);
   const double kl_coef = n > 0 ? dkl / double(n) : 0.0;  // g / N
-  const size_t kv_elems = size_t(pb.total) * pb.Hkv * pb.D;
-  const size_t kp_elems = size_t(pb.total) * pb.Hpk * pb.Dp;
+  const size_t kv_elems = size_t(pb.total_k) * pb.Hkv * pb.D;
+  const size_t kp_elems = size_t(pb.total_k) * pb.Hpk * pb.Dp;
   // Every thread keeps its own dk, dv (and dkp) buffers: at most kKeyGradBudget bytes of them
   // in all (one thread's worth at least), so many threads on a long sequence cannot exhaust the
   // host's memory. T depends on the thread setting and the problem only: still deterministic.
@@ -399,15 +410,15 @@ double mass_recall(const Problem& pb, const double* q, const double* k, const in
     for_items(first, n, T, [&](int64_t r) {
       const int64_t t = rows[size_t(r / pb.Hq)];
       const int h = int(r % pb.Hq), c = pb.kv_of(h);
-      const int b = pb.seq_of(t);
+      const Problem::Query qy = pb.query(t);
       const double* qrow = q + (t * pb.Hq + h) * pb.D;
-      xd.resize(size_t(t - pb.cu[b] + 1));
-      for (int64_t u = pb.cu[b]; u <= t; ++u)
-        xd[size_t(u - pb.cu[b])] = pb.scale * dot(qrow, k + (u * pb.Hkv + c) * pb.D, pb.D);
+      xd.resize(size_t(qy.pos + 1));
+      for (int64_t u = qy.s0; u <= qy.s0 + qy.pos; ++u)
+        xd[size_t(u - qy.s0)] = pb.scale * dot(qrow, k + (u * pb.Hkv + c) * pb.D, pb.D);
       const double lse_dense = logsumexp(xd, xd.size());
       key_set(pb, indices, pb.group_of(h), t, sc.keys);
       double mass = 0;
-      for (int64_t u : sc.keys) mass += std::exp(xd[size_t(u - pb.cu[b])] - lse_dense);
+      for (int64_t u : sc.keys) mass += std::exp(xd[size_t(u - qy.s0)] - lse_dense);
       rec[size_t(r)] = mass;
     });
   });
@@ -421,10 +432,10 @@ PairCounts count_pairs(const Problem& pb, const int32_t* indices) {
   std::vector<int64_t> keys;
   for (int p = 0; p < pb.Hp; ++p)
     for (int64_t t = 0; t < pb.total; ++t) {
-      const int b = pb.seq_of(t);
-      pc.proxy_pairs += double(t - pb.cu[b] + 1);
+      const int64_t pos = pb.query(t).pos;
+      pc.proxy_pairs += double(pos + 1);
       if (pb.mode == FLASHMSA_MODE_DENSE) {
-        pc.main_pairs += double(t - pb.cu[b] + 1) * pb.group_size();
+        pc.main_pairs += double(pos + 1) * pb.group_size();
       } else {
         key_set(pb, indices, p, t, keys);
         pc.main_pairs += double(keys.size()) * pb.group_size();

@@ -2,7 +2,8 @@
 // arrays. This is the oracle of every test and the backend of the main job without a GPU.
 //
 // Layouts (dense, row-major): per-token tensors [total][H][D]; lse, proxy_lse [H][total];
-// indices [Hp][total][topk]. Sequences are given by cu (B+1 offsets).
+// indices [Hp][total][topk]. Sequences are given by cu (B+1 offsets); query rows are key rows
+// too unless query segments are given (cuq, qseq, qpos: the C header's "Query segments").
 #pragma once
 
 #include <cstdint>
@@ -14,8 +15,13 @@
 namespace flashmsa::ref {
 
 struct Problem {
-  std::vector<int64_t> cu;  // B+1 offsets, cu[0] = 0, cu[B] = total
-  int64_t total = 0;
+  std::vector<int64_t> cu;  // B+1 key sequence offsets, cu[0] = 0, cu[B] = total_k
+  int64_t total = 0;        // query rows (q, qp, out, lse, indices, dq, dqp)
+  int64_t total_k = 0;      // key rows (k, v, kp, dk, dv, dkp)
+  // Query segments (all empty: query row t is key row t): rows [cuq[s], cuq[s+1]) are the queries
+  // at positions qpos[s], qpos[s] + 1, ... of key sequence qseq[s].
+  std::vector<int64_t> cuq, qpos;
+  std::vector<int> qseq;
   int Hq = 0, Hkv = 0, Hp = 0, Hpk = 0, D = 0, Dp = 0;
   int topk = 0;  // width of the indices rows (SPARSE / GIVEN)
   flashmsa_mode_t mode = FLASHMSA_MODE_SPARSE;
@@ -26,7 +32,13 @@ struct Problem {
   int kv_of(int h) const { return h / (Hq / Hkv); }
   int group_of(int h) const { return h / (Hq / Hp); }
   int pk_of(int p) const { return p / (Hp / Hpk); }
-  int seq_of(int64_t t) const;                        // sequence holding global token t
+  int seq_of(int64_t t) const;                        // key sequence holding key row t
+  struct Query {
+    int b;        // key sequence
+    int64_t s0;   // its first key row
+    int64_t pos;  // the query's position in it
+  };
+  Query query(int64_t t) const;                       // where query row t sits
 };
 
 // Most worker threads the reference uses (FLASHMSA_NUM_THREADS and the CLI's --threads).
@@ -51,7 +63,7 @@ void parallel_for(int64_t n, int T, const std::function<void(int64_t, int64_t, i
 void select(const Problem& pb, const double* qp, const double* kp, int32_t* indices,
             double* proxy_lse);
 
-// The key set U_p(t) of global token t for proxy head p, as global key positions in slot order
+// The key set U_p(t) of query row t for proxy head p, as key rows in slot order
 // (SPARSE / GIVEN) or ascending (DENSE). Empty slots and keys after t are left out.
 void key_set(const Problem& pb, const int32_t* indices, int p, int64_t t,
              std::vector<int64_t>& keys);

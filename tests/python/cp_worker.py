@@ -49,10 +49,30 @@ CASES = {
                                 shards="balanced", head_major=True),  # inputs with head-major strides
     "hp_lt_hkv_warmup": dict(heads=HP_LT_HKV, batch=1, seqlen=388, mode="warmup"),
     "tiny_uneven": dict(heads=M3LIKE, lengths=[0, 3], mode="sparse", shards="balanced"),  # empty shards
-    "err_hp": dict(heads="hp_half_p", lengths=[64], mode="sparse",
+    "err_hp": dict(heads="hp_half_p", lengths=[64], mode="sparse", scheme="heads",
                    error=("ValueError", "Hp (proxy heads, one per MSA group) = {hp} is not divisible")),
-    "err_hkv": dict(heads=dict(Hq=12, Hkv=3, Hp=4, Hpk=1), lengths=[64], mode="sparse",
+    "err_hkv": dict(heads=dict(Hq=12, Hkv=3, Hp=4, Hpk=1), lengths=[64], mode="sparse", scheme="heads",
                     error=("ValueError", "Hkv (kv heads) = 3 is not divisible")),
+    # the tokens scheme: k, v, kp gathered, each rank's queries as query segments (any P)
+    "tok_varlen": dict(heads=M3LIKE, lengths=[300, 1, 0, 129, 127, 215], mode="sparse", shards="balanced",
+                       scheme="tokens"),
+    "tok_zigzag": dict(heads=M3LIKE, lengths=[300, 129, 0, 260, 5], mode="sparse", shards="balanced",
+                       scheme="tokens", layout="zigzag"),
+    "tok_warmup": dict(heads=M3LIKE, lengths=[257, 3, 0, 124, 1], mode="warmup", shards="balanced",
+                       scheme="tokens"),
+    "tok_given": dict(heads=FMSA, lengths=[300, 1, 0, 129, 127, 215], mode="given", shards="balanced",
+                      scheme="tokens", layout="zigzag"),
+    "tok_batched": dict(heads=M3LIKE, batch=2, seqlen=260, mode="sparse", shards="balanced", scheme="tokens"),
+    "tok_fp32": dict(heads=HPK2, lengths=[300, 1, 129, 127, 215], mode="sparse", dtype="float32",
+                     shards="balanced", scheme="tokens"),
+    "tok_empty_shards": dict(heads=M3LIKE, lengths=[0, 3], mode="sparse", shards="balanced", scheme="tokens"),
+    "tok_by_default": dict(heads="hp_half_p", lengths=[200, 77], mode="sparse", shards="balanced"),
+    "err_zigzag_sizes": dict(heads=M3LIKE, lengths=[7, 260], mode="sparse", shards="balanced", scheme="tokens",
+                             layout="zigzag", zigzag_sizes=False,
+                             error=("ValueError", "with layout='zigzag' rank r holds chunks r and 2P-1-r")),
+    "err_zigzag_heads": dict(heads=M3LIKE, lengths=[64], mode="sparse", scheme="heads", layout="zigzag",
+                             shards="balanced",
+                             error=("ValueError", "layout: 'zigzag' needs scheme='tokens'")),
     "err_shard_sizes": dict(heads=M3LIKE, lengths=[64], mode="sparse", shards="wrong",
                             error=("ValueError", "shard_sizes")),
     "err_on_one_rank": dict(heads=M3LIKE, lengths=[64], mode="sparse", shards="wrong_on_rank1",
@@ -98,6 +118,10 @@ def run_case(name, case, rank, P, device="cpu"):
     sizes = fcp.shard_sizes(S, P)
     if shards == "even":
         assert S % P == 0, (name, S, P)
+    zigzag = case.get("layout") == "zigzag" and case.get("zigzag_sizes", True) and td == 0
+    if zigzag:  # rank r holds chunks r and 2P-1-r of every sequence
+        rows = [fcp.zigzag_rows(x["cu_seqlens"], P, r).to(device) for r in range(P)]
+        sizes = [len(r_) for r_ in rows]
     kw = dict(warmup=case["mode"] == "warmup", return_lse=True, return_indices=True, **seq)
     given = None
     if case["mode"] == "given":
@@ -117,6 +141,8 @@ def run_case(name, case, rank, P, device="cpu"):
 
     # this rank's shard
     def shard(t, dim):
+        if zigzag:
+            return t.index_select(dim, rows[rank])
         return fcp.shard_tokens(t, P, rank, dim=dim, sizes=sizes)
 
     def shard_flat(t):  # [H, total(, topk)] -> this rank's tokens (b-major for batched)
@@ -128,6 +154,9 @@ def run_case(name, case, rank, P, device="cpu"):
 
     loc = {n: shard(full[n].detach(), td).clone().requires_grad_(grad) for n in GRADS}
     ckw = dict(kw)
+    for opt in ("scheme", "layout"):
+        if opt in case:
+            ckw[opt] = case[opt]
     args = [loc[n] for n in GRADS]
     if case.get("head_major"):  # token stride D, head stride T * D (differentiable views of loc)
         args = [t.transpose(0, 1).contiguous().transpose(0, 1) for t in args]

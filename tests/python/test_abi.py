@@ -159,10 +159,11 @@ def test_reordered_fake_is_caught(monkeypatch):
 
 
 def test_args_tuple():
+    seg = dict(cu_seqlens_q=None, q_origin=None, max_seqlen_q=0)
     assert A.select_args(want_proxy_lse=True, topk=3, qp="a", kp="b", cu_seqlens=None, max_seqlen=7,
-                         proxy_scale=0.5) == ("a", "b", None, 7, 3, 0.5, True)
+                         proxy_scale=0.5, **seg) == ("a", "b", None, 7, 3, 0.5, True, None, None, 0)
     with pytest.raises(TypeError, match=r"missing \['want_proxy_lse'\], unknown \['want_lse'\]"):
-        A.select_args(want_lse=True, topk=3, qp="a", kp="b", cu_seqlens=None, max_seqlen=7, proxy_scale=0.5)
+        A.select_args(want_lse=True, topk=3, qp="a", kp="b", cu_seqlens=None, max_seqlen=7, proxy_scale=0.5, **seg)
 
 
 def _spy(monkeypatch, name, names):
@@ -191,7 +192,7 @@ def test_msa_attention_passes_each_option_in_its_place(monkeypatch):
     assert {n: a[n] for n in A.FWD_ARGS[7:]} == dict(
         max_seqlen=300, mode=L.MODE_SPARSE, numerics=L.NUMERICS_INFER, topk=3, softmax_scale=0.5,
         proxy_scale=0.25, compute_kl=1, want_indices=False, want_proxy_lse=False, validate=True,
-        want_out_lo=False)
+        want_out_lo=False, cu_seqlens_q=None, q_origin=None, max_seqlen_q=0)
     # training (grad): indices, proxy_lse and out_lo wanted; given indices
     idx = flashmsa.msa_select(qp, kp, 3, cu_seqlens=cu, max_seqlen=300)
     qg = q.clone().requires_grad_()
@@ -202,7 +203,7 @@ def test_msa_attention_passes_each_option_in_its_place(monkeypatch):
     assert {n: a[n] for n in A.FWD_ARGS[7:]} == dict(
         max_seqlen=300, mode=L.MODE_GIVEN, numerics=L.NUMERICS_TRAIN, topk=3, softmax_scale=0.0,
         proxy_scale=0.0, compute_kl=0, want_indices=True, want_proxy_lse=True, validate=False,
-        want_out_lo=True)
+        want_out_lo=True, cu_seqlens_q=None, q_origin=None, max_seqlen_q=0)
     flashmsa.msa_attention(q, k, v, None, None, 3, cu_seqlens=cu, max_seqlen=300, warmup=True)
     a = calls.pop()
     assert (a["mode"], a["qp"], a["kp"], a["compute_kl"]) == (L.MODE_DENSE, None, None, 0)

@@ -28,7 +28,7 @@ def fwd_args(mode, batched=False, grad=True, out_lo=False):
     if mode == L.MODE_GIVEN:
         idx = flashmsa.msa_select(x["qp"].detach(), x["kp"].detach(), 2, cu_seqlens=cu, max_seqlen=ms)
     return (x["q"], x["k"], x["v"], x["qp"], x["kp"], cu, idx, ms, mode, L.NUMERICS_TRAIN, 2, 0.0, 0.0, 1,
-            True, True, False, out_lo)
+            True, True, False, out_lo, None, None, 0)
 
 
 @needs_custom_op
@@ -70,8 +70,8 @@ def test_opcheck_bwd_and_select():
     for out_lo, want_kl in ((None, False), (torch.zeros_like(out), True)):
         torch.library.opcheck(torch.ops.flashmsa.bwd.default,
                               (dout, dlse, dkl, q, k, v, qp, kp, cu, idx, out, lse, plse, 260, L.MODE_SPARSE, 0.0,
-                               0.0, False, out_lo, want_kl))
-    torch.library.opcheck(torch.ops.flashmsa.select.default, (qp, kp, cu, 260, 3, 0.0, True))
+                               0.0, False, out_lo, want_kl, None, None, 0))
+    torch.library.opcheck(torch.ops.flashmsa.select.default, (qp, kp, cu, 260, 3, 0.0, True, None, None, 0))
 
 
 def _model_loss(layer, x, **kw):
