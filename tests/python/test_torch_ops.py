@@ -325,7 +325,9 @@ def spy_kernel(monkeypatch, seen, name, what):
 
 def test_numerics_follow_requires_grad(monkeypatch):
     seen = []
-    spy_kernel(monkeypatch, seen, "fwd", lambda a: a[9])  # numerics
+    from flashmsa import _autograd as A
+
+    spy_kernel(monkeypatch, seen, "fwd", lambda a: a[A.FWD_ARGS.index("numerics")])
     x = make_inputs(batch=1, seqlen=130, seed=13)
     args = [x[n] for n in MAIN + PROXY]
     flashmsa.msa_attention(*args, 2)
@@ -340,8 +342,11 @@ def test_precise_dpsum_passes_out_lo(monkeypatch):
     """precise_dpsum=True (training): the forward asks for out_lo and the backward receives it;
     the CPU backend's dpsum uses its exact fp64 output, so the gradients are unchanged."""
     seen = []
-    spy_kernel(monkeypatch, seen, "fwd", lambda a: ("fwd", a[-1]))  # want_out_lo
-    spy_kernel(monkeypatch, seen, "bwd", lambda a: ("bwd", a[-2] is not None and a[-2].numel() > 0))  # out_lo
+    from flashmsa import _autograd as A
+
+    lo_f, lo_b = A.FWD_ARGS.index("want_out_lo"), A.BWD_ARGS.index("out_lo")
+    spy_kernel(monkeypatch, seen, "fwd", lambda a: ("fwd", a[lo_f]))
+    spy_kernel(monkeypatch, seen, "bwd", lambda a: ("bwd", a[lo_b] is not None and a[lo_b].numel() > 0))
     x = make_inputs(lengths=[300, 40], dtype=torch.bfloat16, requires_grad=True, seed=16)
     args = [x[n] for n in MAIN + PROXY]
     kw = dict(cu_seqlens=x["cu_seqlens"], max_seqlen=x["max_seqlen"])
@@ -364,7 +369,9 @@ def test_deterministic_follows_torch_setting(monkeypatch):
     """torch.use_deterministic_algorithms(True) reaches the library's bwd call as deterministic=1;
     the gradients are those of the default backward (the CPU backend is deterministic anyway)."""
     seen = []
-    spy_kernel(monkeypatch, seen, "bwd", lambda a: a[17])  # deterministic
+    from flashmsa import _autograd as A
+
+    spy_kernel(monkeypatch, seen, "bwd", lambda a: a[A.BWD_ARGS.index("deterministic")])
     x = make_inputs(lengths=[300, 40], requires_grad=True, seed=15)
     args = [x[n] for n in MAIN + PROXY]
     grads = []
