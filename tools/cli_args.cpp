@@ -41,6 +41,9 @@ const char* const kRunUsage =
     "  --precise-dpsum        the forward keeps out_lo, the backward's dpsum uses out + out_lo\n"
     "  --backend auto|cpu|cuda       auto (default): CUDA when available and supported, else CPU\n"
     "  --threads N            CPU worker threads, 1..1024 (sets FLASHMSA_NUM_THREADS)\n"
+    "  --cp N                 the step over N processes with flashmsa.distributed (gloo on the CPU,\n"
+    "                         NCCL on GPUs), checked against one process: the pip-installed\n"
+    "                         command runs it (python3 -m flashmsa.cp_run --help)\n"
     "output\n"
     "  --check                compare with the fp64 CPU reference (exit 1 when over threshold)\n"
     "  --save DIR             write every tensor as .npy plus config.json into DIR (created and\n"
@@ -135,6 +138,10 @@ bool parse_run_args(const std::vector<std::string>& args, Config& c) {
     };
     const int64_t kMaxHeads = 1 << 16;
     if (flag == "-h" || flag == "--help") return false;
+    else if (flag == "--cp")
+      throw UsageError("--cp: the step over several processes needs torch.distributed: run it with the "
+                       "pip-installed `flashmsa run --cp N` (python3 -m flashmsa.cp_run --cp N); this program "
+                       "runs one process");
     else if (flag == "--config") {
       c.preset = val();
       if (c.preset != "m3" && c.preset != "fmsa")

@@ -1,5 +1,6 @@
 """The `flashmsa` console command of the pip package: runs the main job (the C++ `flashmsa`
-program installed inside the package, flashmsa/bin/flashmsa) with the same arguments."""
+program installed inside the package, flashmsa/bin/flashmsa) with the same arguments;
+`flashmsa run --cp N ...` runs the step over N processes instead (flashmsa.cp_run, with torch)."""
 import os
 import pathlib
 import sys
@@ -17,6 +18,11 @@ def program() -> pathlib.Path:
 
 
 def main() -> None:
+    args = sys.argv[1:]
+    if args[:1] == ["run"] and any(a == "--cp" or a.startswith("--cp=") for a in args[1:]):
+        from . import cp_run  # (imports torch only here)
+
+        sys.exit(cp_run.main(args[1:]))
     try:
         exe = program()
     except FileNotFoundError as e:

@@ -769,6 +769,7 @@ CLI_USAGE = [
     ("batch_total_above_int32", ["--batch", str(2**20), "--seqlen", "4096"], ["int32"]),
     ("seed_negative", ["--seed", "-1"], ["--seed", "non-negative"]),
     ("dtype_fp8", ["--dtype", "fp8"], ["--dtype", "bf16, fp16, fp32 or fp64"]),
+    ("cp_in_the_program", ["--cp", "2"], ["--cp", "pip-installed `flashmsa run --cp N`"]),
     ("host_memory", ["--seqlen", str(2**31 - 1), "--hq", "1024", "--hkv", "1", "--hp", "1", "--d", "4096"],
      ["host memory", "GiB"]),
 ]
