@@ -186,8 +186,9 @@ typedef struct flashmsa_bwd_args {
  * Requirements: varlen inputs; cu_seqlens_q[0] = 0, non-decreasing, last value total_q, every
  * segment length <= max_seqlen_q; 0 <= q_origin[s][0] < B and 0 <= q_origin[s][1] with
  * q_origin[s][1] + length(s) <= the length of key sequence q_origin[s][0]. The CPU backend checks
- * the values before it computes (INVALID_ARGUMENT); the CUDA backend does not run segments yet
- * (NOT_SUPPORTED). */
+ * the values before it computes (INVALID_ARGUMENT); the CUDA backend checks them on the device like
+ * cu_seqlens (FLASHMSA_FAULT_SEGMENTS, "Metadata faults" below) and runs segments in flashmsa_select
+ * (flashmsa_fwd and flashmsa_bwd: NOT_SUPPORTED so far). */
 
 /* Initialise an argument struct: every tensor absent, scales 0 (defaults), TRAIN numerics. */
 FLASHMSA_API void flashmsa_select_args_init(flashmsa_select_args_t* args);
@@ -236,6 +237,9 @@ FLASHMSA_API flashmsa_status_t flashmsa_bwd(const flashmsa_bwd_args_t* args, voi
 #define FLASHMSA_FAULT_ABOVE_TOTAL 8       /* a value > total */
 #define FLASHMSA_FAULT_LAST_NOT_TOTAL 16   /* cu_seqlens[B] != total */
 #define FLASHMSA_FAULT_ABOVE_MAX_SEQLEN 32 /* a sequence longer than max_seqlen */
+#define FLASHMSA_FAULT_SEGMENTS 64         /* query segments (cu_seqlens_q, q_origin) that do not fit the key
+                                              sequences; words 3-7 then describe the first faulting segment s:
+                                              1 + s, cu_seqlens_q[s], cu_seqlens_q[s + 1], total_q, max_seqlen_q */
 #define FLASHMSA_FAULT_OP_SELECT 1
 #define FLASHMSA_FAULT_OP_FWD 2
 #define FLASHMSA_FAULT_OP_BWD 4

@@ -86,7 +86,8 @@ std::string describe_faults(const int32_t* w) {
       {FLASHMSA_FAULT_DECREASING, "values decrease (cu_seqlens must be non-decreasing)"},
       {FLASHMSA_FAULT_ABOVE_TOTAL, "a value exceeds total (the token count of q)"},
       {FLASHMSA_FAULT_LAST_NOT_TOTAL, "the last value is not total"},
-      {FLASHMSA_FAULT_ABOVE_MAX_SEQLEN, "a sequence is longer than max_seqlen"}};
+      {FLASHMSA_FAULT_ABOVE_MAX_SEQLEN, "a sequence is longer than max_seqlen"},
+      {FLASHMSA_FAULT_SEGMENTS, "query segments (cu_seqlens_q, q_origin) do not fit the key sequences"}};
   std::string faults, ops;
   for (const auto& f : kFaults)
     if (w[0] & f.bit) faults += (faults.empty() ? "" : "; ") + std::string(f.text);
@@ -95,7 +96,13 @@ std::string describe_faults(const int32_t* w) {
     if (w[1] & bit) ops += (ops.empty() ? "" : ", ") + std::string(name);
   std::string msg = "flashmsa: invalid cu_seqlens found on the device by " + std::to_string(w[2]) + " call(s) (" +
                     ops + "): " + faults + ".";
-  if (w[3] > 0) {
+  if (w[3] > 0 && (w[0] & ~FLASHMSA_FAULT_SEGMENTS) == 0) {  // a segment fault alone: words 3-7 describe it
+    const int sg = w[3] - 1;
+    msg += " First faulting segment " + std::to_string(sg) + ": cu_seqlens_q[" + std::to_string(sg) + "] = " +
+           std::to_string(w[4]) + ", cu_seqlens_q[" + std::to_string(sg + 1) + "] = " + std::to_string(w[5]) +
+           " (total_q = " + std::to_string(w[6]) + ", max_seqlen_q = " + std::to_string(w[7]) +
+           "; its q_origin row is not in the words).";
+  } else if (w[3] > 0) {
     const int b = w[3] - 1;
     msg += " First fault at cu_seqlens[" + std::to_string(b) + "] = " + std::to_string(w[4]);
     if (w[0] & (FLASHMSA_FAULT_DECREASING | FLASHMSA_FAULT_ABOVE_MAX_SEQLEN))
@@ -349,7 +356,7 @@ int flashmsa_abi_constant(const char* name, int64_t* value) {
       FLASHMSA_CONSTANT(FLASHMSA_FAULT_DECREASING),
       FLASHMSA_CONSTANT(FLASHMSA_FAULT_ABOVE_TOTAL),
       FLASHMSA_CONSTANT(FLASHMSA_FAULT_LAST_NOT_TOTAL),
-      FLASHMSA_CONSTANT(FLASHMSA_FAULT_ABOVE_MAX_SEQLEN),
+      FLASHMSA_CONSTANT(FLASHMSA_FAULT_ABOVE_MAX_SEQLEN), FLASHMSA_CONSTANT(FLASHMSA_FAULT_SEGMENTS),
       FLASHMSA_CONSTANT(FLASHMSA_FAULT_OP_SELECT),
       FLASHMSA_CONSTANT(FLASHMSA_FAULT_OP_FWD),
       FLASHMSA_CONSTANT(FLASHMSA_FAULT_OP_BWD),

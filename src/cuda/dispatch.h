@@ -80,12 +80,17 @@ HeadTensor<T> head_tensor(const flashmsa_tensor_t& t) {
   return r;
 }
 
-// The sequences the kernels read: cu (the guard's safe copy for varlen), or S and B (batched).
-inline Seqs seqs_of(const flashmsa_tensor_t& cu, const Geometry& g) {
+// The sequences the kernels read: cu (the guard's safe copy for varlen), or S and B (batched); with
+// query segments, the guard's safe copies of cu_seqlens_q and q_origin.
+inline Seqs seqs_of(const flashmsa_tensor_t& cu, const Geometry& g, const int32_t* cuq = nullptr,
+                    const int32_t* origin = nullptr) {
   Seqs s;
   s.cu_seqlens = g.batched ? nullptr : static_cast<const int*>(cu.data);
   s.seqlen = g.seqlen;
   s.batch = g.batch;
+  s.cuq = cuq;
+  s.qorigin = origin;
+  s.segments = cuq != nullptr ? g.segments : g.batch;
   return s;
 }
 
@@ -212,11 +217,15 @@ FwdLayout fwd_layout(const flashmsa_fwd_args_t& a, const Geometry& g);
 // A call's guard: the check launched first, the poison list, the poison launched last.
 struct Guard {
   flashmsa_tensor_t cu{};  // what the kernels read: the safe copy (varlen), absent (batched)
+  const int32_t* cuq = nullptr;     // with query segments: the safe copies of cu_seqlens_q [S + 1]
+  const int32_t* origin = nullptr;  // and q_origin [S, 2] (contiguous)
   guard::PoisonArgs outs;  // what the poison kernel fills on a fault
   bool on = false;
 };
+// cuq, origin: the call's query segments (absent: none; g.segmented says which)
 Guard start_guard(const flashmsa_tensor_t& cu, const flashmsa_tensor_t& status, const Geometry& g, int32_t op,
-                  void* ws, cudaStream_t st);
+                  void* ws, cudaStream_t st, const flashmsa_tensor_t* cuq = nullptr,
+                  const flashmsa_tensor_t* origin = nullptr);
 // Adds an output (rank 0 to 3, last dimension contiguous: validated) to the poison list.
 void poison(Guard& r, const flashmsa_tensor_t& t);
 void finish_guard(const Guard& r, cudaStream_t st);
@@ -232,7 +241,8 @@ void launch_select(Dtype d, const selection::Args& a, cudaStream_t st);
 // blocks (kGivenLse, indices read from `given`).
 void run_select(const flashmsa_tensor_t& qp, const flashmsa_tensor_t& kp, const flashmsa_tensor_t& cu,
                 const Geometry& g, int32_t* indices, int64_t idx_head, int64_t idx_tok, HeadTensor<float> proxy_lse,
-                cudaStream_t st, int lse_mode = selection::kSelect, HeadTensor<const int32_t> given = {});
+                cudaStream_t st, int lse_mode = selection::kSelect, HeadTensor<const int32_t> given = {},
+                const Guard* segments = nullptr);
 
 // ---- proxy_side.cpp ----
 // What the backward's kernels and the forward's kl share: q, k, the padded lse2, the sequences,

@@ -6,7 +6,7 @@
 namespace flashmsa::cuda {
 
 Guard start_guard(const flashmsa_tensor_t& cu, const flashmsa_tensor_t& status, const Geometry& g, int32_t op,
-                  void* ws, cudaStream_t st) {
+                  void* ws, cudaStream_t st, const flashmsa_tensor_t* cuq, const flashmsa_tensor_t* origin) {
   Guard r;
   r.cu = cu;
   if (g.batched) return r;
@@ -14,12 +14,25 @@ Guard start_guard(const flashmsa_tensor_t& cu, const flashmsa_tensor_t& status, 
   c.cu = static_cast<const int32_t*>(cu.data);
   c.cu_stride = cu.strides[0];
   c.batch = g.batch;
-  c.total = g.total;
+  c.total = g.total_k;
   c.max_seqlen = g.max_seqlen;
   c.status = present(status) ? static_cast<int32_t*>(status.data) : nullptr;
   c.op = op;
-  r.cu.data = const_cast<int32_t*>(guard::launch_check(c, ws, st));
+  if (g.segmented) {
+    c.cuq = static_cast<const int32_t*>(cuq->data);
+    c.cuq_stride = cuq->strides[0];
+    c.origin = static_cast<const int32_t*>(origin->data);
+    c.origin_stride0 = origin->strides[0];
+    c.origin_stride1 = origin->strides[1];
+    c.segments = g.segments;
+    c.total_q = g.total;
+    c.max_seqlen_q = g.max_seqlen_q;
+  }
+  const guard::Safe safe = guard::launch_check(c, ws, st);
+  r.cu.data = const_cast<int32_t*>(safe.cu);
   r.cu.strides[0] = 1;
+  r.cuq = safe.cuq;
+  r.origin = safe.origin;
   r.outs.fault = guard::fault_word(ws);
   r.on = true;
   return r;

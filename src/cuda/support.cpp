@@ -16,7 +16,8 @@ static_assert(kMaxTopk == FLASHMSA_MAX_TOPK && kBlockKeys == FLASHMSA_BLOCK_SIZE
 static_assert(guard::kFirstNotZero == FLASHMSA_FAULT_FIRST_NOT_ZERO && guard::kNegative == FLASHMSA_FAULT_NEGATIVE &&
                   guard::kDecreasing == FLASHMSA_FAULT_DECREASING && guard::kAboveTotal == FLASHMSA_FAULT_ABOVE_TOTAL &&
                   guard::kLastNotTotal == FLASHMSA_FAULT_LAST_NOT_TOTAL &&
-                  guard::kAboveMaxSeqlen == FLASHMSA_FAULT_ABOVE_MAX_SEQLEN && guard::kWords == FLASHMSA_STATUS_WORDS &&
+                  guard::kAboveMaxSeqlen == FLASHMSA_FAULT_ABOVE_MAX_SEQLEN && guard::kSegments == FLASHMSA_FAULT_SEGMENTS &&
+                  guard::kWords == FLASHMSA_STATUS_WORDS &&
                   guard::kSelect == FLASHMSA_FAULT_OP_SELECT && guard::kFwd == FLASHMSA_FAULT_OP_FWD &&
                   guard::kBwd == FLASHMSA_FAULT_OP_BWD,
               "cuda/common/guard.cuh repeats flashmsa.h's status words");
@@ -68,9 +69,9 @@ void check_supported(const Geometry& g, const char* fn) {
     unsupported(fn, "at most " + std::to_string(tiles::kMaxGridYZ) + " sequences per call, got " + std::to_string(g.batch));
   if (std::max({g.Hq, g.Hkv, g.Hp, g.Hpk}) > tiles::kMaxGridYZ)
     unsupported(fn, "at most " + std::to_string(tiles::kMaxGridYZ) + " heads of each kind");
-  if (g.segmented)
-    unsupported(fn, "query segments (cu_seqlens_q, q_origin) run on the CPU backend only; the CUDA kernels "
-                    "take one query per key position");
+  if (g.segmented && std::string(fn).find("select") == std::string::npos)
+    unsupported(fn, "query segments (cu_seqlens_q, q_origin): the CUDA backend runs them in flashmsa_select "
+                    "only so far; the forward and backward run them on the CPU backend");
   if (g.max_seqlen > tiles::kMaxSeqlen)
     unsupported(fn, "max_seqlen " + std::to_string(g.max_seqlen) + " exceeds " + std::to_string(tiles::kMaxSeqlen));
 }

@@ -12,7 +12,9 @@ namespace flashmsa::cuda {
 using tiles::global_blocks_bound;
 using tiles::kHeadDim;
 
-size_t guard_bytes(const Geometry& g) { return g.batched ? 0 : guard::workspace(g.batch); }
+size_t guard_bytes(const Geometry& g) {
+  return g.batched ? 0 : guard::workspace(g.batch, g.segmented ? g.segments : -1);
+}
 
 void check_layout_fits(const char* fn, const Geometry& g, size_t layout_bytes, size_t ws_bytes) {
   const size_t need = guard_bytes(g) + layout_bytes;

@@ -2,6 +2,7 @@
 // with outputs poisoned (NaN) before each run and device buffers reused across tests.
 // One binary, one process; CTest label `gpu`. Tests named Small* are the sanitizer's subset.
 #include <algorithm>
+#include <array>
 #include <climits>
 #include <cmath>
 #include <cstdlib>
@@ -2517,6 +2518,151 @@ TEST(Empty, SmallZeroTokens) {
       }
   cudaFreeHost(words);
 }
+
+// ---- query segments (flashmsa.h "Query segments") ------------------------------------------------
+// flashmsa_select with cu_seqlens_q / q_origin: chunks of the sequences' queries (cut off block
+// boundaries, out of order, two of one sequence, an empty one) against the whole key sequences give
+// exactly the whole call's rows (the same tile math per row), for the register list (topk 4) and the
+// shared-memory one (topk 20); their outputs fully written (poisoned before).
+struct SegSelect {
+  Tensor idx, plse;
+};
+SegSelect cuda_select(const Tensor& qp, const Tensor& kp, const Tensor& cu, int64_t max_seqlen, int topk, int64_t rows,
+                      int Hp, const Tensor* cuq = nullptr, const Tensor* origin = nullptr, int64_t max_seqlen_q = 0,
+                      flashmsa_tensor_t status = flashmsa::none(), flashmsa_status_t want = FLASHMSA_SUCCESS) {
+  SegSelect r{output({Hp, rows, topk}, FLASHMSA_DTYPE_INT32), output({Hp, rows}, FLASHMSA_DTYPE_FP32)};
+  flashmsa::SelectArgs a;
+  a.qp = dev_view(qp);
+  a.kp = dev_view(kp);
+  a.cu_seqlens = dev_view(cu);
+  a.max_seqlen = max_seqlen;
+  if (cuq) {
+    a.cu_seqlens_q = dev_view(*cuq);
+    a.q_origin = dev_view(*origin);
+    a.max_seqlen_q = max_seqlen_q;
+  }
+  a.topk = topk;
+  a.indices = dev_view(r.idx);
+  a.proxy_lse = dev_view(r.plse);
+  a.status = status;
+  size_t ws_bytes = 0;
+  EXPECT_EQ(flashmsa_select_workspace_size(&a, &ws_bytes), FLASHMSA_SUCCESS) << flashmsa_last_error();
+  void* ws = ws_bytes ? Pool::get().take(ws_bytes) : nullptr;
+  EXPECT_EQ(flashmsa_select(&a, ws, ws_bytes), want) << flashmsa_last_error();
+  cudaDeviceSynchronize();
+  download(r.idx);
+  download(r.plse);
+  return r;
+}
+
+Tensor int_tensor(std::vector<int64_t> shape, const std::vector<int64_t>& values) {
+  Tensor t;
+  t.shape = std::move(shape);
+  t.dtype = FLASHMSA_DTYPE_INT32;
+  t.host.assign(values.begin(), values.end());
+  upload(t);
+  return t;
+}
+
+TEST(Segments, SmallSelectRowsEqualWholeCall) {
+  PoolScope scope;
+  std::mt19937_64 rng(fresh_seed());
+  const std::vector<int64_t> lens{700, 0, 260, 1};
+  std::vector<int64_t> cu{0};
+  for (auto l : lens) cu.push_back(cu.back() + l);
+  const int Hp = 2, Hpk = 1, Dp = 128;
+  const int64_t T = cu.back();
+  Tensor qp = random_input({T, Hp, Dp}, FLASHMSA_DTYPE_BF16, rng), kp = random_input({T, Hpk, Dp}, FLASHMSA_DTYPE_BF16, rng);
+  Tensor cu_t = int_tensor({int64_t(cu.size())}, cu);
+  // (sequence, first position, length)
+  const std::vector<std::array<int64_t, 3>> segs{{0, 385, 315}, {2, 3, 250}, {0, 0, 130}, {3, 0, 1}, {1, 0, 0}, {0, 130, 255}};
+  std::vector<int64_t> rows, cuq{0}, origin;
+  int64_t max_q = 0;
+  for (const auto& sg : segs) {
+    for (int64_t i = 0; i < sg[2]; ++i) rows.push_back(cu[size_t(sg[0])] + sg[1] + i);
+    cuq.push_back(int64_t(rows.size()));
+    origin.push_back(sg[0]);
+    origin.push_back(sg[1]);
+    max_q = std::max(max_q, sg[2]);
+  }
+  const int64_t Tq = int64_t(rows.size());
+  Tensor qp_r;
+  qp_r.shape = {Tq, Hp, Dp};
+  qp_r.dtype = FLASHMSA_DTYPE_BF16;
+  for (int64_t r : rows)
+    for (int64_t x = 0; x < Hp * Dp; ++x) qp_r.host.push_back(qp.host[size_t(r * Hp * Dp + x)]);
+  upload(qp_r);
+  Tensor cuq_t = int_tensor({int64_t(cuq.size())}, cuq), origin_t = int_tensor({int64_t(segs.size()), 2}, origin);
+  for (int topk : {4, 20}) {
+    SCOPED_TRACE("topk " + std::to_string(topk));
+    const SegSelect whole = cuda_select(qp, kp, cu_t, 700, topk, T, Hp);
+    const SegSelect part = cuda_select(qp_r, kp, cu_t, 700, topk, Tq, Hp, &cuq_t, &origin_t, max_q);
+    int64_t bad_idx = 0, bad_lse = 0;
+    for (int h = 0; h < Hp; ++h)
+      for (int64_t i = 0; i < Tq; ++i) {
+        const int64_t w = rows[size_t(i)];
+        for (int s = 0; s < topk; ++s)
+          bad_idx += part.idx.host[size_t((h * Tq + i) * topk + s)] != whole.idx.host[size_t((h * T + w) * topk + s)];
+        const double a = part.plse.host[size_t(h * Tq + i)], b = whole.plse.host[size_t(h * T + w)];
+        bad_lse += !(a == b);  // (NaN: the poison was not overwritten)
+      }
+    EXPECT_EQ(bad_idx, 0);
+    EXPECT_EQ(bad_lse, 0);
+  }
+}
+
+// Bad segments found on the device: the call returns, computes nothing from them (outputs poisoned),
+// and the status words report FLASHMSA_FAULT_SEGMENTS naming the first faulting segment; the forward
+// and backward refuse segments (NOT_SUPPORTED) before anything runs.
+TEST(Segments, SmallBadSegmentsPoisonAndReport) {
+  PoolScope scope;
+  std::mt19937_64 rng(fresh_seed());
+  const std::vector<int64_t> cu{0, 300, 429};
+  const int Hp = 2, Dp = 128;
+  Tensor kp = random_input({429, 1, Dp}, FLASHMSA_DTYPE_BF16, rng), qp = random_input({279, Hp, Dp}, FLASHMSA_DTYPE_BF16, rng);
+  Tensor cu_t = int_tensor({3}, cu), cuq = int_tensor({3}, {0, 150, 279});
+  int32_t* words = nullptr;
+  CUDA_OK(cudaHostAlloc(reinterpret_cast<void**>(&words), 8 * sizeof(int32_t), cudaHostAllocMapped));
+  std::memset(words, 0, 8 * sizeof(int32_t));
+  flashmsa_tensor_t status = flashmsa::view(words, FLASHMSA_DTYPE_INT32, {8});
+  struct Case {
+    const char* what;
+    std::vector<int64_t> origin;
+  } cases[] = {{"queries past the sequence's end", {0, 151, 1, 0}},
+               {"key sequence out of range", {0, 100, 2, 0}},
+               {"negative position", {0, -1, 1, 0}}};
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.what);
+    Tensor origin = int_tensor({2, 2}, c.origin);
+    const SegSelect r = cuda_select(qp, kp, cu_t, 300, 4, 279, Hp, &cuq, &origin, 150, status);
+    for (double x : r.plse.host) ASSERT_TRUE(std::isnan(x));
+    for (double x : r.idx.host) ASSERT_EQ(x, double(INT32_MIN));
+    EXPECT_EQ(words[0], FLASHMSA_FAULT_SEGMENTS);
+    EXPECT_EQ(flashmsa_check_status(&status, nullptr, FLASHMSA_CHECK_SYNC | FLASHMSA_CHECK_RESET, nullptr),
+              FLASHMSA_ERROR_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(flashmsa_last_error()).find("query segments"), std::string::npos) << flashmsa_last_error();
+  }
+  // a good call with the same words: nothing recorded
+  Tensor origin = int_tensor({2, 2}, {0, 100, 1, 0});
+  const SegSelect ok = cuda_select(qp, kp, cu_t, 300, 4, 279, Hp, &cuq, &origin, 150, status);
+  for (double x : ok.plse.host) ASSERT_TRUE(std::isfinite(x));
+  EXPECT_EQ(words[0], 0);
+  // the forward refuses segments on the GPU
+  Tensor q = random_input({279, 8, 128}, FLASHMSA_DTYPE_BF16, rng), k = random_input({429, 2, 128}, FLASHMSA_DTYPE_BF16, rng);
+  Tensor out = output({279, 8, 128}, FLASHMSA_DTYPE_BF16), lse = output({8, 279}, FLASHMSA_DTYPE_FP32);
+  flashmsa::FwdArgs f;
+  f.q = dev_view(q), f.k = dev_view(k), f.v = dev_view(k), f.qp = dev_view(qp), f.kp = dev_view(kp);
+  f.cu_seqlens = dev_view(cu_t);
+  f.max_seqlen = 300;
+  f.cu_seqlens_q = dev_view(cuq), f.q_origin = dev_view(origin), f.max_seqlen_q = 150;
+  f.topk = 4;
+  f.out = dev_view(out), f.lse = dev_view(lse);
+  size_t bytes = 0;
+  EXPECT_EQ(flashmsa_fwd_workspace_size(&f, &bytes), FLASHMSA_ERROR_NOT_SUPPORTED);
+  EXPECT_NE(std::string(flashmsa_last_error()).find("query segments"), std::string::npos) << flashmsa_last_error();
+  cudaFreeHost(words);
+}
+
 
 }  // namespace
 }  // namespace gputest

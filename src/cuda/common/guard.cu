@@ -18,11 +18,18 @@ __host__ __device__ int32_t clamp32(int64_t x) { return int32_t(x > INT32_MAX ? 
 // One CTA: every position b of cu_seqlens is checked (values read once, as 64-bit), the faults
 // OR-ed and the first faulting position found; then the safe copy is written (the values, or
 // zeros on any fault) and, on a fault, the caller's status words.
-__global__ void __launch_bounds__(kCheckThreads) check_kernel(const CheckArgs a, int32_t* fault, int32_t* safe) {
-  __shared__ int s_bits, s_first;
+// Query segments (a.segments >= 0) are checked after cu_seqlens (their key sequences' lengths come
+// from it; with a faulty cu_seqlens they are not looked at): any fault zeroes every safe copy, so
+// every segment and every sequence is empty. The status words describe the first fault of
+// cu_seqlens, else the first faulting segment s (1 + s, cu_seqlens_q[s], cu_seqlens_q[s + 1],
+// total_q, max_seqlen_q).
+__global__ void __launch_bounds__(kCheckThreads) check_kernel(const CheckArgs a, int32_t* fault, int32_t* safe,
+                                                              int32_t* safe_q, int32_t* safe_origin) {
+  __shared__ int s_bits, s_first, s_seg_first;
   if (threadIdx.x == 0) {
     s_bits = 0;
     s_first = INT_MAX;
+    s_seg_first = INT_MAX;
   }
   __syncthreads();
   int bits = 0, first = INT_MAX;
@@ -48,8 +55,37 @@ __global__ void __launch_bounds__(kCheckThreads) check_kernel(const CheckArgs a,
     atomicMin(&s_first, first);
   }
   __syncthreads();
+  if (a.segments >= 0 && s_bits == 0) {
+    int seg_first = INT_MAX;
+    for (int s = threadIdx.x; s <= a.segments; s += blockDim.x) {
+      const int64_t x = a.cuq[int64_t(s) * a.cuq_stride];
+      bool bad = (s == 0 && x != 0) || x < 0 || x > a.total_q || (s == a.segments && x != a.total_q);
+      if (s < a.segments) {
+        const int64_t y = a.cuq[int64_t(s + 1) * a.cuq_stride];
+        const int64_t b = a.origin[int64_t(s) * a.origin_stride0], p0 = a.origin[int64_t(s) * a.origin_stride0 + a.origin_stride1];
+        bad = bad || y < x || y - x > a.max_seqlen_q || b < 0 || b >= a.batch || p0 < 0;
+        if (!bad) {
+          const int64_t len_k = int64_t(a.cu[(b + 1) * a.cu_stride]) - a.cu[b * a.cu_stride];
+          bad = p0 + (y - x) > len_k;
+        }
+      }
+      if (bad) seg_first = min(seg_first, s);
+    }
+    if (seg_first != INT_MAX) {
+      atomicOr(&s_bits, kSegments);
+      atomicMin(&s_seg_first, seg_first);
+    }
+    __syncthreads();
+  }
   const int all = s_bits;
   for (int b = threadIdx.x; b <= a.batch; b += blockDim.x) safe[b] = all ? 0 : a.cu[int64_t(b) * a.cu_stride];
+  if (a.segments >= 0) {
+    for (int s = threadIdx.x; s <= a.segments; s += blockDim.x) safe_q[s] = all ? 0 : a.cuq[int64_t(s) * a.cuq_stride];
+    for (int s = threadIdx.x; s < a.segments; s += blockDim.x) {
+      safe_origin[2 * s] = all ? 0 : a.origin[int64_t(s) * a.origin_stride0];
+      safe_origin[2 * s + 1] = all ? 0 : a.origin[int64_t(s) * a.origin_stride0 + a.origin_stride1];
+    }
+  }
   if (threadIdx.x == 0) {
     *fault = all;
     if (all && a.status) {  // one writer per call; calls on one stream are ordered
@@ -58,12 +94,21 @@ __global__ void __launch_bounds__(kCheckThreads) check_kernel(const CheckArgs a,
       w[kOps] |= a.op;
       w[kCalls] += 1;
       if (w[kFirstPos] == 0) {
-        const int b = s_first;
-        w[kFirstPos] = b + 1;
-        w[kValue] = a.cu[int64_t(b) * a.cu_stride];
-        w[kNext] = b < a.batch ? a.cu[int64_t(b + 1) * a.cu_stride] : 0;
-        w[kTotal] = clamp32(a.total);
-        w[kMaxSeqlen] = clamp32(a.max_seqlen);
+        if (s_first != INT_MAX) {
+          const int b = s_first;
+          w[kFirstPos] = b + 1;
+          w[kValue] = a.cu[int64_t(b) * a.cu_stride];
+          w[kNext] = b < a.batch ? a.cu[int64_t(b + 1) * a.cu_stride] : 0;
+          w[kTotal] = clamp32(a.total);
+          w[kMaxSeqlen] = clamp32(a.max_seqlen);
+        } else {
+          const int s = s_seg_first;
+          w[kFirstPos] = s + 1;
+          w[kValue] = a.cuq[int64_t(s) * a.cuq_stride];
+          w[kNext] = s < a.segments ? a.cuq[int64_t(s + 1) * a.cuq_stride] : 0;
+          w[kTotal] = clamp32(a.total_q);
+          w[kMaxSeqlen] = clamp32(a.max_seqlen_q);
+        }
       }
       __threadfence_system();
     }
@@ -87,16 +132,29 @@ __global__ void poison_kernel(const PoisonArgs a) {
 
 }  // namespace
 
-size_t workspace(int batch) { return align_up(sizeof(int32_t)) + align_up(size_t(batch + 1) * sizeof(int32_t)); }
+size_t workspace(int batch, int segments) {
+  size_t n = align_up(sizeof(int32_t)) + align_up(size_t(batch + 1) * sizeof(int32_t));
+  if (segments >= 0) n += align_up(size_t(segments + 1) * sizeof(int32_t)) + align_up(size_t(segments) * 2 * sizeof(int32_t));
+  return n;
+}
 
 const int32_t* fault_word(const void* ws) { return static_cast<const int32_t*>(ws); }
 
-const int32_t* launch_check(const CheckArgs& a, void* ws, cudaStream_t st) {
-  auto* fault = static_cast<int32_t*>(ws);
-  auto* safe = reinterpret_cast<int32_t*>(static_cast<char*>(ws) + align_up(sizeof(int32_t)));
-  check_kernel<<<1, kCheckThreads, 0, st>>>(a, fault, safe);
+Safe launch_check(const CheckArgs& a, void* ws, cudaStream_t st) {
+  char* base = static_cast<char*>(ws);
+  auto* fault = reinterpret_cast<int32_t*>(base);
+  size_t off = align_up(sizeof(int32_t));
+  auto* safe = reinterpret_cast<int32_t*>(base + off);
+  off += align_up(size_t(a.batch + 1) * sizeof(int32_t));
+  int32_t *safe_q = nullptr, *safe_origin = nullptr;
+  if (a.segments >= 0) {
+    safe_q = reinterpret_cast<int32_t*>(base + off);
+    off += align_up(size_t(a.segments + 1) * sizeof(int32_t));
+    safe_origin = reinterpret_cast<int32_t*>(base + off);
+  }
+  check_kernel<<<1, kCheckThreads, 0, st>>>(a, fault, safe, safe_q, safe_origin);
   FLASHMSA_CUDA_CHECK(cudaGetLastError());
-  return safe;
+  return Safe{safe, safe_q, safe_origin};
 }
 
 void launch_poison(const PoisonArgs& a, cudaStream_t st) {

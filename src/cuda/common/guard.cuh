@@ -27,7 +27,8 @@ enum Fault : int32_t {
   kDecreasing = 4,      // cu_seqlens[b + 1] < cu_seqlens[b]
   kAboveTotal = 8,      // a value > total
   kLastNotTotal = 16,   // cu_seqlens[B] != total
-  kAboveMaxSeqlen = 32  // a length > max_seqlen
+  kAboveMaxSeqlen = 32,  // a length > max_seqlen
+  kSegments = 64         // query segments (cu_seqlens_q, q_origin) that do not fit the key sequences
 };
 enum Word : int {
   kFaults = 0,   // OR of Fault bits over every faulting call
@@ -42,8 +43,9 @@ enum Word : int {
 };
 enum Op : int32_t { kSelect = 1, kFwd = 2, kBwd = 4 };
 
-// Workspace of the guard: the fault word, then the safe copy of cu_seqlens [B + 1].
-size_t workspace(int batch);
+// Workspace of the guard: the fault word, the safe copy of cu_seqlens [B + 1], and with query segments
+// the safe copies of cu_seqlens_q [S + 1] and q_origin [S, 2] (contiguous).
+size_t workspace(int batch, int segments = -1);
 
 struct CheckArgs {
   const int32_t* cu = nullptr;  // the caller's cu_seqlens (device)
@@ -52,9 +54,20 @@ struct CheckArgs {
   int64_t total = 0, max_seqlen = 0;
   int32_t* status = nullptr;  // the caller's status words (device or mapped host memory), or null
   int32_t op = 0;
+  // query segments (segments < 0: none): checked against the key sequences of cu_seqlens
+  const int32_t* cuq = nullptr;
+  const int32_t* origin = nullptr;
+  int64_t cuq_stride = 1, origin_stride0 = 2, origin_stride1 = 1;
+  int segments = -1;
+  int64_t total_q = 0, max_seqlen_q = 0;
 };
-// Launches the check into ws (workspace(batch) bytes); returns the safe cu_seqlens.
-const int32_t* launch_check(const CheckArgs& a, void* ws, cudaStream_t st);
+struct Safe {
+  const int32_t* cu = nullptr;
+  const int32_t* cuq = nullptr;     // [S + 1], with segments
+  const int32_t* origin = nullptr;  // [S, 2] contiguous, with segments
+};
+// Launches the check into ws (workspace(batch, segments) bytes); returns the safe copies.
+Safe launch_check(const CheckArgs& a, void* ws, cudaStream_t st);
 // The fault word in ws (the poison kernel's switch).
 const int32_t* fault_word(const void* ws);
 

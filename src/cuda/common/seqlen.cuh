@@ -33,6 +33,10 @@ struct Seqs {
   const int* cu_seqlens = nullptr;  // device, [B+1]; null for batched
   int64_t seqlen = 0;               // batched S
   int batch = 0;
+  // Query segments (flashmsa.h, "Query segments"; the guard's safe copies), or null: one per sequence.
+  const int* cuq = nullptr;      // [S+1]
+  const int* qorigin = nullptr;  // [S, 2] contiguous: key sequence, first position
+  int segments = 0;              // S, or batch without segments: the query units of the query-tile grids
   __device__ void get(int b, int64_t& start, int64_t& len) const {
     if (cu_seqlens) {
       start = cu_seqlens[b];
@@ -43,6 +47,31 @@ struct Seqs {
     }
   }
 };
+
+// Query unit s (a segment, or sequence s without segments): its key sequence b (key rows s0 ..
+// s0 + L), the query positions [lo, hi) it holds and the query row of position pos, qrow0 + pos
+// (without segments qrow0 = s0: query rows are key rows).
+struct QueryUnit {
+  int b;
+  int64_t s0, L, lo, hi, qrow0;
+};
+__device__ __forceinline__ QueryUnit query_unit(const Seqs& q, int s) {
+  QueryUnit u;
+  if (q.cuq) {
+    u.b = q.qorigin[2 * s];
+    q.get(u.b, u.s0, u.L);
+    u.lo = q.qorigin[2 * s + 1];
+    u.hi = u.lo + (q.cuq[s + 1] - q.cuq[s]);
+    u.qrow0 = q.cuq[s] - u.lo;
+  } else {
+    u.b = s;
+    q.get(s, u.s0, u.L);
+    u.lo = 0;
+    u.hi = u.L;
+    u.qrow0 = u.s0;
+  }
+  return u;
+}
 
 // THE padded offset of varlen-padded per-token buffers (lse in log2, dpsum): sequence b starts
 // at a multiple of `tile`, so a kernel may read a whole tile past a sequence's end. The tile has

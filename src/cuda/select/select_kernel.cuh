@@ -153,13 +153,14 @@ __global__ void __launch_bounds__(kCtaThreads, 1) select_kernel(const __grid_con
   auto& S = smem_struct<typename C::Smem>(smem_raw);
 
   const int m_block = p.num_m_blocks - 1 - int(blockIdx.x);  // heavy tiles first
-  const int ph = blockIdx.y, b = blockIdx.z;
-  int64_t s0, L;
-  p.seqs.get(b, s0, L);
-  if (int64_t(m_block) * C::kBlockM >= L) return;
+  const int ph = blockIdx.y;
+  // the query unit: key sequence b (keys s0..), query positions [lo, hi), query rows qrow0 + position
+  const QueryUnit u = query_unit(p.seqs, blockIdx.z);
+  const int b = u.b;
+  const int64_t s0 = u.s0, lo = u.lo, hi = u.hi, qrow0 = u.qrow0;
+  if (int64_t(m_block) * C::kBlockM >= hi || int64_t(m_block + 1) * C::kBlockM <= lo) return;
   const int tid = threadIdx.x, lane = tid % 32;
   const int pk = ph / (p.Hp / p.Hpk);
-  const int64_t last = s0 + L - 1;
 
   using Pipeline = typename C::Pipeline;
   const int role_wg = tid / kWarpGroupThreads;
@@ -188,13 +189,13 @@ __global__ void __launch_bounds__(kCtaThreads, 1) select_kernel(const __grid_con
   cutlass::arch::warpgroup_reg_alloc<kFwdRegs.consumer>();
   const int wg = role_wg - 1;
   {
-    // this warpgroup's 64 query rows (clamped to the sequence)
+    // this warpgroup's 64 query rows (positions clamped to the unit's [lo, hi))
     const Element* qbase = p.qp.template row<const Element>(b, 0, ph);
 #pragma unroll
     for (int c = tid % kWarpGroupThreads; c < 64 * 16; c += kWarpGroupThreads) {
       const int r = wg * 64 + c / 16, col = (c % 16) * 8;
-      const int64_t t = min(s0 + int64_t(m_block) * C::kBlockM + r, last);
-      ptx::cp_async_16(&sQ(r, col), qbase + t * p.qp.tok + col);
+      const int64_t pos = min(max(int64_t(m_block) * C::kBlockM + r, lo), hi - 1);
+      ptx::cp_async_16(&sQ(r, col), qbase + (qrow0 + pos) * p.qp.tok + col);
     }
     ptx::cp_async_commit();
     ptx::cp_async_wait<0>();
@@ -219,6 +220,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) select_kernel(const __grid_con
   const int own_r = lane & 3;
   const int own_row = own_r == 0 ? wg * 64 + get<0>(cRC(0, 0)) : own_r == 1 ? wg * 64 + get<0>(cRC(1, 0)) : -1;
   const int64_t own_i = int64_t(m_block) * C::kBlockM + (own_row < 0 ? 0 : own_row);
+  const bool own_valid = own_row >= 0 && own_i >= lo && own_i < hi;  // a query of this unit
   int count = 0;
   float list_last = -INFINITY;  // the full list's last score (the owner's register copy)
   const bool reg_list = cap <= kRegSlots;  // the list in registers (RegList), else in shared memory
@@ -232,7 +234,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) select_kernel(const __grid_con
       const int row = wg * 64 + get<0>(cRC(r, 0));
       const int64_t i = int64_t(m_block) * C::kBlockM + row;
       for (int s = 0; s < p.topk; ++s) {
-        const int v = i < L ? p.given.at(ph, s0 + i)[s] : -1;
+        const int v = i >= lo && i < hi ? p.given.at(ph, qrow0 + i)[s] : -1;
         S.idx[s][row] = int16_t(v >= 0 && v <= m_block ? v : -1);  // blocks past the query's own hold no keys
       }
     }
@@ -286,7 +288,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) select_kernel(const __grid_con
     if constexpr (!decltype(masked)::value) {
       if (p.lse_mode == kSelect) {
         const float sc = rank_score(own_r == 0 ? mx[0] : mx[1]);
-        const bool take = cap > 0 && own_row >= 0 && own_i < L && (count < cap || outranks(sc, list_last));
+        const bool take = cap > 0 && own_valid && (count < cap || outranks(sc, list_last));
         if (!__any_sync(0xffffffffu, take)) return;
       }
     }
@@ -322,7 +324,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) select_kernel(const __grid_con
     } else if constexpr (decltype(masked)::value) {
       local_lse2[0] = blse2[0];
       local_lse2[1] = blse2[1];
-    } else if (cap > 0 && own_row >= 0 && own_i < L) {
+    } else if (cap > 0 && own_valid) {
       // one owner lane per row (quad lane 0: the thread's first row, lane 1: its second), so
       // the two rows' inserts run side by side
       const float sc = rank_score(own_r == 0 ? mx[0] : mx[1]), l2 = own_r == 0 ? blse2[0] : blse2[1];
@@ -341,12 +343,12 @@ __global__ void __launch_bounds__(kCtaThreads, 1) select_kernel(const __grid_con
   }
 
   // Write the rows (write_row), and the selected set's proxy lse: the row's owner lane.
-  if (own_row >= 0 && own_i < L) {
+  if (own_valid) {
     const int r = own_r, row = own_row;
     const int64_t i = own_i;
     if (p.lse_mode != kSelect) {
       const float rs = r == 0 ? run_s[0] : run_s[1], rm = r == 0 ? run_m[0] : run_m[1];
-      *p.proxy_lse.at(ph, s0 + i) = rs > 0.f ? (rm + log2f(rs)) * kLn2 : -INFINITY;
+      *p.proxy_lse.at(ph, qrow0 + i) = rs > 0.f ? (rm + log2f(rs)) * kLn2 : -INFINITY;
     } else {
       const int n = count;
       if (reg_list) {  // the register list to the row's shared-memory list, then one writer
@@ -360,11 +362,11 @@ __global__ void __launch_bounds__(kCtaThreads, 1) select_kernel(const __grid_con
       const float llse2 = r == 0 ? local_lse2[0] : local_lse2[1];
       float mx2 = llse2;
       for (int s = 0; s < n; ++s) mx2 = fmaxf(mx2, S.lse2[s][row]);
-      write_row(S, row, n, m_block, p.topk, p.indices.at(ph, s0 + i));
+      write_row(S, row, n, m_block, p.topk, p.indices.at(ph, qrow0 + i));
       if (p.proxy_lse.ptr) {
         float sum = exp2f(llse2 - mx2);
         for (int s = 0; s < n; ++s) sum += exp2f(S.lse2[s][row] - mx2);
-        *p.proxy_lse.at(ph, s0 + i) = (mx2 + log2f(sum)) * kLn2;
+        *p.proxy_lse.at(ph, qrow0 + i) = (mx2 + log2f(sum)) * kLn2;
       }
     }
   }
@@ -376,7 +378,7 @@ void launch(const Params<Element>& p, cudaStream_t stream) {
   auto kernel = select_kernel<Element>;
   FLASHMSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            int(C::kSmemBytes)));
-  dim3 grid(p.num_m_blocks, p.Hp, p.seqs.batch);
+  dim3 grid(p.num_m_blocks, p.Hp, p.seqs.segments);
   if (grid.x == 0 || grid.z == 0) return;
   kernel<<<grid, C::kThreads, C::kSmemBytes, stream>>>(p);
   FLASHMSA_CUDA_CHECK(cudaGetLastError());
