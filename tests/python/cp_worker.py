@@ -70,6 +70,13 @@ CASES = {
     "err_zigzag_sizes": dict(heads=M3LIKE, lengths=[7, 260], mode="sparse", shards="balanced", scheme="tokens",
                              layout="zigzag", zigzag_sizes=False,
                              error=("ValueError", "with layout='zigzag' rank r holds chunks r and 2P-1-r")),
+    "err_tok_on_one_rank": dict(heads=M3LIKE, lengths=[64, 65], mode="sparse", shards="wrong_on_rank1", scheme="tokens",
+                                error=("ValueError", "rank 1 rejected its arguments"),
+                                error_rank1=("ValueError", "shard_sizes: rank 1 holds")),
+    "err_tok_sizes_disagree": dict(heads=M3LIKE, lengths=[64, 65], mode="sparse", shards="disagree", scheme="tokens",
+                                   worlds=(3, 4), error=("ValueError", "the ranks' token shards do not add up")),
+    "err_heads_p_divides_nothing": dict(heads=M3LIKE, lengths=[129], mode="sparse", shards="balanced", scheme="heads",
+                                        worlds=(3,), error=("ValueError", "is not divisible by the context-parallel size")),
     "err_zigzag_heads": dict(heads=M3LIKE, lengths=[64], mode="sparse", scheme="heads", layout="zigzag",
                              shards="balanced",
                              error=("ValueError", "layout: 'zigzag' needs scheme='tokens'")),
@@ -169,6 +176,10 @@ def run_case(name, case, rank, P, device="cpu"):
         ckw["shard_sizes"] = [s + (1 if i == rank else 0) for i, s in enumerate(sizes)]
     elif shards == "wrong_on_rank1":  # only rank 1's list is wrong (validate: no rank hangs)
         ckw["shard_sizes"] = [s + (1 if i == rank == 1 else 0) for i, s in enumerate(sizes)]
+    elif shards == "disagree":  # rank 0 moves a token between ranks 1 and 2 in its list: right about itself, the
+        # right total, but not the others' list (P >= 3)
+        ckw["shard_sizes"] = [s + (1 if rank == 0 and i == 1 else -1 if rank == 0 and i == 2 else 0)
+                              for i, s in enumerate(sizes)]
     fcp.set_all_to_all_impl(case.get("impl", "auto"))
     t0 = time.perf_counter()
     try:
