@@ -246,7 +246,7 @@ def evaluate(model, batches, a, device, want_selection=False):
     """Validation loss (mean over the fixed batches); for MSA also kl (the forward's value in the
     model's current mode) and the selection's recall at sampled rows, averaged over the layers,
     and optionally the last batch's layer-0 selection."""
-    losses, kls, other_kls, recalls, sel = [], [], [], [], None
+    losses, kls, other_kls, recalls, sel, proj = [], [], [], [], None, None
     inputs = []
     hooks = []
     if model.kind == "msa":
@@ -271,6 +271,9 @@ def evaluate(model, batches, a, device, want_selection=False):
                     recalls.append(sampled_recall(q, k, idx, rows))
                     if li == 0:
                         sel = idx
+                        # the first sequence's projections (bench/tools/fp8_selection_quality.py --trained)
+                        proj = {n: t[0].detach().to(torch.bfloat16).cpu() for n, t in (("q", q), ("k", k), ("qp", qp),
+                                                                                      ("kp", kp))}
     for h in hooks:
         h.remove()
     r = dict(val_loss=sum(losses) / len(losses))
@@ -281,6 +284,7 @@ def evaluate(model, batches, a, device, want_selection=False):
                  kl_selected_set=other if warm else kl)
     if want_selection:
         r["selection"] = sel
+        r["projections"] = proj
     return r
 
 
@@ -451,10 +455,12 @@ def main(argv=None):
                           causality_max_abs_diff=causality_check(model, val_batches[0][0], a, device))
         if kind == "msa":
             final = evaluate(model, val_batches, a, device, want_selection=True)
-            sel = final.pop("selection")
+            sel, proj = final.pop("selection"), final.pop("projections")
             runs[kind]["trained_selection"] = union_stats(sel, a.batch, a.seqlen, a.topk)
             if out:
                 torch.save(sel[:, :a.seqlen].to(torch.int16).cpu(), out / "selection_layer0_seq0.pt")
+                if proj is not None:
+                    torch.save(dict(proj, topk=a.topk), out / "proxy_inputs_layer0_seq0.pt")
         r = runs[kind]
         phases = (f" (steps {a.warmup_steps}+: {r['step_ms_sparse_phase']:.1f} ms)" if r["step_ms_sparse_phase"] else "")
         log(f"[{kind:5s}] {r['step_ms']:.1f} ms/step{phases}, {r['tokens_per_s']:.0f} tokens/s, "

@@ -79,3 +79,6 @@ def test_cpu_preset_trains_both_models(tmp_path):
     assert (tmp_path / "lm_long_context.csv").read_text().count("\n") == 1 + len(msa) + len(dense)
     sel = torch.load(tmp_path / "selection_layer0_seq0.pt")
     assert sel.shape == (2, 1024, 2)
+    proj = torch.load(tmp_path / "proxy_inputs_layer0_seq0.pt")  # (bench/tools/fp8_selection_quality.py --trained)
+    assert proj["topk"] == 2 and proj["qp"].shape == (1024, 2, 16) and proj["kp"].shape == (1024, 1, 16)
+    assert proj["q"].shape == (1024, 4, 16) and proj["k"].shape == (1024, 2, 16)
