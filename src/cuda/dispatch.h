@@ -232,8 +232,11 @@ void finish_guard(const Guard& r, cudaStream_t st);
 // The opt-in `validate`: cu_seqlens (and index rows) copied to the host and checked (synchronises).
 std::vector<int64_t> validate_offsets(const flashmsa_tensor_t& cu, const Geometry& g, cudaStream_t st,
                                       const char* fn);
+// The query segments copied to the host and checked against the key sequences cu (empty without segments).
+Segments validate_segments(const flashmsa_tensor_t& cuq, const flashmsa_tensor_t& origin, const std::vector<int64_t>& cu,
+                           const Geometry& g, cudaStream_t st, const char* fn);
 void validate_indices(const flashmsa_tensor_t& t, const std::vector<int64_t>& cu, const Geometry& g,
-                      cudaStream_t st, const char* fn);
+                      cudaStream_t st, const char* fn, const Segments* segments = nullptr);
 
 // ---- select.cpp ----
 void launch_select(Dtype d, const selection::Args& a, cudaStream_t st);

@@ -11,7 +11,7 @@ namespace {
 // The main forward. SPARSE/GIVEN: the shared-stream kernel, the per-warpgroup rings kernel, or (by
 // default where R >= 8, FLASHMSA_FWD_RINGS) both over one grid, each running the tiles that the
 // router gave it (fwd/fwd_route.cu; `route`: the workspace's byte per tile). DENSE: the shared stream.
-void run_fwd(const flashmsa_fwd_args_t& a, const Geometry& g, const int32_t* idx, int64_t idx_head,
+void run_fwd(const flashmsa_fwd_args_t& a, const Geometry& g, const Guard& gd, const int32_t* idx, int64_t idx_head,
              int64_t idx_tok, const FwdRings& rings, uint8_t* route, int32_t* perm, unsigned long long* sched,
              cudaStream_t st) {
   attn_fwd::Args p;
@@ -25,7 +25,8 @@ void run_fwd(const flashmsa_fwd_args_t& a, const Geometry& g, const int32_t* idx
   p.indices.ptr = idx;
   p.indices.head = idx_head;
   p.indices.tok = idx_tok;
-  p.seqs = seqs_of(a.cu_seqlens, g);
+  // (query segments: the guard's safe copies; every query-side row is then a query row)
+  p.seqs = g.segmented ? seqs_of(a.cu_seqlens, g, gd.cuq, gd.origin) : seqs_of(a.cu_seqlens, g);
   p.Hq = g.Hq;
   p.Hkv = g.Hkv;
   p.Hp = g.Hp;
@@ -35,9 +36,10 @@ void run_fwd(const flashmsa_fwd_args_t& a, const Geometry& g, const int32_t* idx
   p.NT = tile.NT;
   p.scale = float(g.scale);
   p.num_m_tiles = int(tiles::fwd_m_tiles(g, tile));
-  p.total = g.total;
+  p.total = g.total_k;  // the k and v descriptors' rows
   p.tile_counter = rings.persistent ? sched : nullptr;
-  if (idx != nullptr && rings.regroup && attn_fwd::regroup_applies(p.NT, p.topk)) {
+  // (the regrouping permutes a sequence's tokens within 128-position spans: not for query segments)
+  if (idx != nullptr && rings.regroup && !g.segmented && attn_fwd::regroup_applies(p.NT, p.topk)) {
     attn_fwd::launch_regroup(p, g.max_seqlen, perm, g.total, st);  // before the router, which reads it
     p.perm = perm;
     p.perm_head = g.total;
@@ -105,10 +107,12 @@ void fwd(const flashmsa_fwd_args_t& user, const Geometry& g, void* ws_raw, size_
   auto st = static_cast<cudaStream_t>(user.stream);
   if (user.validate) {
     const auto cu = validate_offsets(user.cu_seqlens, g, st, fn);
-    if (user.mode == FLASHMSA_MODE_GIVEN) validate_indices(user.indices, cu, g, st, fn);
+    const Segments sg = validate_segments(user.cu_seqlens_q, user.q_origin, cu, g, st, fn);
+    if (user.mode == FLASHMSA_MODE_GIVEN) validate_indices(user.indices, cu, g, st, fn, &sg);
   }
-  // From here on the kernels see the guard's safe cu_seqlens (a fault: every sequence empty).
-  Guard gd = start_guard(user.cu_seqlens, user.status, g, guard::kFwd, ws_raw, st);
+  // From here on the kernels see the guard's safe cu_seqlens (a fault: every sequence empty) and segments.
+  Guard gd = start_guard(user.cu_seqlens, user.status, g, guard::kFwd, ws_raw, st, &user.cu_seqlens_q, &user.q_origin);
+  const Guard* segs = g.segmented ? &gd : nullptr;
   flashmsa_fwd_args_t a = user;
   a.cu_seqlens = gd.cu;
   for (const flashmsa_tensor_t* t : {&a.out, &a.out_lo, &a.lse, &a.proxy_lse, &a.kl}) poison(gd, *t);
@@ -136,7 +140,8 @@ void fwd(const flashmsa_fwd_args_t& user, const Geometry& g, void* ws_raw, size_
     int32_t* dst = present(a.indices) ? static_cast<int32_t*>(a.indices.data) : reinterpret_cast<int32_t*>(ws + l.idx);
     idx_head = present(a.indices) ? a.indices.strides[0] : g.total * g.topk;
     idx_tok = present(a.indices) ? a.indices.strides[1] : g.topk;
-    run_select(a.qp, a.kp, a.cu_seqlens, g, dst, idx_head, idx_tok, head_tensor<float>(plse_t), st);
+    run_select(a.qp, a.kp, a.cu_seqlens, g, dst, idx_head, idx_tok, head_tensor<float>(plse_t), st,
+               selection::kSelect, {}, segs);
     idx = dst;
   } else {
     if (a.mode == FLASHMSA_MODE_GIVEN) {
@@ -150,11 +155,11 @@ void fwd(const flashmsa_fwd_args_t& user, const Geometry& g, void* ws_raw, size_
       given.head = idx_head;
       given.tok = idx_tok;
       const int mode = a.mode == FLASHMSA_MODE_DENSE ? selection::kDenseLse : selection::kGivenLse;
-      run_select(a.qp, a.kp, a.cu_seqlens, g, nullptr, 0, 0, head_tensor<float>(plse_t), st, mode, given);
+      run_select(a.qp, a.kp, a.cu_seqlens, g, nullptr, 0, 0, head_tensor<float>(plse_t), st, mode, given, segs);
     }
   }
 
-  run_fwd(a, g, idx, idx_head, idx_tok, rings, reinterpret_cast<uint8_t*>(ws + l.route),
+  run_fwd(a, g, gd, idx, idx_head, idx_tok, rings, reinterpret_cast<uint8_t*>(ws + l.route),
           reinterpret_cast<int32_t*>(ws + l.perm), reinterpret_cast<unsigned long long*>(ws + l.sched), st);
   if (a.compute_kl) run_fwd_kl(a, g, idx, idx_head, idx_tok, plse_t, ws, l, st);
   finish_guard(gd, st);

@@ -82,8 +82,25 @@ std::vector<int64_t> validate_offsets(const flashmsa_tensor_t& cu, const Geometr
   return checked_offsets(host.data(), 1, g, fn);
 }
 
+Segments validate_segments(const flashmsa_tensor_t& cuq, const flashmsa_tensor_t& origin, const std::vector<int64_t>& cu,
+                           const Geometry& g, cudaStream_t st, const char* fn) {
+  if (!g.segmented) return {};
+  std::vector<int32_t> q(size_t(g.segments) + 1), o(size_t(g.segments) * 2);
+  for (int s = 0; s <= g.segments; ++s)
+    FLASHMSA_CUDA_CHECK(cudaMemcpyAsync(&q[size_t(s)], static_cast<const int32_t*>(cuq.data) + s * cuq.strides[0], 4,
+                                        cudaMemcpyDeviceToHost, st));
+  for (int s = 0; s < g.segments; ++s)
+    for (int c = 0; c < 2; ++c)
+      FLASHMSA_CUDA_CHECK(cudaMemcpyAsync(&o[size_t(2 * s + c)],
+                                          static_cast<const int32_t*>(origin.data) + s * origin.strides[0] +
+                                              c * origin.strides[1],
+                                          4, cudaMemcpyDeviceToHost, st));
+  FLASHMSA_CUDA_CHECK(cudaStreamSynchronize(st));
+  return checked_segments(q.data(), 1, o.data(), 2, 1, cu, g, fn);
+}
+
 void validate_indices(const flashmsa_tensor_t& t, const std::vector<int64_t>& cu, const Geometry& g,
-                      cudaStream_t st, const char* fn) {
+                      cudaStream_t st, const char* fn, const Segments* segments) {
   std::vector<int32_t> host(size_t(g.Hp) * g.total * g.topk);
   for (int h = 0; h < g.Hp; ++h)
     FLASHMSA_CUDA_CHECK(cudaMemcpy2DAsync(host.data() + size_t(h) * g.total * g.topk, size_t(g.topk) * 4,
@@ -91,7 +108,7 @@ void validate_indices(const flashmsa_tensor_t& t, const std::vector<int64_t>& cu
                                           size_t(t.strides[1]) * 4, size_t(g.topk) * 4, size_t(g.total),
                                           cudaMemcpyDeviceToHost, st));
   FLASHMSA_CUDA_CHECK(cudaStreamSynchronize(st));
-  check_index_rows(host, cu, g.Hp, g.total, g.topk, true, fn);
+  check_index_rows(host, cu, g.Hp, g.total, g.topk, true, fn, segments);
 }
 
 }  // namespace flashmsa::cuda

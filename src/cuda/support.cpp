@@ -69,9 +69,6 @@ void check_supported(const Geometry& g, const char* fn) {
     unsupported(fn, "at most " + std::to_string(tiles::kMaxGridYZ) + " sequences per call, got " + std::to_string(g.batch));
   if (std::max({g.Hq, g.Hkv, g.Hp, g.Hpk}) > tiles::kMaxGridYZ)
     unsupported(fn, "at most " + std::to_string(tiles::kMaxGridYZ) + " heads of each kind");
-  if (g.segmented && std::string(fn).find("select") == std::string::npos)
-    unsupported(fn, "query segments (cu_seqlens_q, q_origin): the CUDA backend runs them in flashmsa_select "
-                    "only so far; the forward and backward run them on the CPU backend");
   if (g.max_seqlen > tiles::kMaxSeqlen)
     unsupported(fn, "max_seqlen " + std::to_string(g.max_seqlen) + " exceeds " + std::to_string(tiles::kMaxSeqlen));
 }
@@ -87,6 +84,9 @@ void fwd_features(const flashmsa_fwd_args_t& a, const Geometry& g) {
   if (present(a.proxy_lse) && a.proxy_lse.dtype != FLASHMSA_DTYPE_FP32)
     unsupported(fn, "proxy_lse must be fp32");
   if (present(a.kl) && a.kl.dtype != FLASHMSA_DTYPE_FP32) unsupported(fn, "kl must be fp32");
+  if (g.segmented && a.compute_kl)
+    unsupported(fn, "the kl value with query segments (cu_seqlens_q, q_origin) runs on the CPU backend only so far "
+                    "(the forward's main attention and selection take segments)");
   if (a.compute_kl) {
     if ((g.Hq / g.Hkv) % (g.Hq / g.Hp) != 0)
       unsupported(fn, "the kl value needs every MSA group inside one kv head (Hkv dividing Hp); got Hkv = " +
@@ -97,6 +97,9 @@ void fwd_features(const flashmsa_fwd_args_t& a, const Geometry& g) {
 
 void bwd_features(const flashmsa_bwd_args_t& a, const Geometry& g) {
   const char* fn = "flashmsa_bwd";
+  if (g.segmented)
+    unsupported(fn, "query segments (cu_seqlens_q, q_origin): the CUDA backward does not take them yet; the CPU "
+                    "backend does");
 #ifdef FLASHMSA_NO_DETERMINISTIC
   if (a.deterministic)
     unsupported(fn, "this build has no deterministic backward (CMake FLASHMSA_KERNEL_DETERMINISTIC=OFF)");

@@ -49,9 +49,10 @@ inline FwdTile fwd_tile(const Geometry& g, int topk) {
 
 // Forward tiles along the longest sequence (grid x), and all of a call's tiles (the router's bytes:
 // the grid's x, heads / R in y, sequences in z).
-inline int64_t fwd_m_tiles(const Geometry& g, const FwdTile& t) { return (g.max_seqlen + t.NT - 1) / t.NT; }
+// m-tiles per query unit (a sequence, or a query segment: max_seqlen_q bounds its positions) and all tiles
+inline int64_t fwd_m_tiles(const Geometry& g, const FwdTile& t) { return (g.max_seqlen_q + t.NT - 1) / t.NT; }
 inline int64_t fwd_tiles(const Geometry& g, const FwdTile& t) {
-  return fwd_m_tiles(g, t) * (g.Hq / t.R) * g.batch;
+  return fwd_m_tiles(g, t) * (g.Hq / t.R) * (g.segmented ? g.segments : g.batch);
 }
 
 // Heads per unit of the main backward: the same gcd, reduced to a divisor <= 64 (a chunk holds

@@ -2664,5 +2664,113 @@ TEST(Segments, SmallBadSegmentsPoisonAndReport) {
 }
 
 
+// flashmsa_fwd with query segments (SPARSE, GIVEN, DENSE; no kl value): the segments' rows of out, lse, the
+// selection and proxy_lse equal the whole call's rows (per row the same blocks in the same order; tiles start at
+// a segment's first position and may straddle a block boundary), every output written (poisoned before).
+TEST(Segments, SmallForwardRowsEqualWholeCall) {
+  PoolScope scope;
+  std::mt19937_64 rng(fresh_seed());
+  const std::vector<int64_t> lens{700, 0, 260, 1};
+  std::vector<int64_t> cu{0};
+  for (auto l : lens) cu.push_back(cu.back() + l);
+  const int Hq = 16, Hkv = 2, Hp = 4, Hpk = 1, D = 128, topk = 4;
+  const int64_t T = cu.back();
+  Tensor q = random_input({T, Hq, D}, FLASHMSA_DTYPE_BF16, rng), k = random_input({T, Hkv, D}, FLASHMSA_DTYPE_BF16, rng),
+         v = random_input({T, Hkv, D}, FLASHMSA_DTYPE_BF16, rng), qp = random_input({T, Hp, D}, FLASHMSA_DTYPE_BF16, rng),
+         kp = random_input({T, Hpk, D}, FLASHMSA_DTYPE_BF16, rng);
+  Tensor cu_t = int_tensor({int64_t(cu.size())}, cu);
+  const std::vector<std::array<int64_t, 3>> segs{{0, 385, 315}, {2, 3, 250}, {0, 0, 130}, {3, 0, 1}, {1, 0, 0}, {0, 130, 255}};
+  std::vector<int64_t> rows, cuq{0}, origin;
+  int64_t max_q = 0;
+  for (const auto& sg : segs) {
+    for (int64_t i = 0; i < sg[2]; ++i) rows.push_back(cu[size_t(sg[0])] + sg[1] + i);
+    cuq.push_back(int64_t(rows.size()));
+    origin.push_back(sg[0]);
+    origin.push_back(sg[1]);
+    max_q = std::max(max_q, sg[2]);
+  }
+  const int64_t Tq = int64_t(rows.size());
+  auto take_rows = [&](const Tensor& t) {
+    Tensor r;
+    r.shape = t.shape;
+    r.shape[0] = Tq;
+    r.dtype = t.dtype;
+    const int64_t w = t.shape[1] * t.shape[2];
+    for (int64_t x : rows)
+      for (int64_t e = 0; e < w; ++e) r.host.push_back(t.host[size_t(x * w + e)]);
+    upload(r);
+    return r;
+  };
+  Tensor q_r = take_rows(q), qp_r = take_rows(qp);
+  Tensor cuq_t = int_tensor({int64_t(cuq.size())}, cuq), origin_t = int_tensor({int64_t(segs.size()), 2}, origin);
+  // given indices: the whole call's selection (SPARSE), its rows for the segments
+  const SegSelect sel = cuda_select(qp, kp, cu_t, 700, topk, T, Hp);
+  Tensor given_r;
+  given_r.shape = {Hp, Tq, topk};
+  given_r.dtype = FLASHMSA_DTYPE_INT32;
+  for (int h = 0; h < Hp; ++h)
+    for (int64_t x : rows)
+      for (int s2 = 0; s2 < topk; ++s2) given_r.host.push_back(sel.idx.host[size_t((h * T + x) * topk + s2)]);
+  upload(given_r);
+  for (flashmsa_mode_t mode : {FLASHMSA_MODE_SPARSE, FLASHMSA_MODE_GIVEN, FLASHMSA_MODE_DENSE})
+    for (flashmsa_numerics_t num : {FLASHMSA_NUMERICS_TRAIN, FLASHMSA_NUMERICS_INFER}) {
+      SCOPED_TRACE("mode " + std::to_string(int(mode)) + " numerics " + std::to_string(int(num)));
+      auto run = [&](bool seg) {
+        const int64_t rn = seg ? Tq : T;
+        struct Out {
+          Tensor out, lse, idx, plse;
+        } o{output({rn, Hq, D}, FLASHMSA_DTYPE_BF16), output({Hq, rn}, FLASHMSA_DTYPE_FP32),
+            output({Hp, rn, topk}, FLASHMSA_DTYPE_INT32), output({Hp, rn}, FLASHMSA_DTYPE_FP32)};
+        flashmsa::FwdArgs f;
+        f.q = dev_view(seg ? q_r : q), f.k = dev_view(k), f.v = dev_view(v), f.qp = dev_view(seg ? qp_r : qp);
+        f.kp = dev_view(kp);
+        f.cu_seqlens = dev_view(cu_t);
+        f.max_seqlen = 700;
+        if (seg) f.cu_seqlens_q = dev_view(cuq_t), f.q_origin = dev_view(origin_t), f.max_seqlen_q = max_q;
+        f.mode = mode;
+        f.numerics = num;
+        f.topk = mode == FLASHMSA_MODE_SPARSE ? topk : 0;
+        if (mode == FLASHMSA_MODE_SPARSE) f.indices = dev_view(o.idx);
+        if (mode == FLASHMSA_MODE_GIVEN) {
+          f.indices = seg ? dev_view(given_r) : dev_view(sel.idx);
+        }
+        f.out = dev_view(o.out), f.lse = dev_view(o.lse), f.proxy_lse = dev_view(o.plse);
+        size_t bytes = 0;
+        EXPECT_EQ(flashmsa_fwd_workspace_size(&f, &bytes), FLASHMSA_SUCCESS) << flashmsa_last_error();
+        void* ws = bytes ? Pool::get().take(bytes) : nullptr;
+        EXPECT_EQ(flashmsa_fwd(&f, ws, bytes), FLASHMSA_SUCCESS) << flashmsa_last_error();
+        cudaDeviceSynchronize();
+        for (Tensor* t : {&o.out, &o.lse, &o.idx, &o.plse}) download(*t);
+        return o;
+      };
+      const auto whole = run(false), part = run(true);
+      std::vector<double> got, want, lg, lw;
+      int64_t bad_idx = 0, unwritten = 0;
+      for (int64_t i = 0; i < Tq; ++i) {
+        const int64_t w = rows[size_t(i)];
+        for (int64_t e = 0; e < int64_t(Hq) * D; ++e) {
+          got.push_back(part.out.host[size_t(i * Hq * D + e)]);
+          want.push_back(whole.out.host[size_t(w * Hq * D + e)]);
+          unwritten += std::isnan(got.back());
+        }
+        for (int h = 0; h < Hq; ++h) {
+          lg.push_back(part.lse.host[size_t(h * Tq + i)]);
+          lw.push_back(whole.lse.host[size_t(h * T + w)]);
+          unwritten += std::isnan(lg.back());
+        }
+        for (int h = 0; h < Hp; ++h) {
+          unwritten += std::isnan(part.plse.host[size_t(h * Tq + i)]);
+          if (mode == FLASHMSA_MODE_SPARSE)
+            for (int s2 = 0; s2 < topk; ++s2)
+              bad_idx += part.idx.host[size_t((h * Tq + i) * topk + s2)] != whole.idx.host[size_t((h * T + w) * topk + s2)];
+        }
+      }
+      EXPECT_EQ(unwritten, 0);
+      EXPECT_EQ(bad_idx, 0);
+      EXPECT_LE(rel_l2(got, want), 1e-6);
+      EXPECT_LE(rel_l2(lg, lw), 1e-7);
+    }
+}
+
 }  // namespace
 }  // namespace gputest

@@ -51,7 +51,9 @@ template <Dtype, bool kLazyRescale, bool kRings>
 void run(const Args& a, cudaStream_t stream);
 
 // Tiles of a launch (the route's entries).
-__host__ __device__ inline int64_t num_tiles(const Args& a) { return int64_t(a.num_m_tiles) * (a.Hq / a.R) * a.seqs.batch; }
+__host__ __device__ inline int64_t num_tiles(const Args& a) {
+  return int64_t(a.num_m_tiles) * (a.Hq / a.R) * a.seqs.segments;  // per query unit (sequence or segment)
+}
 
 // The router (sparse mode): per tile, with n_w the blocks that warpgroup w's tokens selected and u
 // their union, the rings kernel when 1000 * max(n_0, n_1) <= ratio_permille * u. The default 0.8: a

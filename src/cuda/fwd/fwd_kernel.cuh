@@ -155,12 +155,14 @@ constexpr bool persistent_plans_fit() {
   return persistent_max_bytes<Element>() <= kMaxSmemBytes;
 }
 
-// A tile's coordinates: from its grid position (m_tile, unit: its head unit, b: its sequence), or from its index t
-// in the shared-stream kernel's order (tile_at). False when the tile has no rows or (routed, sparse mode:
-// fwd_route.cu) belongs to the other kernel.
+// A tile's coordinates: from its grid position (m_tile, unit: its head unit, b: its query unit, a sequence or a
+// query segment), or from its index t in the shared-stream kernel's order (tile_at). False when the tile has no
+// rows or (routed, sparse mode: fwd_route.cu) belongs to the other kernel. Keys: key sequence kb from key row s0;
+// queries: positions i0 .. i0 + ntok - 1 (from the unit's first position lo), at query rows qrow0 + position
+// (seqlen.cuh's query_unit; without segments kb = b and qrow0 = s0). L: the end of the unit's positions.
 struct TileCoord {
-  int m_tile, unit, b, ntok, h0, grp, kvh;
-  int64_t s0, L, i0;
+  int m_tile, unit, b, kb, ntok, h0, grp, kvh;
+  int64_t s0, L, i0, qrow0;
 };
 __device__ __forceinline__ bool tile_from(const Args& p, int m_tile, int unit, int b, bool rings, TileCoord& c) {
   c.m_tile = m_tile;
@@ -168,8 +170,12 @@ __device__ __forceinline__ bool tile_from(const Args& p, int m_tile, int unit, i
   c.b = b;
   if (p.route != nullptr && (p.route[(int64_t(b) * (p.Hq / p.R) + unit) * p.num_m_tiles + m_tile] != 0) != rings)
     return false;
-  p.seqs.get(b, c.s0, c.L);
-  c.i0 = int64_t(m_tile) * p.NT;  // first token of the tile (in the sequence)
+  const QueryUnit u = query_unit(p.seqs, b);
+  c.kb = u.b;
+  c.s0 = u.s0;
+  c.L = u.hi;
+  c.qrow0 = u.qrow0;
+  c.i0 = u.lo + int64_t(m_tile) * p.NT;  // first position of the tile (in the key sequence)
   if (c.i0 >= c.L) return false;
   c.ntok = int(c.L - c.i0 < p.NT ? c.L - c.i0 : int64_t(p.NT));
   c.h0 = unit * p.R;
@@ -181,7 +187,7 @@ __device__ __forceinline__ bool tile_from(const Args& p, int m_tile, int unit, i
 // within an m-tile every (sequence, unit), so that the grid's last tiles are the cheapest (causal lists grow with
 // the position) and a CTA that holds one tile ahead at the end of the grid holds a short one.
 __device__ __forceinline__ bool tile_at(const Args& p, int64_t t, bool rings, TileCoord& c) {
-  const int units = p.Hq / p.R, per = units * p.seqs.batch;  // (sequence, unit) pairs per m-tile
+  const int units = p.Hq / p.R, per = units * p.seqs.segments;  // (query unit, head unit) pairs per m-tile
   if (t <= INT32_MAX) {  // (32-bit divisions; a launch's tiles fit 31 bits in practice)
     const uint32_t tt = uint32_t(t), q = tt / uint32_t(per), ub = tt - q * uint32_t(per);
     return tile_from(p, p.num_m_tiles - 1 - int(q), int(ub % uint32_t(units)), int(ub / uint32_t(units)), rings, c);
@@ -208,7 +214,7 @@ __device__ __forceinline__ void build_union(const Args& p, const TileCoord& c, c
     tok = e / p.topk;
     const int s = e - tok * p.topk;
     const int64_t i = tpos[tok];
-    const int j = p.indices.at(c.grp, c.s0 + i)[s];
+    const int j = p.indices.at(c.grp, c.qrow0 + i)[s];
     return j >= 0 && int64_t(j) <= i / kBlockKeys ? j : -1;
   };
   constexpr int kR = kRegs > 0 ? kRegs : 1;
@@ -221,7 +227,7 @@ __device__ __forceinline__ void build_union(const Args& p, const TileCoord& c, c
       reg[k] = -1;
       if (e < nent) {
         const int tok = e / p.topk;
-        reg[k] = p.indices.at(c.grp, c.s0 + tpos[tok])[e - tok * p.topk];
+        reg[k] = p.indices.at(c.grp, c.qrow0 + tpos[tok])[e - tok * p.topk];
       }
     }
   }
@@ -402,7 +408,7 @@ __device__ __forceinline__ void store_rows(const Args& p, const TileCoord& c, co
       const int tok = row / p.R;
       if (tok >= c.ntok) continue;
       const int h = c.h0 + row % p.R;
-      Element* dst = base + c.b * dst_t.batch_corr + (c.s0 + tpos[tok]) * dst_t.tok + h * dst_t.head + col;
+      Element* dst = base + c.b * dst_t.batch_corr + (c.qrow0 + tpos[tok]) * dst_t.tok + h * dst_t.head + col;
       *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(&sQ(row, col));
     }
   };
@@ -412,7 +418,7 @@ __device__ __forceinline__ void store_rows(const Args& p, const TileCoord& c, co
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int row = wg * 64 + get<0>(cRC(r, 0));
-      if (rs.tok[r] < c.ntok) *p.lse.at(c.h0 + row % p.R, c.s0 + rs.pos[r]) = row_lse[r];
+      if (rs.tok[r] < c.ntok) *p.lse.at(c.h0 + row % p.R, c.qrow0 + rs.pos[r]) = row_lse[r];
     }
   }
 }
@@ -430,7 +436,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) fwd_rings_kernel(const __grid_
   const int tid = threadIdx.x, lane = tid % 32;
   // the tile's tokens: positions i0 .. i0 + ntok - 1, or with a regrouping (fwd_regroup.cu) the
   // tokens its permutation puts at those slots, all inside the 128-token span of i0
-  if (tid < c.ntok) S.tpos[tid] = int32_t(tile_token_pos(p, c.grp, c.s0, c.i0, tid));
+  if (tid < c.ntok) S.tpos[tid] = int32_t(tile_token_pos(p, c.grp, c.qrow0, c.i0, tid));
   const int64_t i_last = tile_last_pos(c.i0, c.ntok, c.L, p.perm != nullptr);
   const int nblk_tile = int(i_last / C::kBlockN) + 1;  // blocks 0..l(i_last)
   const bool dense = p.indices.ptr == nullptr;
@@ -501,7 +507,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) fwd_rings_kernel(const __grid_
       const bool is_v = x % 2 == 1;
       auto& ring = is_v ? S.ring_v[w] : S.ring_k[w];
       const auto& tma = is_v ? p.tma_v : p.tma_k;
-      Tensor tg = tma_blocks(tma, p.tma_shape_k, c.kvh, c.b, c.s0, p.batched);  // (TMA, block)
+      Tensor tg = tma_blocks(tma, p.tma_shape_k, c.kvh, c.kb, c.s0, p.batched);  // (TMA, block)
       Tensor ts = tma_stages(tma, is_v ? sV : sK);                                // (TMA, stage)
       const int n = S.wlen[w];
       for (int k = 0; k < n; ++k) {
@@ -526,7 +532,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) fwd_rings_kernel(const __grid_
       const int r = wg * 64 + x / 16, col = (x % 16) * 8;
       const int tok = min(r / p.R, c.ntok - 1);
       const int h = c.h0 + r % p.R;
-      const Element* src = qp + c.b * p.q.batch_corr + (c.s0 + S.tpos[tok]) * p.q.tok + h * p.q.head + col;
+      const Element* src = qp + c.b * p.q.batch_corr + (c.qrow0 + S.tpos[tok]) * p.q.tok + h * p.q.head + col;
       ptx::cp_async_16(&sQ(r, col), src);
     }
     ptx::cp_async_commit();
@@ -639,8 +645,8 @@ __global__ void __launch_bounds__(kCtaThreads, 1) fwd_persistent_kernel(const __
         S.ready[buf].wait(uint32_t(n / p.nbuf) & 1u);
         if (S.tile[buf] < 0) break;
         tile_at(p, S.tile[buf], false, c);  // (a tile of this kernel with rows: the builders checked)
-        Tensor tKg = tma_blocks(p.tma_k, p.tma_shape_k, c.kvh, c.b, c.s0, p.batched);  // (TMA, block)
-        Tensor tVg = tma_blocks(p.tma_v, p.tma_shape_k, c.kvh, c.b, c.s0, p.batched);
+        Tensor tKg = tma_blocks(p.tma_k, p.tma_shape_k, c.kvh, c.kb, c.s0, p.batched);  // (TMA, block)
+        Tensor tVg = tma_blocks(p.tma_v, p.tma_shape_k, c.kvh, c.kb, c.s0, p.batched);
         const int* ulist = ulists + buf * p.ucap;
         const int ulen = S.ulen[buf];
         for (int qi = 0; qi < ulen; ++qi) {
@@ -692,7 +698,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) fwd_persistent_kernel(const __
       int32_t* tpos = S.tpos[buf];
       // the tile's tokens: positions i0 .. i0 + ntok - 1, or with a regrouping (fwd_regroup.cu) the
       // tokens its permutation puts at those slots, all inside the 128-token span of i0
-      for (int x = bt; x < c.ntok; x += kBuilderThreads) tpos[x] = int32_t(tile_token_pos(p, c.grp, c.s0, c.i0, x));
+      for (int x = bt; x < c.ntok; x += kBuilderThreads) tpos[x] = int32_t(tile_token_pos(p, c.grp, c.qrow0, c.i0, x));
       bsync();
       {  // Q: row r = token r / R, head h0 + r % R (rows past the tile clamp), by cp.async under the union's work
         Tensor sQ = make_tensor(make_smem_ptr(qbuf(buf)), typename C::SmemLayoutQ{});
@@ -700,7 +706,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) fwd_persistent_kernel(const __
         constexpr int kRowStep = kBuilderThreads / 16;
         const int col = (bt % 16) * 8;
         int r = bt / 16, tok = r / p.R, hr = r % p.R;  // row r: token r / R, head h0 + r % R, tracked as r grows
-        const Element* qb = qp + c.b * p.q.batch_corr + c.s0 * p.q.tok + c.h0 * p.q.head + col;
+        const Element* qb = qp + c.b * p.q.batch_corr + c.qrow0 * p.q.tok + c.h0 * p.q.head + col;
         for (; r < C::kBlockM; r += kRowStep) {
           ptx::cp_async_16(&sQ(r, col), qb + tpos[min(tok, c.ntok - 1)] * p.q.tok + hr * p.q.head);
           for (hr += kRowStep; hr >= p.R; hr -= p.R) ++tok;
@@ -822,7 +828,7 @@ void launch(Params<Element>& p, cudaStream_t stream) {
   if constexpr (kRings) {
     auto kernel = fwd_rings_kernel<Element, kLazyRescale>;
     FLASHMSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(C::kSmemBytes)));
-    dim3 grid(p.num_m_tiles, p.Hq / p.R, p.seqs.batch);
+    dim3 grid(p.num_m_tiles, p.Hq / p.R, p.seqs.segments);
     kernel<<<grid, C::kThreads, C::kSmemBytes, stream>>>(p);
   } else {
     auto kernel = fwd_persistent_kernel<Element, kLazyRescale>;

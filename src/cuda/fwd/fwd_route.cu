@@ -25,9 +25,9 @@ __global__ void __launch_bounds__(kWarps * 32) route_kernel(const Args a, int ra
   if (id >= ntiles) return;
   const int m_tile = int(id % a.num_m_tiles);
   const int unit = int((id / a.num_m_tiles) % units), b = int(id / (int64_t(a.num_m_tiles) * units));
-  int64_t s0, L;
-  a.seqs.get(b, s0, L);
-  const int64_t i0 = int64_t(m_tile) * a.NT;
+  const QueryUnit qu = query_unit(a.seqs, b);  // (fwd_kernel.cuh's tile_from: the same tile)
+  const int64_t L = qu.hi, qrow0 = qu.qrow0;
+  const int64_t i0 = qu.lo + int64_t(m_tile) * a.NT;
   if (i0 >= L) {  // no rows: either kernel returns at once
     if (lane == 0) route[id] = 0;
     return;
@@ -44,8 +44,8 @@ __global__ void __launch_bounds__(kWarps * 32) route_kernel(const Args a, int ra
   const int nent = ntok * a.topk;
   for (int e = lane; e < nent; e += 32) {
     const int tok = e / a.topk, s = e % a.topk;
-    const int64_t i = tile_token_pos(a, grp, s0, i0, tok);
-    const int j = a.indices.at(grp, s0 + i)[s];
+    const int64_t i = tile_token_pos(a, grp, qrow0, i0, tok);
+    const int j = a.indices.at(grp, qrow0 + i)[s];
     if (j < 0 || int64_t(j) > i / kBlockKeys) continue;
     const uint32_t bit = 1u << (j % 32);
     if (tok <= last0) atomicOr(&w0[j / 32], bit);
