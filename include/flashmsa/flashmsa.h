@@ -187,8 +187,8 @@ typedef struct flashmsa_bwd_args {
  * segment length <= max_seqlen_q; 0 <= q_origin[s][0] < B and 0 <= q_origin[s][1] with
  * q_origin[s][1] + length(s) <= the length of key sequence q_origin[s][0]. The CPU backend checks
  * the values before it computes (INVALID_ARGUMENT); the CUDA backend checks them on the device like
- * cu_seqlens (FLASHMSA_FAULT_SEGMENTS, "Metadata faults" below) and runs segments in flashmsa_select
- * (flashmsa_fwd and flashmsa_bwd: NOT_SUPPORTED so far). */
+ * cu_seqlens (FLASHMSA_FAULT_SEGMENTS, "Metadata faults" below) and runs segments in flashmsa_select and
+ * flashmsa_fwd without the kl value (compute_kl and flashmsa_bwd: NOT_SUPPORTED so far). */
 
 /* Initialise an argument struct: every tensor absent, scales 0 (defaults), TRAIN numerics. */
 FLASHMSA_API void flashmsa_select_args_init(flashmsa_select_args_t* args);
