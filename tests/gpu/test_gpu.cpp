@@ -1925,7 +1925,7 @@ HostRoute host_route(const Problem& pb, const std::vector<int32_t>& idx, int K) 
 cudaError_t tile_args(const Problem& pb, const Inputs& in, const std::vector<int32_t>& idx, int K, const HostRoute& h,
                       flashmsa::cuda::attn_fwd::Args& a) {
   a.seqs.cu_seqlens = static_cast<const int*>(in.cu.dev);
-  a.seqs.batch = int(pb.offsets().size() - 1);
+  a.seqs.batch = a.seqs.segments = int(pb.offsets().size() - 1);  // (the route's tiles run per query unit)
   void* d_idx = Pool::get().take(idx.size() * sizeof(int32_t));
   a.indices.ptr = static_cast<const int32_t*>(d_idx);
   a.indices.head = pb.total() * K;
@@ -2647,7 +2647,7 @@ TEST(Segments, SmallBadSegmentsPoisonAndReport) {
   const SegSelect ok = cuda_select(qp, kp, cu_t, 300, 4, 279, Hp, &cuq, &origin, 150, status);
   for (double x : ok.plse.host) ASSERT_TRUE(std::isfinite(x));
   EXPECT_EQ(words[0], 0);
-  // the forward refuses segments on the GPU
+  // the forward's kl value refuses segments on the GPU (the main attention and selection take them)
   Tensor q = random_input({279, 8, 128}, FLASHMSA_DTYPE_BF16, rng), k = random_input({429, 2, 128}, FLASHMSA_DTYPE_BF16, rng);
   Tensor out = output({279, 8, 128}, FLASHMSA_DTYPE_BF16), lse = output({8, 279}, FLASHMSA_DTYPE_FP32);
   flashmsa::FwdArgs f;
@@ -2657,6 +2657,7 @@ TEST(Segments, SmallBadSegmentsPoisonAndReport) {
   f.cu_seqlens_q = dev_view(cuq), f.q_origin = dev_view(origin), f.max_seqlen_q = 150;
   f.topk = 4;
   f.out = dev_view(out), f.lse = dev_view(lse);
+  f.compute_kl = 1;
   size_t bytes = 0;
   EXPECT_EQ(flashmsa_fwd_workspace_size(&f, &bytes), FLASHMSA_ERROR_NOT_SUPPORTED);
   EXPECT_NE(std::string(flashmsa_last_error()).find("query segments"), std::string::npos) << flashmsa_last_error();
