@@ -448,7 +448,9 @@ def median_ms(fn, iters=10, warmup=3):
     return user_path.median_ms(fn, lambda: None, iters, warmup, reps=1)
 
 
-def sdpa_times(cfg, T, backend):
+def sdpa_times(cfg, T, backend, iters=None):
+    """torch SDPA dense causal (cuDNN or FA2): forward and fwd+bwd ms, peak GB of the steps; iters: the
+    timed calls of each (default 10 forwards, 5 steps)."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -459,13 +461,13 @@ def sdpa_times(cfg, T, backend):
     do = torch.randn(1, cfg["Hq"], T, D, device="cuda", dtype=torch.bfloat16)
     with sdpa_kernel([be]):
         fwd = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        t_fwd = median_ms(fwd)
+        t_fwd = median_ms(fwd, iters=iters or 10)
 
         def step():
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
             o.backward(do)
         torch.cuda.reset_peak_memory_stats()
-        t_step = median_ms(step, iters=5)
+        t_step = median_ms(step, iters=iters or 5)
         peak = torch.cuda.max_memory_allocated()
     flops = 4 * D * cfg["Hq"] * T * (T + 1) / 2
     return dict(fwd_ms=t_fwd, fwd_tflops=flops / t_fwd / 1e9, step_ms=t_step,

@@ -29,3 +29,27 @@ def test_selection_and_report(capsys):
     r = json.loads(out.strip().splitlines()[-1])
     assert r["tokens"] == 4096 and 0.8 < r["set_recall"] <= 1.0 and 0 <= r["rows_unchanged"] <= 1
     assert 0 < r["mass_recall_fp8"] <= 1 and 0 < r["mass_recall_bf16"] <= 1
+
+
+def test_long_context_table_rows(tmp_path):
+    """bench/long_context.py's table: a measured row, a row past --dense-max (cuDNN extrapolated, marked '~') and a
+    row that ran out of memory (its message in the row, no numbers)."""
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "bench"))
+    import long_context as LC
+    import run_bench as RB
+    meta = dict(date="2026-12-07 12:00", commit="abc", gpu={"name": "GPU"}, command="python3 bench/long_context.py")
+    rows = [dict(config="m3", seqlen=262144, pattern="random", select_ms=20.0, step_ms=100.0, peak_gb=30.0,
+                 inputs_gb=20.0, gpu_total_gb=150.0, kl=0.5, cudnn=dict(step_ms=800.0, peak_gb=25.0)),
+            dict(config="m3", seqlen=524288, pattern="random", select_ms=80.0, step_ms=250.0, peak_gb=60.0,
+                 inputs_gb=40.0, gpu_total_gb=150.0, kl=0.5, cudnn=None, cudnn_extrapolated_ms=3200.0),
+            dict(config="m3", seqlen=1048576, pattern="random", error="out of memory: Tried to allocate 40 GiB",
+                 peak_gb=140.0, cudnn=None, cudnn_extrapolated_ms=12800.0)]
+    path = str(tmp_path / "long_context.md")
+    lines = RB.append_rows(path, LC.TITLE, LC.INTRO, LC.columns(), meta, rows)
+    cells = [[c.strip() for c in l.strip("|").split("|")] for l in lines[-3:]]
+    head = [h for h, _ in LC.columns()]
+    at = {h: i for i, h in enumerate(head)}
+    assert cells[0][at["step vs cuDNN"]] == "8.00x" and cells[0][at["select share"]] == "20%"
+    assert cells[1][at["cuDNN fwd+bwd ms"]] == "~3200" and cells[1][at["step vs cuDNN"]] == "~12.80x"
+    assert cells[2][at["**step** ms"]] == "-" and "out of memory" in cells[2][at["error"]]
+    assert cells[2][at["peak GB"]] == "140.00"
