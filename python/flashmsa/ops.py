@@ -284,7 +284,7 @@ def msa_attention(q: Tensor, k: Tensor, v: Tensor, qp: Optional[Tensor] = None,
     (out_lo, one more activation of out's size) and the backward computes dpsum from
     out + out_lo: more accurate dq and dk on peaked rows (SPEC section 3, docs/numerics.md).
 
-    Query segments (context parallelism; CPU backend for now): with cu_seqlens_q [S+1] and
+    Query segments (context parallelism; on CUDA not yet with warmup=True): with cu_seqlens_q [S+1] and
     q_origin [S, 2] (int32), q, qp (and out, lse, indices) hold only some queries: rows
     cu_seqlens_q[s] .. cu_seqlens_q[s+1] are positions q_origin[s, 1], q_origin[s, 1] + 1, ... of key
     sequence q_origin[s, 0], while k, v, kp hold the whole key sequences that cu_seqlens describes.

@@ -1,6 +1,7 @@
 // flashmsa_bwd on the CUDA backend: preprocess (dpsum, lse in log2), the index inversion, the
 // main backward (dq, dk, dv; the KL teacher when the proxy gradient is asked), the proxy side
 // (proxy_side.cpp), and the conversion of the fp32 accumulators to the outputs.
+#include <algorithm>
 #include <cstdlib>
 
 #include "cuda/dispatch.h"
@@ -32,9 +33,13 @@ void convert_fixed(Dtype d, const char* acc, TokenTensor<void> out, const Seqs& 
   });
 }
 
-void run_bwd(const flashmsa_bwd_args_t& a, const Geometry& g, char* ws, const BwdLayout& l, cudaStream_t st) {
+// segs: the call's query segments (the guard's safe copies), or null
+void run_bwd(const flashmsa_bwd_args_t& a, const Geometry& g, char* ws, const BwdLayout& l, cudaStream_t st,
+             const Guard* segs) {
   const Dtype d = dtype_of(g);
-  const Seqs seqs = seqs_of(a.cu_seqlens, g);
+  const Seqs seqs = seqs_of(a.cu_seqlens, g);  // the key sequences
+  // the query rows' sequences: the segments with them (the preprocess and the query-side converts run over them)
+  const Seqs qseqs = segs ? attn_bwd::query_seqs(seqs_of(a.cu_seqlens, g, segs->cuq, segs->origin)) : seqs;
   float* dq_acc = reinterpret_cast<float*>(ws + l.dq);
   float* dk_acc = reinterpret_cast<float*>(ws + l.dk);
   float* dv_acc = reinterpret_cast<float*>(ws + l.dv);
@@ -65,7 +70,9 @@ void run_bwd(const flashmsa_bwd_args_t& a, const Geometry& g, char* ws, const Bw
     fi.Hpk = g.has_proxy ? g.Hpk : 0;
     fi.seqs = seqs;
     fi.total = g.total;
-    fi.max_seqlen = g.max_seqlen;
+    fi.total_k = g.total_k;
+    // the most query rows of a head reaching one key: a sequence's length, or with segments every query row
+    fi.max_seqlen = segs ? std::max<int64_t>(g.total, 1) : g.max_seqlen;
     fi.dtype = d;
     attn_bwd::launch_fix_bounds(fi, fix, st);
   }
@@ -76,9 +83,9 @@ void run_bwd(const flashmsa_bwd_args_t& a, const Geometry& g, char* ws, const Bw
   pa.dout = token_tensor<const void>(a.dout, g);
   pa.lse = head_tensor<const float>(a.lse);
   pa.dlse = head_tensor<const float>(a.dlse);
-  pa.seqs = seqs;
+  pa.seqs = qseqs;
   pa.Hq = g.Hq;
-  pa.max_seqlen = g.max_seqlen;
+  pa.max_seqlen = g.max_seqlen_q;
   pa.lse2 = reinterpret_cast<float*>(ws + l.lse2);
   pa.dsum = reinterpret_cast<float*>(ws + l.dsum);
   pa.padded_stride = l.padded;
@@ -91,7 +98,7 @@ void run_bwd(const flashmsa_bwd_args_t& a, const Geometry& g, char* ws, const Bw
 
   attn_bwd::Common c = common_base(g, a.q, a.k, a.cu_seqlens, pa.lse2, l.padded, a.mode == FLASHMSA_MODE_DENSE,
                   static_cast<const int32_t*>(a.indices.data), a.indices.strides[0], a.indices.strides[1],
-                  ws + l.inv, st);
+                  ws + l.inv, st, segs, segs ? reinterpret_cast<int32_t*>(ws + l.qrows) : nullptr);
   c.v = token_tensor<const void>(a.v, g);
   c.dout = token_tensor<const void>(a.dout, g);
   c.dsum.ptr = pa.dsum;
@@ -122,6 +129,7 @@ void run_bwd(const flashmsa_bwd_args_t& a, const Geometry& g, char* ws, const Bw
     r.cu = &a.cu_seqlens;
     r.indices = &a.indices;
     r.proxy_lse = &a.proxy_lse;
+    r.segments = segs;
     r.plse_ws = reinterpret_cast<float*>(ws + l.plse);
     r.dqp_acc = reinterpret_cast<float*>(ws + l.dqp);
     r.dkp_acc = reinterpret_cast<float*>(ws + l.dkp);
@@ -151,7 +159,7 @@ void run_bwd(const flashmsa_bwd_args_t& a, const Geometry& g, char* ws, const Bw
   }
 
   if (l.deterministic) {
-    convert_fixed(d, ws + l.dq, token_tensor<void>(a.dq, g), seqs, g.max_seqlen, g.Hq, float(g.scale),
+    convert_fixed(d, ws + l.dq, token_tensor<void>(a.dq, g), qseqs, g.max_seqlen_q, g.Hq, float(g.scale),
                   reinterpret_cast<const float*>(ws + l.dq_unit), l.padded, bad + 0, st, l.dq32);
     convert_fixed(d, ws + l.dk, token_tensor<void>(a.dk, g), seqs, g.max_seqlen, g.Hkv, float(g.scale),
                   fix + attn_bwd::kUnitDk, 0, bad + 1, st);
@@ -163,7 +171,7 @@ void run_bwd(const flashmsa_bwd_args_t& a, const Geometry& g, char* ws, const Bw
       dl.words = reinterpret_cast<const uint64_t*>(ws + l.dq_word);
       dl.total = g.total;
     }
-    convert(d, dq_acc, token_tensor<void>(a.dq, g), seqs, g.max_seqlen, g.Hq, float(g.scale), st, dl);
+    convert(d, dq_acc, token_tensor<void>(a.dq, g), qseqs, g.max_seqlen_q, g.Hq, float(g.scale), st, dl);
     convert(d, dk_acc, token_tensor<void>(a.dk, g), seqs, g.max_seqlen, g.Hkv, float(g.scale), st);
     convert(d, dv_acc, token_tensor<void>(a.dv, g), seqs, g.max_seqlen, g.Hkv, 1.f, st);
   }
@@ -171,12 +179,12 @@ void run_bwd(const flashmsa_bwd_args_t& a, const Geometry& g, char* ws, const Bw
     // dz was kept N / proxy_scale times larger
     const float pscale = proxy_side ? kl_scales(g).grad : 1.f;
     if (l.deterministic && l.has_teacher) {
-      convert_fixed(d, ws + l.dqp, token_tensor<void>(a.dqp, g), seqs, g.max_seqlen, g.Hp, pscale,
+      convert_fixed(d, ws + l.dqp, token_tensor<void>(a.dqp, g), qseqs, g.max_seqlen_q, g.Hp, pscale,
                     fix + attn_bwd::kUnitDqp, 0, bad + 3, st);
       convert_fixed(d, ws + l.dkp, token_tensor<void>(a.dkp, g), seqs, g.max_seqlen, g.Hpk, pscale,
                     fix + attn_bwd::kUnitDkp, 0, bad + 4, st);
     } else {  // (zeros when the proxy side did not run: the zeroed accumulators read as fp32)
-      convert(d, reinterpret_cast<float*>(ws + l.dqp), token_tensor<void>(a.dqp, g), seqs, g.max_seqlen, g.Hp,
+      convert(d, reinterpret_cast<float*>(ws + l.dqp), token_tensor<void>(a.dqp, g), qseqs, g.max_seqlen_q, g.Hp,
               pscale, st);
       convert(d, reinterpret_cast<float*>(ws + l.dkp), token_tensor<void>(a.dkp, g), seqs, g.max_seqlen, g.Hpk,
               pscale, st);
@@ -195,17 +203,18 @@ void bwd(const flashmsa_bwd_args_t& user, const Geometry& g, void* ws_raw, size_
   auto st = static_cast<cudaStream_t>(user.stream);
   if (user.validate) {
     const auto cu = validate_offsets(user.cu_seqlens, g, st, fn);
-    if (user.mode != FLASHMSA_MODE_DENSE) validate_indices(user.indices, cu, g, st, fn);
+    const Segments sg = validate_segments(user.cu_seqlens_q, user.q_origin, cu, g, st, fn);
+    if (user.mode != FLASHMSA_MODE_DENSE) validate_indices(user.indices, cu, g, st, fn, &sg);
   }
-  // From here on the kernels see the guard's safe cu_seqlens (a fault: every sequence empty).
-  Guard gd = start_guard(user.cu_seqlens, user.status, g, guard::kBwd, ws_raw, st);
+  // From here on the kernels see the guard's safe cu_seqlens (a fault: every sequence empty) and segments.
+  Guard gd = start_guard(user.cu_seqlens, user.status, g, guard::kBwd, ws_raw, st, &user.cu_seqlens_q, &user.q_origin);
   flashmsa_bwd_args_t a = user;
   a.cu_seqlens = gd.cu;
   for (const flashmsa_tensor_t* t : {&a.dq, &a.dk, &a.dv, &a.dqp, &a.dkp, &a.kl}) poison(gd, *t);
   if (present(a.kl)) FLASHMSA_CUDA_CHECK(cudaMemsetAsync(a.kl.data, 0, sizeof(float), st));  // no tokens: 0
   if (g.total == 0) return finish_guard(gd, st);
   char* ws = static_cast<char*>(ws_raw) + guard_bytes(g);
-  run_bwd(a, g, ws, l, st);
+  run_bwd(a, g, ws, l, st, g.segmented ? &gd : nullptr);
   finish_guard(gd, st);
 }
 

@@ -164,8 +164,10 @@ struct FwdRings {
   bool persistent = true;
 };
 FwdRings fwd_rings_policy();
+// (cuq, origin: the query segments' safe copies, or null)
 attn_bwd::InversionArgs inversion_args(const int32_t* idx, int64_t idx_head, int64_t idx_tok,
-                                       const flashmsa_tensor_t& cu, const Geometry& g);
+                                       const flashmsa_tensor_t& cu, const Geometry& g, const int32_t* cuq = nullptr,
+                                       const int32_t* origin = nullptr);
 
 // Workspace of the backward after the guard's, in order: lse2, dsum (padded), the deterministic
 // mode's dq units, the dq/dk/dv/dqp/dkp accumulators (deterministic mode: int64, except dq in
@@ -187,6 +189,7 @@ struct BwdLayout {
   bool dq_store_first = false;
   bool dq_force_wait = false;  // FLASHMSA_BWD_DQ=store-wait (tests): the store-first writer's rare wait on every row
   size_t dq_word = 0;
+  size_t qrows = 0;  // query segments: each query row's position and padded index, 2 x total int32 (launch_query_rows)
   // The main walk without a teacher (SPARSE/GIVEN without a proxy side, or DENSE), default mode, one MSA group per head
   // unit: the fused kernel's main walk alone (main_only; its items' counter at next_item), not the standalone kernel
   bool fused_main = false;
@@ -210,6 +213,7 @@ struct FwdLayout {
   int kl_seg = 0, kl_ctas = 0;  // as in BwdLayout
   int64_t padded = 0;
   bool has_teacher = false;
+  size_t qrows = 0;  // as in BwdLayout (compute_kl with query segments)
 };
 FwdLayout fwd_layout(const flashmsa_fwd_args_t& a, const Geometry& g);
 
@@ -250,15 +254,18 @@ void run_select(const flashmsa_tensor_t& qp, const flashmsa_tensor_t& kp, const 
 // ---- proxy_side.cpp ----
 // What the backward's kernels and the forward's kl share: q, k, the padded lse2, the sequences,
 // the inversion (or the block offsets in dense mode), heads and scales.
+// segments: the call's query segments (the guard's safe copies), or null; qrows: with segments, the workspace of
+// launch_query_rows (2 x total int32), filled here.
 attn_bwd::Common common_base(const Geometry& g, const flashmsa_tensor_t& q, const flashmsa_tensor_t& k,
                              const flashmsa_tensor_t& cu, float* lse2, int64_t padded, bool dense,
                              const int32_t* idx, int64_t idx_head, int64_t idx_tok, char* inv_ws,
-                             cudaStream_t st);
+                             cudaStream_t st, const Guard* segments = nullptr, int32_t* qrows = nullptr);
 void launch_main(Dtype d, const attn_bwd::MainArgs& a, int units, cudaStream_t st);
 
 // The proxy side: gradients (backward) or the kl value alone (forward's compute_kl).
 struct ProxyRun {
   const flashmsa_tensor_t *qp = nullptr, *kp = nullptr, *cu = nullptr, *indices = nullptr, *proxy_lse = nullptr;
+  const Guard* segments = nullptr;  // the call's query segments (the guard's safe copies), or null
   float* plse_ws = nullptr;  // [Hp, total] when proxy_lse is absent
   float *dqp_acc = nullptr, *dkp_acc = nullptr, *kl_acc = nullptr;
   const float* dkl = nullptr;

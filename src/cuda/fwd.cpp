@@ -62,18 +62,21 @@ void run_fwd(const flashmsa_fwd_args_t& a, const Geometry& g, const Guard& gd, c
 // kl of the forward: the fused kernel's teacher_only walks (no gradients) over the main probabilities that the
 // forward's lse defines, partials added in a fixed order.
 void run_fwd_kl(const flashmsa_fwd_args_t& a, const Geometry& g, const int32_t* idx, int64_t idx_head,
-                int64_t idx_tok, const flashmsa_tensor_t& plse_t, char* ws, const FwdLayout& l, cudaStream_t st) {
+                int64_t idx_tok, const flashmsa_tensor_t& plse_t, char* ws, const FwdLayout& l, cudaStream_t st,
+                const Guard* segs) {
   attn_bwd::PreprocessArgs pa;
   pa.out = token_tensor<const void>(a.out, g);
   pa.lse = head_tensor<const float>(a.lse);
-  pa.seqs = seqs_of(a.cu_seqlens, g);
+  // (query segments: over the segments, as the backward's preprocess)
+  pa.seqs = segs ? attn_bwd::query_seqs(seqs_of(a.cu_seqlens, g, segs->cuq, segs->origin)) : seqs_of(a.cu_seqlens, g);
   pa.Hq = g.Hq;
-  pa.max_seqlen = g.max_seqlen;
+  pa.max_seqlen = g.max_seqlen_q;
   pa.lse2 = reinterpret_cast<float*>(ws + l.lse2);
   pa.padded_stride = l.padded;
   by_dtype(dtype_of(g), [&](auto D) { attn_bwd::launch_preprocess<decltype(D)::value>(pa, st); });
   const attn_bwd::Common c = common_base(g, a.q, a.k, a.cu_seqlens, pa.lse2, l.padded,
-                                         a.mode == FLASHMSA_MODE_DENSE, idx, idx_head, idx_tok, ws + l.inv, st);
+                                         a.mode == FLASHMSA_MODE_DENSE, idx, idx_head, idx_tok, ws + l.inv, st, segs,
+                                         segs ? reinterpret_cast<int32_t*>(ws + l.qrows) : nullptr);
   flashmsa_tensor_t idx_t{};  // the rows the proxy lse recompute reads (GIVEN)
   idx_t.data = const_cast<int32_t*>(idx);
   idx_t.ndim = 3;
@@ -86,6 +89,7 @@ void run_fwd_kl(const flashmsa_fwd_args_t& a, const Geometry& g, const int32_t* 
   r.cu = &a.cu_seqlens;
   r.indices = &idx_t;
   r.proxy_lse = &plse_t;
+  r.segments = segs;
   r.plse_ws = reinterpret_cast<float*>(ws + l.plse);
   r.kl_acc = reinterpret_cast<float*>(ws + l.kl);
   r.grads = false;
@@ -161,7 +165,7 @@ void fwd(const flashmsa_fwd_args_t& user, const Geometry& g, void* ws_raw, size_
 
   run_fwd(a, g, gd, idx, idx_head, idx_tok, rings, reinterpret_cast<uint8_t*>(ws + l.route),
           reinterpret_cast<int32_t*>(ws + l.perm), reinterpret_cast<unsigned long long*>(ws + l.sched), st);
-  if (a.compute_kl) run_fwd_kl(a, g, idx, idx_head, idx_tok, plse_t, ws, l, st);
+  if (a.compute_kl) run_fwd_kl(a, g, idx, idx_head, idx_tok, plse_t, ws, l, st, segs);
   finish_guard(gd, st);
 }
 

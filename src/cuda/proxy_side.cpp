@@ -35,7 +35,7 @@ HeadTensor<float> proxy_lse_for_kl(const Geometry& g, const attn_bwd::Common& c,
       given.tok = r.indices->strides[1];
     }
     run_select(*r.qp, *r.kp, *r.cu, g, nullptr, 0, 0, plse, st, c.dense ? selection::kDenseLse : selection::kGivenLse,
-               given);
+               given, r.segments);
   }
   return plse;
 }
@@ -62,20 +62,29 @@ attn_bwd::Common proxy_common(const Geometry& g, const attn_bwd::Common& c, cons
 attn_bwd::Common common_base(const Geometry& g, const flashmsa_tensor_t& q, const flashmsa_tensor_t& k,
                              const flashmsa_tensor_t& cu, float* lse2, int64_t padded, bool dense,
                              const int32_t* idx, int64_t idx_head, int64_t idx_tok, char* inv_ws,
-                             cudaStream_t st) {
+                             cudaStream_t st, const Guard* segments, int32_t* qrows) {
   attn_bwd::Common c;
   c.q = token_tensor<const void>(q, g);
   c.k = token_tensor<const void>(k, g);
   c.lse2.ptr = lse2;
   c.lse2.head = padded;
   c.lse2.tok = 1;
-  c.seqs = seqs_of(cu, g);
+  const int32_t* cuq = segments ? segments->cuq : nullptr;
+  const int32_t* origin = segments ? segments->origin : nullptr;
+  c.seqs = seqs_of(cu, g, cuq, origin);
+  if (cuq) {  // each query row's position and padded index (the kernels' row_pos, row_pad)
+    if (!qrows) fail(FLASHMSA_ERROR_INTERNAL, "flashmsa: CUDA backend: query segments without their rows' workspace");
+    attn_bwd::launch_query_rows(c.seqs, g.total, qrows, qrows + g.total, st);
+    c.qpos = qrows;
+    c.qpad = qrows + g.total;
+  }
   c.dense = dense;
   if (dense) {
+    if (cuq) fail(FLASHMSA_ERROR_INTERNAL, "flashmsa: CUDA backend: DENSE lists with query segments");
     c.inv.blk_off = attn_bwd::build_blk_off(c.seqs, inv_ws, st);
     c.inv.nblk = tiles::global_blocks_bound(g);
   } else {
-    attn_bwd::InversionArgs ia = inversion_args(idx, idx_head, idx_tok, cu, g);
+    attn_bwd::InversionArgs ia = inversion_args(idx, idx_head, idx_tok, cu, g, cuq, origin);
     c.inv = attn_bwd::build_inversion(ia, inv_ws, st);
   }
   c.Hq = g.Hq;

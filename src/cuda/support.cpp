@@ -84,9 +84,9 @@ void fwd_features(const flashmsa_fwd_args_t& a, const Geometry& g) {
   if (present(a.proxy_lse) && a.proxy_lse.dtype != FLASHMSA_DTYPE_FP32)
     unsupported(fn, "proxy_lse must be fp32");
   if (present(a.kl) && a.kl.dtype != FLASHMSA_DTYPE_FP32) unsupported(fn, "kl must be fp32");
-  if (g.segmented && a.compute_kl)
-    unsupported(fn, "the kl value with query segments (cu_seqlens_q, q_origin) runs on the CPU backend only so far "
-                    "(the forward's main attention and selection take segments)");
+  if (g.segmented && a.compute_kl && a.mode == FLASHMSA_MODE_DENSE)
+    unsupported(fn, "the kl value of the warmup (DENSE) mode with query segments (cu_seqlens_q, q_origin) runs on the "
+                    "CPU backend only so far (the sparse modes take segments on the GPU)");
   if (a.compute_kl) {
     if ((g.Hq / g.Hkv) % (g.Hq / g.Hp) != 0)
       unsupported(fn, "the kl value needs every MSA group inside one kv head (Hkv dividing Hp); got Hkv = " +
@@ -97,9 +97,9 @@ void fwd_features(const flashmsa_fwd_args_t& a, const Geometry& g) {
 
 void bwd_features(const flashmsa_bwd_args_t& a, const Geometry& g) {
   const char* fn = "flashmsa_bwd";
-  if (g.segmented)
-    unsupported(fn, "query segments (cu_seqlens_q, q_origin): the CUDA backward does not take them yet; the CPU "
-                    "backend does");
+  if (g.segmented && a.mode == FLASHMSA_MODE_DENSE)
+    unsupported(fn, "the warmup (DENSE) mode with query segments (cu_seqlens_q, q_origin): the CUDA backward takes "
+                    "segments in SPARSE and GIVEN mode only so far; the CPU backend takes both");
 #ifdef FLASHMSA_NO_DETERMINISTIC
   if (a.deterministic)
     unsupported(fn, "this build has no deterministic backward (CMake FLASHMSA_KERNEL_DETERMINISTIC=OFF)");

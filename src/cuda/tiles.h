@@ -70,6 +70,6 @@ inline int head_slots(int R) {
 }
 
 // Global key blocks of all sequences together: at most total / 128 + B (+1 for a partial last).
-inline int global_blocks_bound(const Geometry& g) { return int(g.total / kBlock + g.batch + 1); }
+inline int global_blocks_bound(const Geometry& g) { return int(g.total_k / kBlock + g.batch + 1); }  // (key blocks)
 
 }  // namespace flashmsa::cuda::tiles

@@ -118,12 +118,13 @@ void take_kl_side(Layout& l, Take& take, const Geometry& g, bool plse) {
 }  // namespace
 
 attn_bwd::InversionArgs inversion_args(const int32_t* idx, int64_t idx_head, int64_t idx_tok,
-                                       const flashmsa_tensor_t& cu, const Geometry& g) {
+                                       const flashmsa_tensor_t& cu, const Geometry& g, const int32_t* cuq,
+                                       const int32_t* origin) {
   attn_bwd::InversionArgs ia;
   ia.indices.ptr = idx;
   ia.indices.head = idx_head;
   ia.indices.tok = idx_tok;
-  ia.seqs = seqs_of(cu, g);
+  ia.seqs = seqs_of(cu, g, cuq, origin);
   ia.Hp = g.Hp;
   ia.topk = g.topk;
   ia.total = g.total;
@@ -133,11 +134,13 @@ attn_bwd::InversionArgs inversion_args(const int32_t* idx, int64_t idx_head, int
 
 BwdLayout bwd_layout(const flashmsa_bwd_args_t& a, const Geometry& g) {
   BwdLayout l;
-  l.padded = padded_total(g.total, g.batch, attn_bwd::kPadTile);
+  // (query segments: the padded buffers are padded per segment, the preprocess's sequences)
+  l.padded = padded_total(g.total, g.segmented ? g.segments : g.batch, attn_bwd::kPadTile);
   size_t off = 0;
   auto take = [&](size_t bytes) { const size_t o = off; off += align_up(bytes); return o; };
   l.lse2 = take(size_t(g.Hq) * l.padded * 4);
   l.dsum = take(size_t(g.Hq) * l.padded * 4);
+  if (g.segmented) l.qrows = take(size_t(g.total) * 8);
   l.deterministic = a.deterministic;
   // The proxy side runs in the fused kernel, main walk and kl walk (the teacher in the scratch), in every mode, the
   // deterministic one too (dqp, dkp in fixed point): bwd_features refuses a proxy side unless every MSA group lies
@@ -154,12 +157,12 @@ BwdLayout bwd_layout(const flashmsa_bwd_args_t& a, const Geometry& g) {
   l.dq32 = a.deterministic && a.mode != FLASHMSA_MODE_DENSE;
   if (a.deterministic) l.dq_unit = take(size_t(g.Hq) * l.padded * 4);
   l.dq = take(size_t(g.total) * g.Hq * kHeadDim * (l.dq32 ? 4 : fix));
-  l.dk = take(size_t(g.total) * g.Hkv * kHeadDim * fix);
-  l.dv = take(size_t(g.total) * g.Hkv * kHeadDim * fix);
+  l.dk = take(size_t(g.total_k) * g.Hkv * kHeadDim * fix);  // (key rows: total_k)
+  l.dv = take(size_t(g.total_k) * g.Hkv * kHeadDim * fix);
   if (g.has_proxy) {  // (DENSE with groups over several head units: no proxy side, the fp32 zeros converted)
     const size_t fixp = a.mode == FLASHMSA_MODE_DENSE && !unit_ok ? 4 : fix;
     l.dqp = take(size_t(g.total) * g.Hp * kHeadDim * fixp);
-    l.dkp = take(size_t(g.total) * g.Hpk * kHeadDim * fixp);
+    l.dkp = take(size_t(g.total_k) * g.Hpk * kHeadDim * fixp);
   }
   // the fused kernel (SPARSE/GIVEN with the proxy side, or its main walk alone), default mode: store-first dq rows (dq_writer.cuh), their words
   // zeroed with the accumulators. By default where a chunk holds at most a quarter of a first store on average: its
@@ -199,8 +202,9 @@ FwdLayout fwd_layout(const flashmsa_fwd_args_t& a, const Geometry& g) {
   }
   if (a.mode == FLASHMSA_MODE_SPARSE && !present(a.indices)) l.idx = take(size_t(g.Hp) * g.total * g.topk * 4);
   if (a.compute_kl) {
-    l.padded = padded_total(g.total, g.batch, attn_bwd::kPadTile);
+    l.padded = padded_total(g.total, g.segmented ? g.segments : g.batch, attn_bwd::kPadTile);
     l.lse2 = take(size_t(g.Hq) * l.padded * 4);
+    if (g.segmented) l.qrows = take(size_t(g.total) * 8);
     l.inv = take(a.mode == FLASHMSA_MODE_DENSE
                      ? attn_bwd::blk_off_workspace(g.batch)
                      : attn_bwd::inversion_workspace(inversion_args(nullptr, 0, 0, a.cu_seqlens, g)));

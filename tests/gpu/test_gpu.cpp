@@ -2647,7 +2647,7 @@ TEST(Segments, SmallBadSegmentsPoisonAndReport) {
   const SegSelect ok = cuda_select(qp, kp, cu_t, 300, 4, 279, Hp, &cuq, &origin, 150, status);
   for (double x : ok.plse.host) ASSERT_TRUE(std::isfinite(x));
   EXPECT_EQ(words[0], 0);
-  // the forward's kl value refuses segments on the GPU (the main attention and selection take them)
+  // the forward's kl value in the warmup (DENSE) mode refuses segments on the GPU (the sparse modes take them)
   Tensor q = random_input({279, 8, 128}, FLASHMSA_DTYPE_BF16, rng), k = random_input({429, 2, 128}, FLASHMSA_DTYPE_BF16, rng);
   Tensor out = output({279, 8, 128}, FLASHMSA_DTYPE_BF16), lse = output({8, 279}, FLASHMSA_DTYPE_FP32);
   flashmsa::FwdArgs f;
@@ -2658,6 +2658,8 @@ TEST(Segments, SmallBadSegmentsPoisonAndReport) {
   f.topk = 4;
   f.out = dev_view(out), f.lse = dev_view(lse);
   f.compute_kl = 1;
+  f.mode = FLASHMSA_MODE_DENSE;
+  f.topk = 0;
   size_t bytes = 0;
   EXPECT_EQ(flashmsa_fwd_workspace_size(&f, &bytes), FLASHMSA_ERROR_NOT_SUPPORTED);
   EXPECT_NE(std::string(flashmsa_last_error()).find("query segments"), std::string::npos) << flashmsa_last_error();
@@ -2771,6 +2773,166 @@ TEST(Segments, SmallForwardRowsEqualWholeCall) {
       EXPECT_LE(rel_l2(got, want), 1e-6);
       EXPECT_LE(rel_l2(lg, lw), 1e-7);
     }
+}
+
+
+// The rows `rows` of a token tensor [T, H, X], or of a per-head tensor [H, T(, K)] (by_head), uploaded.
+Tensor rows_of(const Tensor& t, const std::vector<int64_t>& rows, bool by_head = false) {
+  Tensor r;
+  r.dtype = t.dtype;
+  r.shape = t.shape;
+  const int64_t n = int64_t(rows.size());
+  if (!by_head) {
+    r.shape[0] = n;
+    int64_t w = 1;
+    for (size_t d = 1; d < t.shape.size(); ++d) w *= t.shape[d];
+    for (int64_t x : rows)
+      for (int64_t e = 0; e < w; ++e) r.host.push_back(t.host[size_t(x * w + e)]);
+  } else {
+    r.shape[1] = n;
+    const int64_t T = t.shape[1], w = t.shape.size() > 2 ? t.shape[2] : 1;
+    for (int64_t h = 0; h < t.shape[0]; ++h)
+      for (int64_t x : rows)
+        for (int64_t e = 0; e < w; ++e) r.host.push_back(t.host[size_t((h * T + x) * w + e)]);
+  }
+  upload(r);
+  return r;
+}
+
+// Query segments from (key sequence, first position, length): the key rows they hold (in order), cu_seqlens_q and
+// q_origin uploaded, and the longest segment.
+struct SegSpec {
+  std::vector<int64_t> rows;
+  Tensor cuq, origin;
+  int64_t max_q = 0;
+};
+SegSpec seg_spec(const std::vector<int64_t>& cu, const std::vector<std::array<int64_t, 3>>& segs) {
+  SegSpec r;
+  std::vector<int64_t> cuq{0}, origin;
+  for (const auto& sg : segs) {
+    for (int64_t i = 0; i < sg[2]; ++i) r.rows.push_back(cu[size_t(sg[0])] + sg[1] + i);
+    cuq.push_back(int64_t(r.rows.size()));
+    origin.push_back(sg[0]);
+    origin.push_back(sg[1]);
+    r.max_q = std::max(r.max_q, sg[2]);
+  }
+  r.cuq = int_tensor({int64_t(cuq.size())}, cuq);
+  r.origin = int_tensor({int64_t(segs.size()), 2}, origin);
+  return r;
+}
+
+struct SegGrads {
+  Tensor dq, dk, dv, dqp, dkp, kl;
+};
+// One CUDA backward (GIVEN lists from idx) on query rows of its own (segments: sp) against the whole key sequences,
+// every output poisoned and the workspace NaN-filled first. dkl: null for no kl gradient (and no kl value).
+SegGrads seg_bwd(const Problem& pb, Inputs& in, Tensor& q, Tensor& qp, Tensor& out, Tensor& lse, Tensor& idx,
+                 Tensor& dout, Tensor* dkl, bool det, SegSpec* sp) {
+  const int64_t Tq = q.shape[0], T = pb.total();
+  SegGrads g{output({Tq, pb.Hq, pb.D}, pb.dtype),   output({T, pb.Hkv, pb.D}, pb.dtype),
+             output({T, pb.Hkv, pb.D}, pb.dtype),   output({Tq, pb.Hp, pb.Dp}, pb.dtype),
+             output({T, pb.Hpk, pb.Dp}, pb.dtype), output({}, FLASHMSA_DTYPE_FP32)};
+  flashmsa::BwdArgs a;
+  a.q = dev_view(q), a.k = dev_view(in.k), a.v = dev_view(in.v), a.qp = dev_view(qp), a.kp = dev_view(in.kp);
+  a.cu_seqlens = dev_view(in.cu);
+  a.max_seqlen = pb.max_len();
+  if (sp) a.cu_seqlens_q = dev_view(sp->cuq), a.q_origin = dev_view(sp->origin), a.max_seqlen_q = sp->max_q;
+  a.mode = FLASHMSA_MODE_GIVEN;
+  a.indices = dev_view(idx);
+  a.out = dev_view(out), a.lse = dev_view(lse), a.dout = dev_view(dout);
+  a.dq = dev_view(g.dq), a.dk = dev_view(g.dk), a.dv = dev_view(g.dv), a.dqp = dev_view(g.dqp), a.dkp = dev_view(g.dkp);
+  if (dkl) a.dkl = dev_view(*dkl), a.kl = dev_view(g.kl);
+  a.deterministic = det ? 1 : 0;
+  size_t bytes = 0;
+  EXPECT_EQ(flashmsa_bwd_workspace_size(&a, &bytes), FLASHMSA_SUCCESS) << flashmsa_last_error();
+  void* ws = bytes ? Pool::get().take(bytes) : nullptr;
+  if (ws) cudaMemset(ws, 0xff, bytes);
+  EXPECT_EQ(flashmsa_bwd(&a, ws, bytes), FLASHMSA_SUCCESS) << flashmsa_last_error();
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  for (Tensor* t : {&g.dq, &g.dk, &g.dv, &g.dqp, &g.dkp, &g.kl}) download(*t);
+  return g;
+}
+
+// flashmsa_bwd with query segments (GIVEN lists from a SPARSE forward's selection; the kl value and its gradient;
+// default and deterministic), fresh random inputs, lengths off the 128 grid:
+// - segments covering every query row in another order (one empty, one of a single row, some starting inside a
+//   block): every gradient and the kl against the fp64 reference at SPEC's bar (the rows put back in place), and
+//   within fp32 summation order of the whole call's;
+// - segments covering part of the rows, no kl gradient: dq rows, dk and dv equal the whole call's with dout zero on
+//   the rows left out (their contributions vanish), dqp and dkp exactly zero.
+TEST(Segments, SmallBackwardEqualsWholeCall) {
+  PoolScope scope;
+  std::mt19937_64 rng(fresh_seed());
+  const Problem pb = Problem().heads(16, 2).proxy_heads(4, 1).with_topk(4).seqlens({700, 0, 260, 1});
+  Inputs in = make_inputs(pb, rng);
+  const int64_t T = pb.total();
+  const int K = pb.topk;
+  FwdRun f = run_fwd(pb, in, FwdCall().sparse(K).with_proxy_lse());
+  download(f.indices);
+  Tensor& idx = f.indices;
+  Tensor& out = f.out;
+  Tensor& lse = f.lse;
+  Tensor dout = random_input(token_shape(pb, pb.Hq, pb.D), pb.dtype, rng);
+  Tensor dkl = device_scalar(0.7);
+  const std::vector<int64_t> cu = pb.offsets();
+  SegSpec full = seg_spec(cu, {{0, 385, 315}, {2, 3, 257}, {0, 0, 130}, {3, 0, 1}, {1, 0, 0}, {0, 130, 255}, {2, 0, 3}});
+  ASSERT_EQ(int64_t(full.rows.size()), T);
+  Tensor q_r = rows_of(in.q, full.rows), qp_r = rows_of(in.qp, full.rows), out_r = rows_of(out, full.rows),
+         dout_r = rows_of(dout, full.rows), lse_r = rows_of(lse, full.rows, true), idx_r = rows_of(idx, full.rows, true);
+  // the segments' rows put back in the whole call's order
+  auto in_place = [&](const Tensor& t) {
+    std::vector<double> r(t.host.size(), NAN);
+    const size_t w = t.host.size() / size_t(T);
+    for (size_t i = 0; i < full.rows.size(); ++i)
+      for (size_t e = 0; e < w; ++e) r[size_t(full.rows[i]) * w + e] = t.host[i * w + e];
+    return r;
+  };
+  const std::vector<int32_t> ip = as_int(idx);
+  RefBwd ref = reference_bwd(pb, in.q, in.k, in.v, &in.qp, &in.kp, &ip, K, FLASHMSA_MODE_GIVEN, dout.host, nullptr, 0.7);
+  RefBwd plain = straightforward_bwd(pb, in.q, in.k, in.v, dout.host, nullptr, &ip, K, FLASHMSA_MODE_GIVEN);
+  RefBwd pplain = straightforward_proxy_bwd(pb, in.q, in.k, in.qp, in.kp, &ip, K, FLASHMSA_MODE_GIVEN, 0.7);
+  for (bool det : {false, true}) {
+    SCOPED_TRACE(det ? "deterministic" : "default");
+    const SegGrads whole = seg_bwd(pb, in, in.q, in.qp, out, lse, idx, dout, &dkl, det, nullptr);
+    const SegGrads part = seg_bwd(pb, in, q_r, qp_r, out_r, lse_r, idx_r, dout_r, &dkl, det, &full);
+    const std::vector<double> dq = in_place(part.dq), dqp = in_place(part.dqp);
+    expect_bar("dq", dq, ref.dq, plain.dq);
+    expect_bar("dk", part.dk.host, ref.dk, plain.dk);
+    expect_bar("dv", part.dv.host, ref.dv, plain.dv);
+    expect_bar("dqp", dqp, ref.dqp, pplain.dqp);
+    expect_bar("dkp", part.dkp.host, ref.dkp, pplain.dkp);
+    expect_kl("segments' kl", part.kl.host[0], ref.kl[0], false, [] { return 0.0; });
+    const std::pair<const char*, std::pair<const std::vector<double>*, const std::vector<double>*>> same[] = {
+        {"dq", {&dq, &whole.dq.host}},           {"dk", {&part.dk.host, &whole.dk.host}},
+        {"dv", {&part.dv.host, &whole.dv.host}}, {"dqp", {&dqp, &whole.dqp.host}},
+        {"dkp", {&part.dkp.host, &whole.dkp.host}}};
+    for (const auto& [name, pr] : same)
+      EXPECT_LE(rel_l2(*pr.first, *pr.second), 1e-3) << name << " against the whole call";
+    EXPECT_LE(std::fabs(part.kl.host[0] - whole.kl.host[0]), 1e-5 * std::fabs(whole.kl.host[0])) << "kl";
+  }
+  // part of the rows: the whole call with dout zero on the others
+  SegSpec some = seg_spec(cu, {{0, 385, 315}, {2, 3, 250}, {0, 0, 130}, {3, 0, 1}, {1, 0, 0}});
+  std::vector<char> kept(size_t(T), 0);
+  for (int64_t r : some.rows) kept[size_t(r)] = 1;
+  Tensor dout0 = dout;
+  const int64_t w = int64_t(pb.Hq) * pb.D;
+  for (int64_t t = 0; t < T; ++t)
+    if (!kept[size_t(t)]) std::fill(dout0.host.begin() + t * w, dout0.host.begin() + (t + 1) * w, 0.0);
+  upload(dout0);
+  Tensor q_s = rows_of(in.q, some.rows), qp_s = rows_of(in.qp, some.rows), out_s = rows_of(out, some.rows),
+         dout_s = rows_of(dout, some.rows), lse_s = rows_of(lse, some.rows, true), idx_s = rows_of(idx, some.rows, true);
+  const SegGrads whole = seg_bwd(pb, in, in.q, in.qp, out, lse, idx, dout0, nullptr, false, nullptr);
+  const SegGrads part = seg_bwd(pb, in, q_s, qp_s, out_s, lse_s, idx_s, dout_s, nullptr, false, &some);
+  const SegGrads all_rows = seg_bwd(pb, in, in.q, in.qp, out, lse, idx, dout, nullptr, false, nullptr);
+  std::vector<double> dq_w;
+  for (int64_t r : some.rows) dq_w.insert(dq_w.end(), whole.dq.host.begin() + r * w, whole.dq.host.begin() + (r + 1) * w);
+  ASSERT_TRUE(all_finite(part.dq.host) && all_finite(part.dk.host) && all_finite(part.dv.host)) << "unwritten outputs";
+  EXPECT_LE(rel_l2(part.dq.host, dq_w), 1e-3) << "dq";
+  EXPECT_LE(rel_l2(part.dk.host, whole.dk.host), 1e-3) << "dk";
+  EXPECT_LE(rel_l2(part.dv.host, whole.dv.host), 1e-3) << "dv";
+  EXPECT_GT(rel_l2(part.dk.host, all_rows.dk.host), 1e-2) << "the rows left out must matter (else this cannot fail)";
+  for (double x : part.dqp.host) ASSERT_EQ(x, 0.0) << "dqp without a kl gradient";
+  for (double x : part.dkp.host) ASSERT_EQ(x, 0.0) << "dkp without a kl gradient";
 }
 
 }  // namespace

@@ -113,3 +113,58 @@ def test_bad_segments():
     xb = make_inputs(batch=2, seqlen=200, D=8, Dp=8, seed=44)
     with pytest.raises(ValueError, match="cu_seqlens_q: needs varlen"):
         flashmsa.msa_attention(xb["q"], xb["k"], xb["v"], xb["qp"], xb["kp"], 3, cu_seqlens_q=cuq, q_origin=origin)
+
+
+def _rel(a, b):
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA backend's segments: needs a GPU")
+@pytest.mark.parametrize("mode", ["sparse", "given"])
+def test_ranks_equal_the_whole_call_cuda(mode):
+    """The same split on the CUDA backend (bf16, head dim 128, m3-like 16/4/4/1 heads): rows of out and lse equal the
+    whole call's, dq and dqp rows and the summed dk, dv, dkp within fp32 summation order of it, the kl the row-weighted
+    mean. The warmup mode's backward refuses segments on CUDA so far (NotSupportedError, before anything runs)."""
+    x = make_inputs(lengths=LENGTHS, Hq=16, Hkv=4, Hp=4, D=128, Dp=128, dtype=torch.bfloat16, device="cuda",
+                    requires_grad=True, seed=43)
+    cu, ms = x["cu_seqlens"], x["max_seqlen"]
+    main, proxy = [x[n] for n in ("q", "k", "v")], [x[n] for n in ("qp", "kp")]
+    kw = dict(cu_seqlens=cu, max_seqlen=ms)
+    if mode == "given":
+        kw["indices"] = flashmsa.msa_select(x["qp"].detach(), x["kp"].detach(), 3, cu_seqlens=cu, max_seqlen=ms)
+    dout = torch.randn(x["q"].shape, generator=torch.Generator(device="cuda").manual_seed(5), device="cuda",
+                       dtype=torch.bfloat16)
+    out, kl, lse = flashmsa.msa_attention(*main, *proxy, 3, return_lse=True, compute_kl=True, **kw)
+    total = x["q"].shape[0]
+    want = torch.autograd.grad([out, 0.7 * kl], main + proxy, [dout, torch.ones_like(kl)])
+    got = [torch.zeros_like(t, dtype=torch.float32) for t in main + proxy]
+    kl_sum = 0.0
+    for chunks in RANKS:
+        cuq, origin, rows = _segments(chunks, cu.cpu())
+        cuq, origin, rows = cuq.cuda(), origin.cuda(), rows.cuda()
+        q_r, qp_r = x["q"].detach()[rows].requires_grad_(), x["qp"].detach()[rows].requires_grad_()
+        k_r, v_r, kp_r = (x[n].detach().requires_grad_() for n in ("k", "v", "kp"))
+        kw_r = dict(kw, cu_seqlens_q=cuq, q_origin=origin)
+        if mode == "given":
+            kw_r["indices"] = kw["indices"][:, rows]
+        o_r, kl_r, lse_r = flashmsa.msa_attention(q_r, k_r, v_r, qp_r, kp_r, 3, return_lse=True, compute_kl=True,
+                                                  **kw_r)
+        assert _rel(o_r, out.detach()[rows]) <= 1e-6 and _rel(lse_r, lse.detach()[:, rows]) <= 1e-7
+        share = len(rows) / total
+        kl_sum += kl_r.item() * share
+        gr = torch.autograd.grad([o_r, 0.7 * share * kl_r], [q_r, k_r, v_r, qp_r, kp_r],
+                                 [dout[rows], torch.ones_like(kl_r)])
+        assert _rel(gr[0], want[0][rows]) <= 2e-3, "dq"
+        assert _rel(gr[3], want[3][rows]) <= 2e-3, "dqp"
+        for i in (1, 2, 4):
+            got[i] += gr[i].float()
+    assert kl.item() > 0 and kl_sum == pytest.approx(kl.item(), rel=1e-4)
+    for i, name in ((1, "dk"), (2, "dv"), (4, "dkp")):
+        assert _rel(got[i], want[i]) <= 3e-3, name
+    cuq, origin, rows = _segments(RANKS[0], cu.cpu())
+    with pytest.raises(flashmsa.NotSupportedError, match="segments"):
+        o_w, kl_w = flashmsa.msa_attention(x["q"].detach()[rows.cuda()].requires_grad_(), *main[1:], *proxy, 3,
+                                           cu_seqlens=cu, max_seqlen=ms, warmup=True, cu_seqlens_q=cuq.cuda(),
+                                           q_origin=origin.cuda())
+        torch.autograd.backward([o_w, kl_w], [torch.ones_like(o_w), torch.ones_like(kl_w)])

@@ -297,7 +297,7 @@ __device__ __forceinline__ void main_produce(const Params& P, typename MainConfi
       const int r = x / 16, col = (x % 16) * 8;
       const int32_t t = row_slot(r);
       const bool valid = t >= 0 && (r & rmask) < R;
-      const int64_t tt = valid ? t : s0;  // a readable row; nothing is read when !valid
+      const int64_t tt = valid ? t : p.spare_row(s0);  // a readable row; nothing is read when !valid
       const int h = h0 + (valid ? (r & rmask) : 0);
       ptx::cp_async_16(&sQ(r, col, st), qptr + b * p.q.batch_corr + tt * p.q.tok + h * p.q.head + col, valid ? 16 : 0);
       if (!P.teacher_only)
@@ -308,13 +308,14 @@ __device__ __forceinline__ void main_produce(const Params& P, typename MainConfi
       const int r = tid;
       const int32_t t = row_slot(r);
       const bool valid = t >= 0 && (r & rmask) < R;
-      const int64_t tt = valid ? t : s0;
+      const int64_t tt = valid ? t : p.spare_row(s0);
       const int h = h0 + (valid ? (r & rmask) : 0);
+      const int64_t pi = p.row_pad(pad0, tt);  // the row's padded index (query segments: its own)
       S.tok[st][r] = valid ? t : -1;
-      S.pos[st][r] = valid ? int32_t(t - s0) : -1;
-      ptx::cp_async_4(&S.lse2[st][r], p.lse2.at(h, pad0 + tt), valid ? 4 : 0);
-      if (!P.teacher_only) ptx::cp_async_4(&S.dsum[st][r], p.dsum.at(h, pad0 + tt), valid ? 4 : 0);
-      if constexpr (Params::kDetMode) ptx::cp_async_4(&S.unit[st][r], p.dq_unit.at(h, pad0 + tt), valid ? 4 : 0);
+      S.pos[st][r] = valid ? p.row_pos(s0, t) : -1;
+      ptx::cp_async_4(&S.lse2[st][r], p.lse2.at(h, pi), valid ? 4 : 0);
+      if (!P.teacher_only) ptx::cp_async_4(&S.dsum[st][r], p.dsum.at(h, pi), valid ? 4 : 0);
+      if constexpr (Params::kDetMode) ptx::cp_async_4(&S.unit[st][r], p.dq_unit.at(h, pi), valid ? 4 : 0);
     }
     // the stage is full when every producer thread's copies have landed
     pipeline.producer_commit(state, cutlass::arch::cpasync_barrier_arrive);

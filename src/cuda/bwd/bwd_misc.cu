@@ -188,16 +188,35 @@ __global__ void inversion_keys_kernel(const InversionArgs a, const int32_t* blk_
   const int s = int(e % a.topk);
   const int64_t t = (e / a.topk) % a.total;
   const int p = int(e / (int64_t(a.topk) * a.total));
-  const int b = seq_of_token(a.seqs, t);
-  int64_t s0, L;
-  a.seqs.get(b, s0, L);
+  int b;
+  int64_t pos, L;
+  if (a.seqs.cuq) {  // query segments: the row's segment names its key sequence and first position
+    const int sg = seq_of_token(query_seqs(a.seqs), t);
+    const QueryUnit u = query_unit(a.seqs, sg);
+    b = u.b, L = u.L, pos = t - u.qrow0;
+  } else {
+    b = seq_of_token(a.seqs, t);
+    int64_t s0;
+    a.seqs.get(b, s0, L);
+    pos = t - s0;
+  }
   const int32_t* row = a.indices.at(p, t);
   const int64_t j = row[s];
-  // t inside its sequence: always, unless the guard emptied every sequence (cu_seqlens fault)
-  bool ok = t - s0 < L && j >= 0 && j <= (t - s0) / kBlockKeys;
+  // the row inside its sequence: always, unless the guard emptied every sequence (a cu_seqlens or segments fault)
+  bool ok = pos >= 0 && pos < L && j >= 0 && j <= pos / kBlockKeys;
   for (int s2 = 0; ok && s2 < s; ++s2) ok = row[s2] != j;
   keys[e] = ok ? uint32_t(int64_t(p) * a.nblk + blk_off[b] + j) : uint32_t(int64_t(a.Hp) * a.nblk);
   vals[e] = int32_t(t);
+}
+
+__global__ void query_rows_kernel(const Seqs q, int64_t total_q, int32_t* qpos, int32_t* qpad) {
+  const int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t >= total_q) return;
+  const int sg = seq_of_token(query_seqs(q), t);
+  const int64_t first = q.cuq[sg];
+  const bool in = t >= first && t < q.cuq[sg + 1];  // (false only where the guard emptied the segments)
+  qpos[t] = in ? int32_t(q.qorigin[2 * sg + 1] + (t - first)) : 0;
+  qpad[t] = in ? int32_t(padded_offset(first, sg, kPadTile) + (t - first)) : 0;
 }
 
 // offsets[k] = first position of key >= k in the sorted keys, k in [0, Hp * nblk]
@@ -426,21 +445,22 @@ void launch_convert_fixed32(const int32_t* acc, TokenTensor<void> out, const Seq
 }
 
 void launch_fix_bounds(const FixInputs& in, float* fix, cudaStream_t st) {
-  const unsigned blocks = unsigned(std::min<int64_t>(1024, (in.total * std::max(in.Hq, 1) + 7) / 8 + 1));
-  auto run = [&](auto* tag, TokenTensor<const void> x, int heads, bool norm, int word) {
+  const int64_t rows = std::max(in.total, in.total_k);
+  const unsigned blocks = unsigned(std::min<int64_t>(1024, (rows * std::max(in.Hq, 1) + 7) / 8 + 1));
+  auto run = [&](auto* tag, TokenTensor<const void> x, int heads, int64_t total, bool norm, int word) {
     using Element = std::remove_pointer_t<decltype(tag)>;
-    if (!x.ptr || in.total == 0) return;
-    row_bound_kernel<Element><<<blocks, 256, 0, st>>>(x, heads, in.seqs, in.total, norm, fix + word);
+    if (!x.ptr || total == 0) return;
+    row_bound_kernel<Element><<<blocks, 256, 0, st>>>(x, heads, in.seqs, total, norm, fix + word);
     FLASHMSA_CUDA_CHECK(cudaGetLastError());
   };
   auto all = [&](auto* tag) {
-    run(tag, in.k, in.Hkv, false, kMaxK);
-    run(tag, in.v, in.Hkv, true, kMaxV);
-    run(tag, in.kp, in.Hpk, false, kMaxKp);
-    run(tag, in.q, in.Hq, false, kMaxQ);
-    run(tag, in.qp, in.Hp, false, kMaxQp);
-    run(tag, in.dout, in.Hq, true, kMaxDo);
-    run(tag, in.dout, in.Hq, false, kMaxDoEl);
+    run(tag, in.k, in.Hkv, in.total_k, false, kMaxK);
+    run(tag, in.v, in.Hkv, in.total_k, true, kMaxV);
+    run(tag, in.kp, in.Hpk, in.total_k, false, kMaxKp);
+    run(tag, in.q, in.Hq, in.total, false, kMaxQ);
+    run(tag, in.qp, in.Hp, in.total, false, kMaxQp);
+    run(tag, in.dout, in.Hq, in.total, true, kMaxDo);
+    run(tag, in.dout, in.Hq, in.total, false, kMaxDoEl);
   };
   if (in.dtype == Dtype::kBf16) all(static_cast<cutlass::bfloat16_t*>(nullptr));
   else all(static_cast<cutlass::half_t*>(nullptr));
@@ -451,6 +471,12 @@ void launch_fix_bounds(const FixInputs& in, float* fix, cudaStream_t st) {
   const float L = float(in.max_seqlen);
   fix_units_kernel<<<1, 1, 0, st>>>(fix, in.dkl, float(in.Hq / std::max(in.Hkv, 1)) * L,
                                     in.Hpk ? float(in.Hp / in.Hpk) * L : 0.f);
+  FLASHMSA_CUDA_CHECK(cudaGetLastError());
+}
+
+void launch_query_rows(const Seqs& q, int64_t total_q, int32_t* qpos, int32_t* qpad, cudaStream_t st) {
+  if (total_q == 0 || !q.cuq) return;
+  query_rows_kernel<<<unsigned((total_q + 255) / 256), 256, 0, st>>>(q, total_q, qpos, qpad);
   FLASHMSA_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -33,10 +33,24 @@ struct PreprocessArgs {
 template <Dtype>
 void launch_preprocess(const PreprocessArgs& a, cudaStream_t st);
 
+// Query segments: per query row t of segment s (cu_seqlens_q[s] <= t < cu_seqlens_q[s + 1]), qpos[t] = its position in
+// its key sequence, q_origin[s][1] + t - cu_seqlens_q[s], and qpad[t] = padded_offset(cu_seqlens_q[s], s, kPadTile) +
+// t - cu_seqlens_q[s], its index in the padded buffers (the preprocess runs over the segments as its sequences).
+// q: the guard's segments (q.cuq, q.qorigin, q.segments).
+void launch_query_rows(const Seqs& q, int64_t total_q, int32_t* qpos, int32_t* qpad, cudaStream_t st);
+// The segments as the sequences of the query rows: what the preprocess and the query-side converts iterate over.
+__host__ __device__ inline Seqs query_seqs(const Seqs& q) {
+  if (!q.cuq) return q;
+  Seqs r;
+  r.cu_seqlens = q.cuq;
+  r.batch = r.segments = q.segments;
+  return r;
+}
+
 // Inversion workspace sizes; build writes inv.{tokens, offsets, blk_off}.
 struct InversionArgs {
-  HeadTensor<const int32_t> indices;  // [Hp, total, topk]
-  Seqs seqs;
+  HeadTensor<const int32_t> indices;  // [Hp, total, topk] (total: query rows)
+  Seqs seqs;                          // the key sequences, with the query segments when the call has them
   int Hp = 0, topk = 0;
   int64_t total = 0;
   int nblk = 0;  // upper bound of global blocks: total / 128 + B + 1
@@ -71,7 +85,8 @@ struct FixInputs {
   const float* dkl = nullptr;                     // optional (no proxy gradient)
   int Hq = 0, Hkv = 0, Hp = 0, Hpk = 0;
   Seqs seqs;
-  int64_t total = 0, max_seqlen = 0;
+  int64_t total = 0, max_seqlen = 0;  // query rows; max_seqlen: the most query rows of a head that reach one key
+  int64_t total_k = 0;                // key rows (k, v, kp)
   Dtype dtype = Dtype::kBf16;
 };
 void launch_fix_bounds(const FixInputs& in, float* fix, cudaStream_t st);

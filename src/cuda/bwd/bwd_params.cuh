@@ -133,6 +133,16 @@ struct Common {
   HeadTensor<const float> dq_unit;    // padded like dsum: the unit of each (head, token) dq row
   float* fix = nullptr;               // the small block (FixWord): bounds, units, flags
   int32_t* dq_fix32 = nullptr;        // dq_fix's rows in 32 bits (fixed_unit32; null: dq_fix)
+  // Query segments (flashmsa.h; null without them): per query row t, its position in its key sequence and its index
+  // in the padded buffers (lse2, dsum, dq_unit: padded per segment, as the preprocess writes them); built by
+  // launch_query_rows. Without segments a row's position is t - s0 and its padded index pad0 + t.
+  const int32_t* qpos = nullptr;
+  const int32_t* qpad = nullptr;
+  __device__ __forceinline__ int32_t row_pos(int64_t s0, int64_t t) const { return qpos ? qpos[t] : int32_t(t - s0); }
+  __device__ __forceinline__ int64_t row_pad(int64_t pad0, int64_t t) const { return qpad ? qpad[t] : pad0 + t; }
+  // a readable query row for a slot without one (nothing is read from it): the key sequence's first row without
+  // segments (query rows are key rows), row 0 with them (segments are varlen: no batch stride)
+  __device__ __forceinline__ int64_t spare_row(int64_t s0) const { return qpos ? 0 : s0; }
 };
 
 }  // namespace flashmsa::cuda::attn_bwd

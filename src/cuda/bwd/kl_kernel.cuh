@@ -61,6 +61,7 @@ struct KlConfig {
     alignas(16) float teach[kStages][kTok][kTeachStride];
     float plse[kStages][kTok];
     int32_t tok[kStages][kTok];  // global token of each row; -1: past the list
+    int32_t pos[kStages][kTok];  // its position in the key sequence (Common::row_pos)
     alignas(16) float dq[kTok][kDqpStride];  // the chunk's dQp tile (tokens x dp, padded rows: 2 wavefronts per
                                              // float2 store; a 132-float stride took 4 in ncu)
     int64_t dq_row[kTok];                    // dqp_acc offset of each row; -1: nothing to add
@@ -161,7 +162,7 @@ __device__ __forceinline__ void kl_produce(const Params& P, typename KlConfig<El
     for (int x = tid; x < C::kTok * 16; x += C::kProducers) {  // Qp rows, zero past the range
       const int r = x / 16, col = (x % 16) * 8;
       const int32_t t = tok_of(r);
-      const int64_t tt = t >= 0 ? t : s0;
+      const int64_t tt = t >= 0 ? t : p.spare_row(s0);
       ptx::cp_async_16(&sQp(r, col, st), qpptr + b * p.qp.batch_corr + tt * p.qp.tok + grp * p.qp.head + col,
                        t >= 0 ? 16 : 0);
     }
@@ -173,7 +174,8 @@ __device__ __forceinline__ void kl_produce(const Params& P, typename KlConfig<El
     }
     if (tid < C::kTok) {
       const int32_t t = tok_of(tid);
-      ptx::cp_async_4(&S.plse[st][tid], p.plse.at(grp, t >= 0 ? t : s0), t >= 0 ? 4 : 0);
+      S.pos[st][tid] = t >= 0 ? p.row_pos(s0, t) : -1;
+      ptx::cp_async_4(&S.plse[st][tid], p.plse.at(grp, t >= 0 ? t : p.spare_row(s0)), t >= 0 ? 4 : 0);
     }
     pipeline.producer_commit(state, cutlass::arch::cpasync_barrier_arrive);
     ++state;
@@ -253,12 +255,13 @@ __device__ __forceinline__ void kl_consume(const Params& P, typename KlConfig<El
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
         const int2 tk = *reinterpret_cast<const int2*>(&S.tok[st][row0 + 8 * i]);
+        const int2 tp = *reinterpret_cast<const int2*>(&S.pos[st][row0 + 8 * i]);
         const float2 pl = *reinterpret_cast<const float2*>(&S.plse[st][row0 + 8 * i]);
 #pragma unroll
         for (int e0 = 0; e0 < 2; ++e0) {
           const int32_t t = e0 ? tk.y : tk.x;
           const float pl2 = (e0 ? pl.y : pl.x) * kLog2e;
-          const int64_t pos = int64_t(t) - s0;
+          const int64_t pos = e0 ? tp.y : tp.x;
 #pragma unroll
           for (int e1 = 0; e1 < 2; ++e1) {
             // branch-free: every row of a stage is readable (the producer zero-fills the rows past the range,
