@@ -271,7 +271,8 @@ def gpu_main(args):
     w_loc = fcp.shard_tokens(w_out, P, rank, sizes=sizes)
 
     def cp():
-        return fcp.msa_attention_cp(*[loc[n] for n in GRADS], topk, shard_sizes=sizes, **kw)
+        return fcp.msa_attention_cp(*[loc[n] for n in GRADS], topk, shard_sizes=sizes, scheme=args.scheme,
+                                    layout=args.layout, **kw)
 
     c_out, c_kl, c_lse = cp()
     c_grads = torch.autograd.grad((c_out * w_loc).float().sum() + 3.0 * c_kl, [loc[n] for n in GRADS])
@@ -344,6 +345,8 @@ if __name__ == "__main__":
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--topk", type=int, default=16)
     ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--scheme", default=None, help="msa_attention_cp's scheme (default: its choice)")
+    ap.add_argument("--layout", default="contiguous", help="the tokens scheme's layout (contiguous, zigzag)")
     ap.add_argument("cases", nargs="*")
     a = ap.parse_args()
     gpu_main(a) if a.gpu or a.dry_run else cpu_main(a)

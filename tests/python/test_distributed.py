@@ -251,10 +251,16 @@ def test_nccl_one_gpu_path(tmp_path):
 def test_nccl_two_gpus_m3(tmp_path):
     """m3 heads (64/4/4/1), D = 128, bf16, topk 16, P = 2 over NCCL against the single-GPU result
     on the same GPU; prints the step times and the all-to-all share. Sizes:
-    FLASHMSA_CP_LENGTHS (default 16384,9000,7384: 32k tokens), FLASHMSA_CP_GPUS (default 2)."""
+    FLASHMSA_CP_LENGTHS (default 16384,9000,7384: 32k tokens), FLASHMSA_CP_GPUS (default 2),
+    FLASHMSA_CP_SCHEME (heads or tokens; default msa_attention_cp's choice), FLASHMSA_CP_LAYOUT (the tokens scheme's:
+    contiguous or zigzag)."""
     P = int(os.environ.get("FLASHMSA_CP_GPUS", "2"))
     lengths = os.environ.get("FLASHMSA_CP_LENGTHS", "16384,9000,7384")
-    procs = _launch(P, ["--gpu", "--lengths", lengths], tmp_path)
+    extra = []
+    for env, flag in (("FLASHMSA_CP_SCHEME", "--scheme"), ("FLASHMSA_CP_LAYOUT", "--layout")):
+        if os.environ.get(env):
+            extra += [flag, os.environ[env]]
+    procs = _launch(P, ["--gpu", "--lengths", lengths] + extra, tmp_path)
     ranks, log = _collect(procs, tmp_path, time.monotonic() + 540)
     print(log)
     assert ranks is not None, log
