@@ -497,6 +497,21 @@ def _token_parallel(q, k, v, qp, kp, topk, cu_seqlens, max_seqlen, indices, retu
         chunks = _chunks(cu, tsizes, layout)
         cu_t = cu_seqlens
     plan = _TokenPlan(group, rank, P, chunks, cu, q.device)
+    out, kl, lse, idx = _token_core(plan, q, k, v, qp, kp, topk, cu_t, max_seqlen, indices, return_lse,
+                                    return_indices, kw)
+    if batched:
+        out = out.view(B, S_loc, *out.shape[1:])
+    result = [out, kl]
+    if return_lse:
+        result.append(lse)
+    if return_indices:
+        result.append(idx)
+    return tuple(result)
+
+
+def _token_core(plan, q, k, v, qp, kp, topk, cu_t, max_seqlen, indices, return_lse, return_indices, kw):
+    """The tokens scheme on a plan: k, v, kp gathered over plan's group, this rank's rows as query segments
+    against them -> (out, kl: the mean over the group's rows, lse or None, indices or None)."""
     keys = [k, v] + ([kp] if kp is not None else [])
     full = _GatherKeys.apply(plan, *keys)
     kf, vf = full[0], full[1]
@@ -506,14 +521,107 @@ def _token_parallel(q, k, v, qp, kp, topk, cu_seqlens, max_seqlen, indices, retu
                           return_lse=bool(return_lse), return_indices=bool(return_indices) and sparse,
                           precise_dpsum=False, kl_from_backward=False, cu_seqlens_q=plan.cu_seqlens_q,
                           q_origin=plan.q_origin, max_seqlen_q=plan.max_seqlen_q, **kw)
-    out, kl = res[0], _KlMean.apply(plan, res[1])
-    if batched:
-        out = out.view(B, S_loc, *out.shape[1:])
-    result = [out, kl]
+    lse = res[2] if return_lse else None
+    idx = (res[-1] if sparse else indices) if return_indices else None
+    return res[0], _KlMean.apply(plan, res[1]), lse, idx
+
+
+_SUBGROUPS: Dict[tuple, tuple] = {}
+
+
+def _subgroups(group, P: int, Ph: int):
+    """(heads group, tokens group) of this rank for the hybrid scheme: ranks t*Ph .. t*Ph + Ph - 1 of `group` form
+    heads group t, ranks h, h + Ph, ... tokens group h. Created on first use and kept (torch.distributed.new_group is
+    collective: the default group creates every subgroup on every rank in the same order; a caller's subgroup creates
+    this rank's two with local synchronisation, their names hashed from their ranks)."""
+    rank = dist.get_rank(group)
+    t, h = divmod(rank, Ph)
+    world = group is None or group is dist.group.WORLD
+    key = (None if world else id(group), P, Ph)
+    if key not in _SUBGROUPS:
+        glob = list(range(P)) if world else [dist.get_global_rank(group, r) for r in range(P)]
+        heads = [[glob[tt * Ph + i] for i in range(Ph)] for tt in range(P // Ph)]
+        tokens = [[glob[tt * Ph + hh] for tt in range(P // Ph)] for hh in range(Ph)]
+        if world:
+            hg = [dist.new_group(r) for r in heads]
+            tg = [dist.new_group(r) for r in tokens]
+            _SUBGROUPS[key] = (hg[t], tg[h])
+        else:
+            _SUBGROUPS[key] = (dist.new_group(heads[t], use_local_synchronization=True),
+                               dist.new_group(tokens[h], use_local_synchronization=True))
+    return _SUBGROUPS[key]
+
+
+def _heads_size(Hq, Hkv, Hp, Hpk, P: int, heads_size: Optional[int]) -> int:
+    """The hybrid scheme's heads-group size: the given one (checked), else the largest divisor of P below P whose
+    head split lines up (head_ranges), at least 1."""
+    if heads_size is not None:
+        if isinstance(heads_size, bool) or not isinstance(heads_size, numbers.Integral) or heads_size < 1 \
+                or P % int(heads_size):
+            raise ValueError(f"{_P}: heads_size: expected a divisor of the context-parallel size {P} (the ranks of "
+                             f"one heads group), got {heads_size!r}")
+        head_ranges(Hq, Hkv, Hp, Hpk, int(heads_size))  # (a ValueError naming the heads that do not split)
+        return int(heads_size)
+    for d in range(P - 1, 0, -1):
+        if P % d == 0:
+            try:
+                head_ranges(Hq, Hkv, Hp, Hpk, d)
+                return d
+            except ValueError:
+                continue
+    return 1
+
+
+def _hybrid(q, k, v, qp, kp, topk, cu_seqlens, max_seqlen, indices, return_lse, return_indices, tsizes, layout,
+            group, rank, P, Ph, kw):
+    """The hybrid scheme (docs/distributed.md): P = Ph x Pt ranks. Within each heads group of Ph consecutive ranks
+    one all-to-all (the heads scheme) gives every rank its MSA groups' heads for the group's rows; across the Pt
+    heads groups those rows run as the tokens scheme (k, v, kp of the rank's heads gathered over its tokens group,
+    its rows as query segments); the outputs go back the same way."""
+    Pt = P // Ph
+    t, h = divmod(rank, Ph)
+    hgroup, tgroup = _subgroups(group, P, Ph)
+    cu = [int(x) for x in cu_seqlens.tolist()]  # (a host read of cu_seqlens: B + 1 values)
+    chunks = _chunks(cu, tsizes, layout)
+    Hq, Hkv = q.shape[-2], k.shape[-2]
+    Hp = qp.shape[-2] if qp is not None else indices.shape[0] if indices is not None else None
+    Hpk = kp.shape[-2] if kp is not None else None
+    members = [t * Ph + i for i in range(Ph)]
+    plan_h = _Plan(hgroup, h, Ph, [tsizes[m] for m in members], head_ranges(Hq, Hkv, Hp, Hpk, Ph),
+                   {"q": Hq, "kv": Hkv, "qp": Hp, "kp": Hpk}, q.device)
+    fields, xs = [("q", 0, 1), ("kv", 0, 1), ("kv", 0, 1)], [q, k, v]
+    if qp is not None:
+        fields += [("qp", 0, 1), ("kp", 0, 1)]
+        xs += [qp, kp]
+    n_diff = len(xs)
+    if indices is not None:
+        fields.append(("qp", 1, 0))
+        xs.append(indices)
+    hs = _ToHeads.apply(plan_h, tuple(fields), n_diff, *xs)
+    qh, kh, vh = hs[:3]
+    qph, kph = (hs[3], hs[4]) if qp is not None else (None, None)
+    idx_h = hs[-1] if indices is not None else None
+    # the heads group's rows (its members' chunks, in member order) against the whole keys, over the tokens group
+    plan_t = _TokenPlan(tgroup, t, Pt, [[c for m in range(tt * Ph, (tt + 1) * Ph) for c in chunks[m]]
+                                        for tt in range(Pt)], cu, q.device)
+    sparse = indices is None and not kw["warmup"]
+    want_idx = bool(return_indices) and sparse
+    out_h, kl_h, lse_h, idx_o = _token_core(plan_t, qh, kh, vh, qph, kph, topk, cu_seqlens, max_seqlen, idx_h,
+                                            return_lse, want_idx, kw)
+    ofields, ys = [("q", 0, 1)], [out_h]
     if return_lse:
-        result.append(res[2])
+        ofields.append(("q", 1, 0))
+        ys.append(lse_h)
+    n_odiff = len(ys)
+    if want_idx:
+        ofields.append(("qp", 1, 0))
+        ys.append(idx_o)
+    outs = _ToTokens.apply(plan_h, tuple(ofields), n_odiff, kl_h, *ys)
+    result = [outs[1], outs[0]]
+    if return_lse:
+        result.append(outs[2])
     if return_indices:
-        result.append(res[-1] if sparse else indices)
+        result.append(outs[-1] if want_idx else indices)
     return tuple(result)
 
 
@@ -593,17 +701,19 @@ def _signature(q, k, v, qp, kp, indices, cu_seqlens, max_seqlen, topk, warmup, r
     return sig
 
 
-_SCHEMES = (None, "heads", "tokens")
+_SCHEMES = (None, "heads", "tokens", "hybrid")
 _LAYOUTS = ("contiguous", "zigzag")
 
 
 def _prepare(q, k, v, qp, kp, cu_seqlens, indices, max_seqlen, warmup, shard_sizes, options, validate,
-             group, rank, P, scheme=None, layout="contiguous"):
-    """The local argument checks (no traffic): the plan (None for the tokens scheme), B, this rank's
-    token count, Hp, the scheme. options: the keyword arguments of msa_attention that need no tensor
-    (checked first)."""
+             group, rank, P, scheme=None, layout="contiguous", heads_size=None):
+    """The local argument checks (no traffic): the plan (heads scheme; hybrid: its heads-group size; None for the
+    tokens scheme), B, this rank's token count, Hp, the scheme, the shard sizes. options: the keyword arguments of
+    msa_attention that need no tensor (checked first)."""
     if scheme not in _SCHEMES:
-        raise ValueError(f"{_P}: scheme: expected None, 'heads' or 'tokens', got {scheme!r}")
+        raise ValueError(f"{_P}: scheme: expected None, 'heads', 'tokens' or 'hybrid', got {scheme!r}")
+    if heads_size is not None and scheme != "hybrid":
+        raise ValueError(f"{_P}: heads_size: only for scheme='hybrid' (got scheme {scheme!r})")
     if layout not in _LAYOUTS:
         raise ValueError(f"{_P}: layout: expected 'contiguous' or 'zigzag', got {layout!r}")
     _ops._check_inputs(q, k, v, qp, kp, cu_seqlens, indices)
@@ -682,9 +792,12 @@ def _prepare(q, k, v, qp, kp, cu_seqlens, indices, max_seqlen, warmup, shard_siz
             scheme = "heads"
         except ValueError:
             scheme = "tokens"
-    if layout == "zigzag" and (scheme != "tokens" or batched):
-        raise ValueError(f"{_P}: layout: 'zigzag' needs scheme='tokens' and varlen inputs (got scheme "
+    if layout == "zigzag" and (scheme not in ("tokens", "hybrid") or batched):
+        raise ValueError(f"{_P}: layout: 'zigzag' needs scheme='tokens' or 'hybrid' and varlen inputs (got scheme "
                          f"{scheme!r}, {'batched' if batched else 'varlen'} inputs)")
+    if scheme == "hybrid" and batched:
+        raise ValueError(f"{_P}: scheme: 'hybrid' takes varlen inputs ([T, H, D] with cu_seqlens); batched inputs "
+                         f"run the heads or the tokens scheme")
     if layout == "zigzag" and cu_seqlens.numel():
         cu = [int(x) for x in cu_seqlens.tolist()]
         want = [sum(n for _, _, n in c) for c in _chunks(cu, tsizes, "zigzag")]
@@ -694,6 +807,8 @@ def _prepare(q, k, v, qp, kp, cu_seqlens, indices, max_seqlen, warmup, shard_siz
                              f"hold {tsizes}")
     if scheme == "tokens":
         return None, B, T_loc, Hp, scheme, tsizes
+    if scheme == "hybrid":
+        return _heads_size(Hq, Hkv, Hp, Hpk, P, heads_size), B, T_loc, Hp, scheme, tsizes
     ranges = head_ranges(Hq, Hkv, Hp, Hpk, P)
     full = {"q": Hq, "kv": Hkv, "qp": Hp, "kp": Hpk}
     plan = _Plan(group, rank, P, tsizes, ranges, full, q.device)
@@ -709,15 +824,19 @@ def msa_attention_cp(q: Tensor, k: Tensor, v: Tensor, qp: Optional[Tensor] = Non
                      compute_kl: Optional[bool] = None, return_lse: bool = False,
                      return_indices: bool = False, numerics: Optional[str] = None,
                      validate: bool = False, scheme: Optional[str] = None,
-                     layout: str = "contiguous"):
+                     layout: str = "contiguous", heads_size: Optional[int] = None):
     """flashmsa.msa_attention with every per-token tensor sharded by tokens over the ranks of
     `group` (default: the world). Arguments and results as in msa_attention, except:
 
     - scheme: "heads" (an all-to-all to whole MSA groups per rank: P must line up with the head
-      counts), "tokens" (k, v, kp gathered to every rank, each rank's queries against them: any P;
-      the CPU backend for now), or None: heads where P lines up, else tokens.
+      counts), "tokens" (k, v, kp gathered to every rank, each rank's queries against them as query segments:
+      any P; on CUDA not yet in warmup mode), None: heads where P lines up, else tokens; or
+      "hybrid" (P = heads_size x P_t: the heads scheme within each group of heads_size consecutive ranks, the
+      tokens scheme across the groups; varlen inputs).
+    - heads_size: the hybrid scheme's heads-group size (a divisor of P whose head split lines up); None: the
+      largest such divisor below P.
     - layout: "contiguous" (rank r holds the next T_r tokens of the packed total) or "zigzag"
-      (tokens scheme, varlen: every sequence split into 2P chunks, rank r holding chunks r and
+      (tokens or hybrid scheme, varlen: every sequence split into 2P chunks, rank r holding chunks r and
       2P-1-r of each, in sequence order: the causal work is the same on every rank).
 
     - no precise_dpsum (each rank's local msa_attention runs with the default).
@@ -748,7 +867,7 @@ def msa_attention_cp(q: Tensor, k: Tensor, v: Tensor, qp: Optional[Tensor] = Non
     try:
         plan, B, T_loc, Hp, scheme, tsizes = _prepare(q, k, v, qp, kp, cu_seqlens, indices, max_seqlen, warmup,
                                                       shard_sizes, options, validate is True, group, rank, P,
-                                                      scheme, layout)
+                                                      scheme, layout, heads_size)
         error = None
     except (TypeError, ValueError) as e:
         if not agree:
@@ -759,11 +878,15 @@ def msa_attention_cp(q: Tensor, k: Tensor, v: Tensor, qp: Optional[Tensor] = Non
         sig = _signature(q, k, v, qp, kp, indices, cu_seqlens, max_seqlen, topk, warmup, return_lse,
                          return_indices, shard_sizes, tsizes, P)
         sig.update(scheme=_SCHEMES.index(scheme) if scheme in _SCHEMES else -2,
-                   layout=_LAYOUTS.index(layout) if layout in _LAYOUTS else -2)
+                   layout=_LAYOUTS.index(layout) if layout in _LAYOUTS else -2,
+                   heads_size=int(heads_size) if isinstance(heads_size, numbers.Integral) else -1)
         _check_agreement(sig, error, group, dev, P)
     if scheme == "tokens":
         return _token_parallel(q, k, v, qp, kp, topk, cu_seqlens, max_seqlen, indices, return_lse,
                                return_indices, tsizes, layout, group, rank, P, kw)
+    if scheme == "hybrid":
+        return _hybrid(q, k, v, qp, kp, topk, cu_seqlens, max_seqlen, indices, return_lse, return_indices, tsizes,
+                       layout, group, rank, P, plan, kw)
     batched = q.dim() == 4
     td = 1 if batched else 0
     Hq = q.shape[-2]

@@ -55,9 +55,20 @@ CASES = {
                     error=("ValueError", "Hkv (kv heads) = 3 is not divisible")),
     # the tokens scheme: k, v, kp gathered, each rank's queries as query segments (any P)
     "tok_varlen": dict(heads=M3LIKE, lengths=[300, 1, 0, 129, 127, 215], mode="sparse", shards="balanced",
-                       scheme="tokens"),
+                       scheme="tokens", worlds=(2, 3, 4, 8)),
     "tok_zigzag": dict(heads=M3LIKE, lengths=[300, 129, 0, 260, 5], mode="sparse", shards="balanced",
-                       scheme="tokens", layout="zigzag"),
+                       scheme="tokens", layout="zigzag", worlds=(2, 3, 4, 8)),
+    # the hybrid scheme: heads within groups of heads_size ranks, tokens across them (P = 4: 2 x 2; P = 8: 4 x 2)
+    "hyb_varlen": dict(heads=M3LIKE, lengths=[300, 1, 0, 129, 127, 215], mode="sparse", shards="balanced",
+                       scheme="hybrid", worlds=(4, 8)),
+    "hyb_zigzag": dict(heads=M3LIKE, lengths=[300, 129, 0, 260, 5], mode="sparse", shards="balanced",
+                       scheme="hybrid", layout="zigzag", worlds=(4, 8)),
+    "hyb_given_kv_replicated": dict(heads=FMSA, lengths=[300, 1, 0, 129, 127, 215], mode="given", shards="balanced",
+                                    scheme="hybrid", worlds=(4, 8)),  # P = 8: heads_size 4, each kv head on 2 ranks
+    "hyb_warmup_2x2": dict(heads=M3LIKE, lengths=[257, 3, 0, 124, 1], mode="warmup", shards="balanced",
+                           scheme="hybrid", heads_size=2, worlds=(4,)),
+    "err_hyb_size": dict(heads=M3LIKE, lengths=[64], mode="sparse", scheme="hybrid", heads_size=3, worlds=(4,),
+                         error=("ValueError", "heads_size: expected a divisor of the context-parallel size 4")),
     "tok_warmup": dict(heads=M3LIKE, lengths=[257, 3, 0, 124, 1], mode="warmup", shards="balanced",
                        scheme="tokens"),
     "tok_given": dict(heads=FMSA, lengths=[300, 1, 0, 129, 127, 215], mode="given", shards="balanced",
@@ -161,7 +172,7 @@ def run_case(name, case, rank, P, device="cpu"):
 
     loc = {n: shard(full[n].detach(), td).clone().requires_grad_(grad) for n in GRADS}
     ckw = dict(kw)
-    for opt in ("scheme", "layout"):
+    for opt in ("scheme", "layout", "heads_size"):
         if opt in case:
             ckw[opt] = case[opt]
     args = [loc[n] for n in GRADS]

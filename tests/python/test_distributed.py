@@ -25,7 +25,7 @@ from cp_worker import CASES  # noqa: E402
 from flashmsa.testing import make_inputs, rel_l2  # noqa: E402
 
 WORKER = HERE / "cp_worker.py"
-WORLDS = (2, 3, 4)
+WORLDS = (2, 3, 4, 8)
 # P = 3 divides no head count of the cases: the tokens scheme's cases (and its errors) only
 WORLD_CASES = {P: [c for c, spec in CASES.items() if P in spec.get("worlds", (2, 4) + ((3,) if c.startswith(
     ("tok_", "err_zigzag", "err_tok")) else ()))] for P in WORLDS}
