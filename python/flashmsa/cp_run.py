@@ -3,6 +3,7 @@
 
     flashmsa run --cp 2                      # CPU, gloo, 2 processes (the heads scheme: P divides Hp)
     flashmsa run --cp 3 --layout zigzag      # CPU, P = 3: the tokens scheme, zigzag shards
+    flashmsa run --cp 4 --scheme hybrid      # CPU, P = 4: 2 x 2 (heads within pairs, tokens across)
     flashmsa run --cp 2 --device cuda        # 2 GPUs, NCCL, m3 heads, bf16
 
 Every process builds the same seeded inputs, runs flashmsa.msa_attention on all of them (the
@@ -33,10 +34,11 @@ def parse(argv):
     ap.add_argument("--cp", type=int, required=True, help="processes (ranks), 1..64")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="cpu: gloo, the CPU backend (default); cuda: NCCL, GPU r for rank r")
-    ap.add_argument("--scheme", choices=("auto", "heads", "tokens"), default="auto",
-                    help="auto: heads where N lines up with the head counts, else tokens (docs/distributed.md)")
+    ap.add_argument("--scheme", choices=("auto", "heads", "tokens", "hybrid"), default="auto",
+                    help="auto: heads where N lines up with the head counts, else tokens; hybrid: heads within "
+                         "groups, tokens across them (docs/distributed.md)")
     ap.add_argument("--layout", choices=("contiguous", "zigzag"), default=None,
-                    help="token shards (default: zigzag for the tokens scheme, else contiguous)")
+                    help="token shards (default: zigzag for the tokens and hybrid schemes, else contiguous)")
     ap.add_argument("--lengths", default=None, help="varlen sequence lengths (default: the device preset)")
     ap.add_argument("--topk", type=int, default=None)
     ap.add_argument("--dtype", choices=tuple(BARS), default=None)
@@ -119,7 +121,7 @@ def worker(a) -> int:
     want = torch.autograd.grad((out * w).sum() + kl, [x[n] for n in names])
 
     scheme = None if a.scheme == "auto" else a.scheme
-    tokens = scheme == "tokens" or (scheme is None and (pre["Hp"] % P != 0))
+    tokens = scheme in ("tokens", "hybrid") or (scheme is None and (pre["Hp"] % P != 0))
     layout = a.layout or ("zigzag" if tokens else "contiguous")
     total = x["q"].shape[0]
     if layout == "zigzag":
@@ -150,7 +152,7 @@ def worker(a) -> int:
     dist.all_gather_object(allrows, (row, failure))
     ok = True
     if rank == 0:
-        used = "tokens" if tokens else "heads"
+        used = scheme if scheme == "hybrid" else "tokens" if tokens else "heads"
         print(f"scheme {used}, layout {layout}; rel-L2 against the one-process step (bar {BARS[a.dtype]:g})")
         print("rank  tokens  step ms      out      lse       kl       dq       dk      dkp")
         for (r, failure_r) in allrows:

@@ -1,5 +1,6 @@
-"""Context parallelism for MSA: head-parallel all-to-all (DeepSpeed-Ulysses style), autograd
-included. Design, communication volume and the ring plan: docs/distributed.md.
+"""Context parallelism for MSA, autograd included: the heads scheme (a head-parallel all-to-all,
+DeepSpeed-Ulysses style, P up to Hp), the tokens scheme (k, v, kp gathered, each rank's queries as
+query segments: any P) and their composition (hybrid). Design, volumes and tests: docs/distributed.md.
 
     import torch.distributed as dist, flashmsa.distributed as fcp
     # every rank: its contiguous token shard of q, k, v, qp, kp; the FULL cu_seqlens

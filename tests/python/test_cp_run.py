@@ -23,7 +23,8 @@ def _run(*args, timeout=240):
 @pytest.mark.parametrize("world,extra,scheme", [("2", [], "heads contiguous"),
                                                 ("3", [], "tokens zigzag"),
                                                 ("2", ["--scheme", "tokens", "--layout", "contiguous"],
-                                                 "tokens contiguous")])
+                                                 "tokens contiguous"),
+                                                ("4", ["--scheme", "hybrid"], "hybrid zigzag")])
 def test_cp_run_passes(world, extra, scheme):
     r = _run("run", "--cp", world, "--lengths", "300,0,129,77", "--topk", "2", *extra)
     assert r.returncode == 0, r.stdout + r.stderr
