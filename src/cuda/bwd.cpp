@@ -152,7 +152,7 @@ void run_bwd(const flashmsa_bwd_args_t& a, const Geometry& g, char* ws, const Bw
     attn_bwd::MainArgs mp;
     mp.c = c;
     mp.batched = g.batched;
-    mp.total = g.total;
+    mp.total = g.total_k;  // the K/V descriptors' rows: key rows
     mp.Rp = tiles::head_slots(c.R);
     mp.log_rp = __builtin_ctz(unsigned(mp.Rp));
     launch_main(d, mp, g.Hq / c.R, st);

@@ -123,7 +123,7 @@ attn_bwd::FusedArgs fused_args(const Geometry& g, const attn_bwd::Common& c, con
   if (int64_t(fa.c.R) * g.Hp != g.Hq)
     fail(FLASHMSA_ERROR_INTERNAL, "flashmsa: CUDA backend: the fused kernel needs one group per unit");
   fa.batched = g.batched;
-  fa.total = g.total;
+  fa.total = g.total_k;  // the K/V (Kp) descriptors' rows: key rows
   fa.Rp = tiles::head_slots(fa.c.R);
   fa.log_rp = __builtin_ctz(unsigned(fa.Rp));
   fa.scratch = s.teacher;

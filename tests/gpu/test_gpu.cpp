@@ -2649,7 +2649,8 @@ TEST(Segments, SmallBadSegmentsPoisonAndReport) {
   EXPECT_EQ(words[0], 0);
   // the forward's kl value in the warmup (DENSE) mode refuses segments on the GPU (the sparse modes take them)
   Tensor q = random_input({279, 8, 128}, FLASHMSA_DTYPE_BF16, rng), k = random_input({429, 2, 128}, FLASHMSA_DTYPE_BF16, rng);
-  Tensor out = output({279, 8, 128}, FLASHMSA_DTYPE_BF16), lse = output({8, 279}, FLASHMSA_DTYPE_FP32);
+  Tensor out = output({279, 8, 128}, FLASHMSA_DTYPE_BF16), lse = output({8, 279}, FLASHMSA_DTYPE_FP32),
+         kl = output({}, FLASHMSA_DTYPE_FP32);
   flashmsa::FwdArgs f;
   f.q = dev_view(q), f.k = dev_view(k), f.v = dev_view(k), f.qp = dev_view(qp), f.kp = dev_view(kp);
   f.cu_seqlens = dev_view(cu_t);
@@ -2658,6 +2659,7 @@ TEST(Segments, SmallBadSegmentsPoisonAndReport) {
   f.topk = 4;
   f.out = dev_view(out), f.lse = dev_view(lse);
   f.compute_kl = 1;
+  f.kl = dev_view(kl);
   f.mode = FLASHMSA_MODE_DENSE;
   f.topk = 0;
   size_t bytes = 0;

@@ -21,7 +21,7 @@ struct MainArgs {
   Common c;
   int Rp = 0;                  // head slots per token: R rounded up to a power of two
   int log_rp = 0;              // log2(Rp)
-  int64_t total = 0;           // tokens of the per-token tensors (the TMA descriptors' extent)
+  int64_t total = 0;           // key rows (the K/V TMA descriptors' extent; c.total counts query rows)
 };
 
 // The main backward and the proxy side in one persistent kernel (fused_kernel.cuh; every mode with
@@ -34,7 +34,7 @@ struct FusedArgs {
   bool teacher_only = false;   // the forward's kl: S, P, the teacher and the kl terms only
   bool grads = true;           // false: no proxy gradients (the kl value only)
   bool main_only = false;      // no proxy side (any mode): the main walk alone; no scratch, no kp, no kl item
-  int64_t total = 0;
+  int64_t total = 0;           // key rows (the K/V/Kp TMA descriptors' extent; c.total counts query rows)
   float* scratch = nullptr;    // [ctas, seg, 128] teacher rows
   int seg = 0;                 // list entries per segment (a multiple of 64)
   int ctas = 0;                // persistent CTAs (at most this many; the scratch has a slot for each)

@@ -121,7 +121,7 @@ struct Common {
   float* dkp_acc = nullptr;
   float* kl_acc = nullptr;   // [Hp, nblk] partial kl sums (one per kl item), or null
   const float* dkl = nullptr;  // device scalar g (null: 0)
-  int64_t total = 0;
+  int64_t total = 0;  // query rows (with query segments fewer than the key rows)
   // deterministic mode's exact sums (bwd_common.cuh, "fixed point"): the main kernel's dq and the
   // kl kernel's dqp add 64-bit integers, (contribution * unit) rounded, so the sum does not depend
   // on the order of the adds. unit is a power of two chosen from a bound of the row's sum.

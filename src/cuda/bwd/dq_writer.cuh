@@ -83,7 +83,7 @@ __device__ __forceinline__ void store_first_dq_writer(const Params& P, Smem& S, 
   const Common& p = P.c;
   const int lane = threadIdx.x % 32;
   const int Rp = P.Rp;
-  uint64_t* const word = P.dq_word + int64_t(m.grp) * P.total;
+  uint64_t* const word = P.dq_word + int64_t(m.grp) * p.total;  // [Hp, query rows]
   const uint32_t slot_bytes = uint32_t(p.R * C::kHeadDim * sizeof(float));
   // lane 0: every bulk group complete and ordered before the generic proxy; then the lanes of first stores publish
   auto publish = [&](bool fa, bool fb, int32_t ta, int32_t tb) {

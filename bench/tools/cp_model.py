@@ -1,0 +1,85 @@
+#!/usr/bin/env python3
+"""Context-parallel scaling model (docs/distributed.md, "Scaling model"): the step time of the tokens and hybrid
+schemes at P ranks from a measured one-GPU step (bench/long_context.py's rows) and the bytes each rank moves.
+
+    step_P = step_1 (1 + kl_fwd) / P + bytes_per_rank / bandwidth      (no overlap of the exchanges with compute)
+
+kl_fwd: the forward's kl pass the context-parallel call adds (its kl is formed across ranks in the forward; the
+one-GPU call gets it from the backward), --kl-fwd of the step (measured: the user's-path table's compute_kl=True
+step against the default one).
+    efficiency = step_1 / (P x step_P)
+
+bytes_per_rank (tokens scheme, m3-like GQA, bf16): the gather of k, v, kp, (T - T/P) x (2 Hkv D + Hpk Dp) x 2 bytes,
+and the backward's return of their gradients in fp32, twice that: 3 x (T - T/P) x (2 Hkv D + Hpk Dp) x 2 bytes. The
+hybrid scheme with heads groups of H ranks: the heads all-to-all moves q, out, dout, dq (and k, v, qp, kp, dk, ...) of
+T/P tokens, about 2 (T/P)(H-1)/H x (2 Hq D + 2 Hkv D + Hp Dp) x 2 bytes, over NVLink inside a node; the tokens part
+moves the key heads of one group only (1/H of the above) across the P/H groups. Compute is assumed to split evenly
+(zigzag shards) and the one-GPU step to be what the ranks' kernels do on 1/P of the queries (selection, forward and
+backward scale with the queries against a fixed key set).
+
+    python3 bench/tools/cp_model.py bench/results/long_context.latest.json [--nvlink 370] [--ib 45]
+"""
+import argparse
+import json
+import sys
+
+M3 = dict(Hq=64, Hkv=4, Hp=4, Hpk=1, D=128)
+
+
+def key_bytes(T, P, c=M3, heads_size=1):
+    """bytes one rank sends and receives for the key side of the tokens scheme (gather + gradient return)."""
+    per_tok = (2 * c["Hkv"] * c["D"] + c["Hpk"] * c["D"]) * 2 / heads_size
+    groups = P // heads_size
+    return 3 * (T - T / groups) * per_tok if groups > 1 else 0.0
+
+
+def head_bytes(T, P, heads_size, c=M3):
+    """bytes of the heads all-to-alls (forward in/out, backward in/out) one rank moves inside its heads group."""
+    if heads_size <= 1:
+        return 0.0
+    per_tok = (2 * c["Hq"] + 2 * c["Hkv"] + c["Hp"]) * c["D"] * 2
+    return 2 * (T / P) * (heads_size - 1) / heads_size * per_tok
+
+
+def model(step1_ms, T, P, nvlink_gbs, ib_gbs, scheme="tokens", heads_size=1, ranks_per_node=8, kl_fwd=0.0):
+    """(step_P ms, efficiency) on NVLink inside nodes of ranks_per_node GPUs, InfiniBand across them."""
+    kb = key_bytes(T, P, heads_size=heads_size if scheme == "hybrid" else 1)
+    hb = head_bytes(T, P, heads_size) if scheme == "hybrid" else 0.0
+    across = P > ranks_per_node  # the tokens exchanges span nodes
+    t_comm = kb / ((ib_gbs if across else nvlink_gbs) * 1e9) + hb / (nvlink_gbs * 1e9)
+    step = step1_ms * (1 + kl_fwd) / P + 1e3 * t_comm
+    return step, step1_ms / (P * step)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("latest", help="bench/long_context.py's long_context.latest.json")
+    ap.add_argument("--nvlink", type=float, default=370.0, help="GB/s per GPU and direction inside a node")
+    ap.add_argument("--ib", type=float, default=45.0, help="GB/s per GPU and direction across nodes")
+    ap.add_argument("--ps", default="2,8,16")
+    ap.add_argument("--kl-fwd", type=float, default=0.0, help="the forward kl pass, a fraction of the one-GPU step")
+    a = ap.parse_args(argv)
+    rows = json.load(open(a.latest))["rows"]
+    gpu = json.load(open(a.latest)).get("gpu", {}).get("name", "?")
+    print(f"one-GPU steps from {a.latest} ({gpu}); NVLink {a.nvlink:g} GB/s inside 8-GPU nodes, InfiniBand {a.ib:g} "
+          f"GB/s across; no overlap; forward kl pass {100 * a.kl_fwd:.0f}% of the step")
+    print("| T | pattern | 1 GPU ms | P | scheme | key bytes/rank GiB | step ms | efficiency |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r or not r.get("step_ms"):
+            continue
+        T = r["seqlen"]
+        for P in (int(x) for x in a.ps.split(",")):
+            for scheme, hs in (("tokens", 1), ("hybrid", 4)):
+                if scheme == "hybrid" and P % hs:
+                    continue
+                step, eff = model(r["step_ms"], T, P, a.nvlink, a.ib, scheme, hs, kl_fwd=a.kl_fwd)
+                kb = key_bytes(T, P, heads_size=hs if scheme == "hybrid" else 1) / 2**30
+                name = scheme if scheme == "tokens" else f"hybrid {hs} x {P // hs}"
+                print(f"| {T} | {r['pattern']} | {r['step_ms']:.0f} | {P} | {name} | {kb:.2f} | {step:.0f} | "
+                      f"{100 * eff:.0f}% |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
