@@ -30,10 +30,11 @@ kl is a mean over Hp * total: every rank's local kl is the mean over its Hp/P he
 returned kl (identical on every rank) is the mean of the P local values. kl is a replicated
 value: each rank adds it to its loss as a single process would, and its upstream gradient g on
 rank r scales rank r's proxy heads by g/P, which makes every gradient shard equal to the
-single-process gradient's shard (no communication for kl in the backward). Unlike the
-single-process call, the default kl value here comes from the forward (a pass over the selected
-blocks, about 20% of the step; compute_kl=False skips it): the cross-rank mean is formed in the
-forward.
+single-process gradient's shard (no communication for kl in the backward). In the heads and
+hybrid schemes, unlike the single-process call, the default kl value comes from the forward (a
+pass over the selected blocks, about 20% of the step; compute_kl=False skips it): the cross-rank
+mean is formed in the forward. The tokens scheme in training forms it in the backward like the
+single-process call (NaN until then; the keys' gradient exchange carries the local values).
 
 Requirements: torch.distributed initialised (gloo for CPU tensors, NCCL for CUDA tensors);
 every rank calls with the same head counts, dims, dtype, topk, mode and flags, and every rank
@@ -405,6 +406,7 @@ class _TokenPlan:
         self.q_origin = torch.tensor([[b, pos] for b, pos, _ in mine], dtype=torch.int32,
                                      device=device).reshape(-1, 2)
         self.max_seqlen_q = max([n for _, _, n in mine], default=0)
+        self.late_kl = None  # (local kl, returned kl): the kl formed in the backward (_KlFromBackward)
 
     def gather(self, xs: List[Tensor]) -> List[Tensor]:
         """This rank's rows of each tensor -> the full packed tensor (every rank's rows in place)."""
@@ -423,16 +425,27 @@ class _TokenPlan:
 
     def reduce(self, gs: List[Tensor]) -> List[Tensor]:
         """Full-length partial gradients -> this rank's rows, summed over the ranks in rank order
-        (bf16/fp16 partials sent in fp32, rounded once)."""
+        (bf16/fp16 partials sent in fp32, rounded once). With a late kl (the local backward has just
+        written this rank's kl), the same exchange carries the local values and the returned kl gets
+        their row-weighted mean."""
         low = [g.dtype in (torch.bfloat16, torch.float16) for g in gs]
         wire = [g.float() if lo else g for g, lo in zip(gs, low)]
+        late = self.late_kl
+        extra = [] if late is None else [late[0].detach().reshape(())]
 
         def spec(s, d):
-            return [((self.rows[d],) + tuple(g.shape[1:]), w.dtype) for g, w in zip(gs, wire)]
+            return [((self.rows[d],) + tuple(g.shape[1:]), w.dtype) for g, w in zip(gs, wire)] + \
+                [((), x.dtype) for x in extra]
 
-        send = [[w.index_select(0, self.perm.narrow(0, self.offsets[d], self.rows[d])) for w in wire]
+        send = [[w.index_select(0, self.perm.narrow(0, self.offsets[d], self.rows[d])) for w in wire] + extra
                 for d in range(self.P)]
         recv = _exchange(send, spec, self)
+        if late is not None:
+            self.late_kl = None
+            vals = torch.stack([recv[s][-1] for s in range(self.P)]).double()
+            w = torch.tensor(self.rows, dtype=torch.float64, device=vals.device)
+            mean = (vals * w).sum() / self.total if self.total else vals.sum() * 0
+            late[1].copy_(mean.to(late[1].dtype))
         res = []
         for i, g in enumerate(gs):
             acc = recv[0][i].clone()
@@ -458,6 +471,24 @@ class _GatherKeys(torch.autograd.Function):
         gs = [g if g is not None else torch.zeros(sh, dtype=dt, device=ctx.plan.device)
               for g, (sh, dt) in zip(gs, ctx.meta)]
         return (None, *ctx.plan.reduce(gs))
+
+
+class _KlFromBackward(torch.autograd.Function):
+    """The tokens scheme's default kl in training: the forward returns a NaN placeholder and registers it with the
+    plan; the local backward writes this rank's kl (no forward pass for it), and the keys' gradient exchange that
+    follows (_TokenPlan.reduce) carries the local values and fills the placeholder with their row-weighted mean, as
+    msa_attention fills its kl in the backward. Backward: as _KlMean's."""
+
+    @staticmethod
+    def forward(ctx, plan, kl):
+        ctx.share = plan.rows[plan.rank] / plan.total if plan.total else 0.0
+        res = torch.full((), float("nan"), dtype=kl.dtype, device=kl.device)
+        plan.late_kl = (kl, res)
+        return res
+
+    @staticmethod
+    def backward(ctx, g):
+        return None, g * ctx.share
 
 
 class _KlMean(torch.autograd.Function):
@@ -510,21 +541,29 @@ def _token_parallel(q, k, v, qp, kp, topk, cu_seqlens, max_seqlen, indices, retu
     return tuple(result)
 
 
-def _token_core(plan, q, k, v, qp, kp, topk, cu_t, max_seqlen, indices, return_lse, return_indices, kw):
+def _token_core(plan, q, k, v, qp, kp, topk, cu_t, max_seqlen, indices, return_lse, return_indices, kw,
+                late_kl=True):
     """The tokens scheme on a plan: k, v, kp gathered over plan's group, this rank's rows as query segments
-    against them -> (out, kl: the mean over the group's rows, lse or None, indices or None)."""
+    against them -> (out, kl: the mean over the group's rows, lse or None, indices or None). late_kl: the default
+    kl in training may come from the backward (_KlFromBackward); False: from the forward (the hybrid scheme, whose
+    heads-group mean is formed in the forward)."""
     keys = [k, v] + ([kp] if kp is not None else [])
     full = _GatherKeys.apply(plan, *keys)
     kf, vf = full[0], full[1]
     kpf = full[2] if kp is not None else None
     sparse = indices is None and not kw["warmup"]
+    # the default kl in training comes from the backward (late) when the keys' exchange runs after the local
+    # backward, i.e. when a key tensor requires grad; else from the forward
+    late = late_kl and kw["compute_kl"] is None and qp is not None and torch.is_grad_enabled() and \
+        any(t is not None and t.requires_grad for t in keys) and not _ops._compiling()
     res = _ops._attention(q, kf, vf, qp, kpf, topk, cu_seqlens=cu_t, max_seqlen=max_seqlen, indices=indices,
                           return_lse=bool(return_lse), return_indices=bool(return_indices) and sparse,
-                          precise_dpsum=False, kl_from_backward=False, cu_seqlens_q=plan.cu_seqlens_q,
+                          precise_dpsum=False, kl_from_backward=late, cu_seqlens_q=plan.cu_seqlens_q,
                           q_origin=plan.q_origin, max_seqlen_q=plan.max_seqlen_q, **kw)
     lse = res[2] if return_lse else None
     idx = (res[-1] if sparse else indices) if return_indices else None
-    return res[0], _KlMean.apply(plan, res[1]), lse, idx
+    kl = _KlFromBackward.apply(plan, res[1]) if late else _KlMean.apply(plan, res[1])
+    return res[0], kl, lse, idx
 
 
 _SUBGROUPS: Dict[tuple, tuple] = {}
@@ -608,7 +647,7 @@ def _hybrid(q, k, v, qp, kp, topk, cu_seqlens, max_seqlen, indices, return_lse, 
     sparse = indices is None and not kw["warmup"]
     want_idx = bool(return_indices) and sparse
     out_h, kl_h, lse_h, idx_o = _token_core(plan_t, qh, kh, vh, qph, kph, topk, cu_seqlens, max_seqlen, idx_h,
-                                            return_lse, want_idx, kw)
+                                            return_lse, want_idx, kw, late_kl=False)
     ofields, ys = [("q", 0, 1)], [out_h]
     if return_lse:
         ofields.append(("q", 1, 0))

@@ -11,6 +11,7 @@ single-GPU result at m3 heads and a long sequence, plus timings and the all-to-a
 import argparse
 import datetime
 import json
+import math
 import os
 import pathlib
 import sys
@@ -196,6 +197,7 @@ def run_case(name, case, rank, P, device="cpu"):
     try:
         topk = TOPK + rank % 2 if case.get("topk_by_rank") else TOPK
         c_out, c_kl, c_lse, c_idx = fcp.msa_attention_cp(*args, topk, validate=True, **ckw)
+        kl_before = c_kl.item()  # the tokens scheme in training: NaN until the backward fills it
         if grad:
             c_loss = loss_of(c_out, c_kl, c_lse, shard(w_out, td), shard_flat(w_lse))
             c_grads = torch.autograd.grad(c_loss, [loc[n] for n in GRADS])
@@ -205,6 +207,8 @@ def run_case(name, case, rank, P, device="cpu"):
 
     err = {"out": rel_l2(c_out, shard(out, td)), "lse": rel_l2(c_lse, shard_flat(lse)),
            "kl": abs(c_kl.item() - kl.item()) / max(abs(kl.item()), 1e-30)}
+    late = grad and (case.get("scheme") == "tokens" or name == "tok_by_default")
+    err["kl_from_backward"] = 0.0 if math.isnan(kl_before) == late else float("inf")
     if case["mode"] == "warmup":
         err["indices"] = 0.0 if c_idx is None and idx is None else float("inf")
     else:
