@@ -1,0 +1,153 @@
+"""One rank of a Megatron-Core world for test_megatron.py (not a test itself):
+
+    python3 megatron_worker.py --rank R --world P --port PORT --out DIR --tp TP --cp CP CASE...
+
+CPU, gloo. Builds a small GPTModel with flashmsa's MSA layer spec (fp32, CPU backend) from a fixed seed, runs one
+training step on fixed tokens and writes, per case, the loss, the kl tracker values and every parameter's gradient
+(the full tensor: TP shards gathered) to DIR/<case>-rank<R>.pt. The CPU shims below stand in for the CUDA calls
+Megatron-Core makes even on the CPU path (the rotary embedding's device, the CUDA RNG tracker, checkpointing's CUDA
+RNG state); they touch nothing of flashmsa.
+"""
+import argparse
+import os
+import pathlib
+import sys
+import warnings
+
+warnings.filterwarnings("ignore")
+if os.environ.get("FLASHMSA_TEST_INSTALLED") != "1":
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "python"))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+SEQ = 320  # 3 key blocks: topk 2 selects
+VOCAB = 96
+
+
+def cpu_shims():
+    import megatron.core.tensor_parallel.random as mrandom
+    torch.cuda.current_device = lambda: "cpu"
+    mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda *a, **k: None
+
+
+def config(tp=1, cp=1, **extra):
+    from flashmsa.integrations.megatron import MSAConfig
+    kw = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=16,
+              ffn_hidden_size=128, use_cpu_initialization=True, params_dtype=torch.float32,
+              pipeline_dtype=torch.float32, attention_dropout=0.0, hidden_dropout=0.0, masked_softmax_fusion=False,
+              bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
+              gradient_accumulation_fusion=False, persist_layer_norm=False, tensor_model_parallel_size=tp,
+              context_parallel_size=cp, msa_topk=2, msa_proxy_heads=2, msa_proxy_key_heads=1, msa_kl_coeff=0.5)
+    kw.update(extra)
+    return MSAConfig(**kw)
+
+
+def model(cfg, spec=None):
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from flashmsa.integrations.megatron import get_msa_gpt_layer_spec
+    torch.manual_seed(0)
+    return GPTModel(config=cfg, transformer_layer_spec=spec or get_msa_gpt_layer_spec(), vocab_size=VOCAB,
+                    max_sequence_length=SEQ, position_embedding_type="rope")
+
+
+def tokens(b=2):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (b, SEQ), generator=g)
+    return ids, torch.roll(ids, -1, dims=1)
+
+
+def zigzag(x, cp, r, dim=1):
+    """Megatron's CP layout of a [b, S] tensor: chunks r and 2cp-1-r of the sequence dim."""
+    c = x.shape[dim] // (2 * cp)
+    return torch.cat([x.narrow(dim, r * c, c), x.narrow(dim, (2 * cp - 1 - r) * c, c)], dim=dim)
+
+
+def full_grads(m, tp_group):
+    """Every parameter's gradient, TP shards gathered along the parallel dim."""
+    res = {}
+    tp = dist.get_world_size(tp_group)
+    for n, p in m.named_parameters():
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        if getattr(p, "tensor_model_parallel", False) and tp > 1:
+            parts = [torch.empty_like(g) for _ in range(tp)]
+            dist.all_gather(parts, g.contiguous(), group=tp_group)
+            g = torch.cat(parts, dim=p.partition_dim)
+        res[n] = g.clone()
+    return res
+
+
+def step(m, ids, labels, packed=False, b=2):
+    """One training step's loss (summed token loss / tokens of this rank) and backward."""
+    from flashmsa.integrations import megatron as fm
+    from megatron.core.packed_seq_params import PackedSeqParams
+    m.zero_grad(set_to_none=True)
+    m.train()
+    fm.set_kl_loss_scale(m.config, 1)
+    if packed:  # b sequences packed as one THD row [1, b*S_local]
+        cp = m.config.context_parallel_size
+        S = ids.shape[1] * cp
+        cu = torch.arange(b + 1, dtype=torch.int32) * S
+        psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=S, max_seqlen_kv=S)
+        out = m(ids.reshape(1, -1), None, None, labels=labels.reshape(1, -1), packed_seq_params=psp)
+    else:
+        out = m(ids, None, None, labels=labels)
+    loss = out.float().mean()
+    loss.backward()
+    return loss.detach()
+
+
+def run(case, rank, P, tp, cp, out_dir):
+    from megatron.core import parallel_state
+    from flashmsa.integrations import megatron as fm
+    extra = {}
+    if case == "recompute_selective":
+        extra = dict(recompute_granularity="selective", recompute_modules=["core_attn"])
+    elif case == "recompute_full":
+        extra = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    cfg = config(tp=tp, cp=cp, **extra)
+    m = model(cfg)
+    ids, labels = tokens()
+    cp_rank = parallel_state.get_context_parallel_rank()
+    if cp > 1:
+        ids, labels = zigzag(ids, cp, cp_rank), zigzag(labels, cp, cp_rank)
+    loss = step(m, ids, labels, packed=case.startswith("packed"))
+    # the model's loss: the mean over every rank's tokens (equal counts)
+    if cp > 1:
+        dist.all_reduce(loss, group=parallel_state.get_context_parallel_group())
+        loss = loss / cp
+    kl = fm.kl_metrics().get("msa_kl_loss")
+    grads = full_grads(m, parallel_state.get_tensor_model_parallel_group())
+    if cp > 1:  # each CP rank holds its tokens' part of every gradient (Megatron's DDP sums them)
+        for g in grads.values():
+            dist.all_reduce(g, group=parallel_state.get_context_parallel_group())
+            g /= cp  # the losses above are per-rank means: the model's mean is their average
+    torch.save(dict(loss=loss, kl=kl, grads=grads), pathlib.Path(out_dir) / f"{case}-rank{rank}.pt")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--world", type=int, required=True)
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--cp", type=int, default=1)
+    ap.add_argument("cases", nargs="+")
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{a.port}", rank=a.rank, world_size=a.world)
+    from megatron.core import parallel_state
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=a.tp, context_parallel_size=a.cp)
+    cpu_shims()
+    for case in a.cases:
+        run(case, a.rank, a.world, a.tp, a.cp, a.out)
+        dist.barrier()
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
