@@ -26,11 +26,8 @@ VOCAB = 96
 
 
 def cpu_shims():
-    import megatron.core.tensor_parallel.random as mrandom
-    torch.cuda.current_device = lambda: "cpu"
-    mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
-    mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
-    mrandom._set_cuda_rng_state = lambda *a, **k: None
+    from flashmsa.integrations.megatron import cpu_support
+    cpu_support()
 
 
 def config(tp=1, cp=1, **extra):

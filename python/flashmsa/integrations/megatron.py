@@ -47,7 +47,8 @@ from .. import distributed as _cp
 from .. import ops as _ops
 
 __all__ = ["MSAConfig", "MSASelfAttention", "MSASelfAttentionSubmodules", "MSACoreAttention",
-           "MSAKLLossAutoScaler", "get_msa_gpt_layer_spec", "set_warmup", "set_kl_loss_scale", "kl_metrics"]
+           "MSAKLLossAutoScaler", "get_msa_gpt_layer_spec", "set_warmup", "set_kl_loss_scale", "kl_metrics",
+           "cpu_support"]
 
 _TRACKER_NAME = "msa_kl_loss"
 
@@ -416,3 +417,17 @@ def set_warmup(model: torch.nn.Module, warmup: bool) -> int:
             n += 1
     return n
 
+
+
+def cpu_support() -> None:
+    """Megatron-Core 0.16.1 on a machine without CUDA (tests, the CPU preset of examples/megatron_gpt.py): its CPU path
+    still asks torch.cuda for the rotary embedding's device, forks the CUDA RNG tracker in attention and saves the
+    CUDA RNG state when it checkpoints activations. This points torch.cuda.current_device at the CPU and installs
+    Megatron's no-op RNG tracker and CPU RNG-state functions. Process-wide; refused where CUDA is available."""
+    if torch.cuda.is_available():
+        raise RuntimeError("flashmsa.integrations.megatron.cpu_support: CUDA is available; it is for CPU-only runs")
+    import megatron.core.tensor_parallel.random as mrandom
+    torch.cuda.current_device = lambda: "cpu"
+    mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda *a, **k: None

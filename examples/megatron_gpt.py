@@ -1,0 +1,203 @@
+#!/usr/bin/env python3
+"""MSA in a Megatron-Core GPTModel (docs/megatron.md), trained on real text: the byte-level corpus of
+examples/lm_long_context.py (the Python standard library's sources, 5% of the files held out). Two runs of the same
+Megatron-Core GPTModel from the same initial weights, on the same batches in the same order:
+  msa:   self-attention = flashmsa.integrations.megatron (dense warmup for --warmup-steps, then sparse; the proxy
+         trained by the kl auxiliary loss, logged per layer through Megatron's auxiliary-loss tracker);
+  dense: Megatron's SelfAttention (the same projections and rotary embedding) with dense causal attention in the
+         core-attention slot (torch SDPA: cuDNN/flash on the GPU; the local DotProductAttention materialises the
+         [S, S] scores, which does not fit at long context; tests/python/test_megatron.py checks that MSA's warmup
+         mode equals DotProductAttention).
+It prints the validation loss of both runs, the final gap, the kl per layer, the step times and their ratio, and
+writes DIR/megatron_gpt.json.
+
+    python3 examples/megatron_gpt.py --out DIR                    # CPU preset (CI-sized: under a minute)
+    python3 examples/megatron_gpt.py --preset h200 --out DIR      # one GPU, 32k tokens, head dim 128
+
+Needs megatron-core (pip install 'flashmsa[megatron]'). On the CPU, Megatron-Core 0.16.1 makes a few CUDA calls even
+on its CPU path (the rotary embedding's device, the CUDA RNG tracker): flashmsa.integrations.megatron.cpu_support()
+redirects them.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import pathlib
+import sys
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch.nn import functional as F
+
+HERE = pathlib.Path(__file__).resolve().parent
+try:
+    import flashmsa  # noqa: F401
+except ImportError:  # run from a checkout
+    sys.path.insert(0, str(HERE.parents[0] / "python"))
+from flashmsa.integrations import megatron as fm  # noqa: E402
+
+_spec = importlib.util.spec_from_file_location("lm_long_context", HERE / "lm_long_context.py")
+lm = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(lm)
+
+PRESETS = {
+    "cpu": dict(seqlen=512, batch=2, hidden=64, layers=2, heads=4, groups=2, proxy_heads=2, head_dim=16, topk=2,
+                steps=30, warmup_steps=15, lr=3e-3, eval_every=10, eval_batches=2, dtype="float32", device="cpu"),
+    "h200": dict(seqlen=32768, batch=1, hidden=1024, layers=4, heads=16, groups=2, proxy_heads=4, head_dim=128,
+                 topk=16, steps=600, warmup_steps=150, lr=1e-3, eval_every=50, eval_batches=4, dtype="bfloat16",
+                 device="cuda"),
+}
+
+
+class SDPACoreAttention(torch.nn.Module):
+    """The dense baseline's core attention: causal torch SDPA on Megatron's [s, b, h, d] q, k, v (GQA)."""
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
+                 softmax_scale=None, cp_comm_type=None, pg_collection=None):
+        super().__init__()
+        self.config = config
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d]
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        s, b = query.shape[:2]
+        return o.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+
+def dense_spec():
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    spec = get_gpt_layer_local_spec()
+    spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    return spec
+
+
+def build(kind, a, init=None):
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    dt = getattr(torch, a.dtype)
+    cfg = fm.MSAConfig(num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=a.heads,
+                       num_query_groups=a.groups, kv_channels=a.head_dim, ffn_hidden_size=4 * a.hidden,
+                       use_cpu_initialization=True, params_dtype=torch.float32, pipeline_dtype=dt,
+                       bf16=a.dtype == "bfloat16", attention_dropout=0.0, hidden_dropout=0.0,
+                       masked_softmax_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
+                       apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
+                       msa_topk=a.topk, msa_proxy_heads=a.proxy_heads, msa_proxy_key_heads=1, msa_kl_coeff=1.0,
+                       msa_warmup=True)
+    torch.manual_seed(a.seed)
+    spec = fm.get_msa_gpt_layer_spec() if kind == "msa" else dense_spec()
+    m = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=256, max_sequence_length=a.seqlen,
+                 position_embedding_type="rope")
+    if init is not None:  # the same weights (the dense model has no proxy projections)
+        missing, _ = m.load_state_dict(init, strict=False)
+        assert not missing, missing
+    return m.to(a.device)
+
+
+def loss_of(m, x, y, a):
+    with torch.autocast(a.device, dtype=getattr(torch, a.dtype), enabled=a.dtype != "float32"):
+        per_tok = m(x, None, None, labels=y)
+    return per_tok.float().mean()
+
+
+def train(kind, a, data, val, init, log):
+    m = build(kind, a, init)
+    opt = torch.optim.AdamW(m.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    gen = torch.Generator().manual_seed(a.seed + 1)
+    hist, times = [], {"warmup": [], "sparse": []}
+    for step in range(a.steps + 1):
+        sparse = step >= a.warmup_steps
+        if kind == "msa":
+            fm.set_warmup(m, not sparse)
+        if step % a.eval_every == 0 or step == a.steps:
+            m.eval()
+            with torch.no_grad():
+                vl = sum(loss_of(m, x, y, a).item() for x, y in val) / len(val)
+            m.train()
+            hist.append(dict(step=step, val_loss=vl))
+            log(f"[{kind:5s}] step {step:4d}  val loss {vl:.4f}")
+        if step == a.steps:
+            break
+        x, y = (t.to(a.device) for t in lm.windows(data, a.batch, a.seqlen, gen))
+        lm.sync(torch.device(a.device))
+        t0 = time.perf_counter()
+        fm.set_kl_loss_scale(m.config, 1)
+        loss = loss_of(m, x, y, a)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+        opt.step()
+        lm.sync(torch.device(a.device))
+        times["sparse" if sparse else "warmup"].append(time.perf_counter() - t0)
+        if kind == "msa":
+            kl = fm.kl_metrics(reduce=False).get("msa_kl_loss")
+            hist[-1].setdefault("kl", []).append(kl.tolist() if kl is not None else None)
+    return m, hist, times
+
+
+def median(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if xs else float("nan")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    for k, v in PRESETS["cpu"].items():
+        ap.add_argument("--" + k.replace("_", "-"), type=type(v), default=None)
+    a = ap.parse_args(argv)
+    for k, v in PRESETS[a.preset].items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
+    warnings.filterwarnings("ignore")
+    if a.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("megatron_gpt: --preset h200 needs a CUDA GPU (the CPU preset runs anywhere)")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29555")
+    from megatron.core import parallel_state
+    dist.init_process_group("gloo" if a.device == "cpu" else "nccl", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel()
+    if a.device == "cpu":
+        fm.cpu_support()
+    else:
+        from megatron.core import tensor_parallel
+        tensor_parallel.model_parallel_cuda_manual_seed(a.seed)
+    train_data, val_data, facts = lm.load_corpus(a.seed)
+    vg = torch.Generator().manual_seed(a.seed + 2)
+    val = [tuple(t.to(a.device) for t in lm.windows(val_data, a.batch, a.seqlen, vg)) for _ in range(a.eval_batches)]
+    log = lambda s: print(s, flush=True)  # noqa: E731
+    log(f"megatron_gpt: preset {a.preset}, {a.layers} layers, hidden {a.hidden}, heads {a.heads}/{a.groups}, "
+        f"proxy heads {a.proxy_heads}, head dim {a.head_dim}, {a.seqlen} tokens x {a.batch}, topk {a.topk}, "
+        f"{a.steps} steps ({a.warmup_steps} dense warmup), {a.dtype} on {a.device}; corpus {facts['train_bytes']} "
+        f"train / {facts['val_bytes']} val bytes")
+    init = build("msa", a).state_dict()
+    runs = {}
+    for kind in ("msa", "dense"):
+        _, hist, times = train(kind, a, train_data, val, init, log)
+        runs[kind] = dict(history=hist, step_s_warmup=median(times["warmup"]), step_s_sparse=median(times["sparse"]))
+    fin = {k: r["history"][-1]["val_loss"] for k, r in runs.items()}
+    gap = (fin["msa"] - fin["dense"]) / fin["dense"]
+    kls = [h["kl"][-1] for h in runs["msa"]["history"] if h.get("kl")]
+    res = dict(preset=a.preset, args={k: v for k, v in vars(a).items() if k != "out"}, corpus=facts, runs=runs,
+               final_val_loss=fin, gap=gap, last_kl_per_layer=kls[-1] if kls else None,
+               step_ratio_sparse=runs["dense"]["step_s_sparse"] / runs["msa"]["step_s_sparse"],
+               device=torch.cuda.get_device_name() if a.device == "cuda" else "cpu")
+    log(f"final val loss: msa {fin['msa']:.4f}, dense {fin['dense']:.4f} (gap {100 * gap:+.2f}%); kl per layer "
+        f"{res['last_kl_per_layer']}; step s (sparse phase): msa {runs['msa']['step_s_sparse']:.3f}, dense "
+        f"{runs['dense']['step_s_sparse']:.3f} (dense / msa {res['step_ratio_sparse']:.2f}x)")
+    if a.out:
+        out = pathlib.Path(a.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "megatron_gpt.json").write_text(json.dumps(res, indent=1))
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+    return res
+
+
+if __name__ == "__main__":
+    main()
