@@ -4,9 +4,9 @@ schemes at P ranks from a measured one-GPU step (bench/long_context.py's rows) a
 
     step_P = step_1 (1 + kl_fwd) / P + bytes_per_rank / bandwidth      (no overlap of the exchanges with compute)
 
-kl_fwd: the forward's kl pass the context-parallel call adds (its kl is formed across ranks in the forward; the
-one-GPU call gets it from the backward), --kl-fwd of the step (measured: the user's-path table's compute_kl=True
-step against the default one).
+kl_fwd: a forward kl pass, --kl-fwd of the step (0 by default: in training msa_attention_cp forms the kl in the
+backward, as the one-GPU call does; with compute_kl=True, the user's-path table's compute_kl=True step against the
+default one).
     efficiency = step_1 / (P x step_P)
 
 bytes_per_rank (tokens scheme, m3-like GQA, bf16): the gather of k, v, kp, (T - T/P) x (2 Hkv D + Hpk Dp) x 2 bytes,

@@ -30,11 +30,11 @@ kl is a mean over Hp * total: every rank's local kl is the mean over its Hp/P he
 returned kl (identical on every rank) is the mean of the P local values. kl is a replicated
 value: each rank adds it to its loss as a single process would, and its upstream gradient g on
 rank r scales rank r's proxy heads by g/P, which makes every gradient shard equal to the
-single-process gradient's shard (no communication for kl in the backward). In the heads and
-hybrid schemes, unlike the single-process call, the default kl value comes from the forward (a
-pass over the selected blocks, about 20% of the step; compute_kl=False skips it): the cross-rank
-mean is formed in the forward. The tokens scheme in training forms it in the backward like the
-single-process call (NaN until then; the keys' gradient exchange carries the local values).
+single-process gradient's shard (no communication for kl in the backward). In training the
+default kl value is formed in the backward, like the single-process call's (NaN until then): the
+gradients' exchange back to the owners carries the local values and fills it. In inference or
+with compute_kl=True the forward computes the local values (a pass over the selected blocks,
+about 20% of the step) and the mean travels with the outputs' exchange.
 
 Requirements: torch.distributed initialised (gloo for CPU tensors, NCCL for CUDA tensors);
 every rank calls with the same head counts, dims, dtype, topk, mode and flags, and every rank
@@ -259,6 +259,7 @@ class _Plan:
         # a family whose ranges tile [0, H) in rank order needs no accumulation on the way back
         self.disjoint = {f: all(r[i][0] == sum(n for _, n in r[:i]) for i in range(P))
                          and sum(n for _, n in r) == full_heads[f] for f, r in ranges.items()}
+        self.late_kl = None  # (local kl, returned kl): the kl formed in the backward (to_tokens fills it)
 
     def to_heads(self, fields, xs) -> List[Tensor]:
         """Token shard with all heads -> all tokens with this rank's heads (per field)."""
@@ -278,14 +279,20 @@ class _Plan:
         """All tokens with this rank's heads -> token shard with all heads; heads held by several
         ranks (replicated kv / proxy key heads) are summed."""
         shapes = [y.shape for y in ys]
+        late = self.late_kl  # (the gradients' way back, after the local backward formed this rank's kl)
+        extra = [] if late is None else [late[0].detach().reshape(())]
 
         def spec(s, d):
             return [(_sub(sh, td, self.T[d], hd, self.ranges[f][s][1]), y.dtype)
-                    for (f, td, hd), sh, y in zip(fields, shapes, ys)]
+                    for (f, td, hd), sh, y in zip(fields, shapes, ys)] + [((), x.dtype) for x in extra]
 
-        send = [[y.narrow(td, self.start[d], self.T[d]) for (f, td, hd), y in zip(fields, ys)]
+        send = [[y.narrow(td, self.start[d], self.T[d]) for (f, td, hd), y in zip(fields, ys)] + extra
                 for d in range(self.P)]
         recv = _exchange(send, spec, self)
+        if late is not None:  # every head subset has Hp / P proxy heads: the model's kl is the plain mean
+            self.late_kl = None
+            mean = torch.stack([recv[s][-1] for s in range(self.P)]).double().sum() / self.P
+            late[1].copy_(mean.to(late[1].dtype))
         res = []
         for i, (f, td, hd) in enumerate(fields):
             pieces = [recv[s][i] for s in range(self.P)]
@@ -541,12 +548,19 @@ def _token_parallel(q, k, v, qp, kp, topk, cu_seqlens, max_seqlen, indices, retu
     return tuple(result)
 
 
+def _late_kl(kw, qp, tensors) -> bool:
+    """Whether the default kl comes from the backward: training (grad mode, one of `tensors` requiring grad: the
+    exchange whose backward carries the local values runs after the local backward), compute_kl None, a proxy, and
+    eager mode."""
+    return kw["compute_kl"] is None and qp is not None and torch.is_grad_enabled() and \
+        any(t is not None and t.requires_grad for t in tensors) and not _ops._compiling()
+
+
 def _token_core(plan, q, k, v, qp, kp, topk, cu_t, max_seqlen, indices, return_lse, return_indices, kw,
                 late_kl=True):
     """The tokens scheme on a plan: k, v, kp gathered over plan's group, this rank's rows as query segments
     against them -> (out, kl: the mean over the group's rows, lse or None, indices or None). late_kl: the default
-    kl in training may come from the backward (_KlFromBackward); False: from the forward (the hybrid scheme, whose
-    heads-group mean is formed in the forward)."""
+    kl in training may come from the backward (_KlFromBackward); False: from the forward."""
     keys = [k, v] + ([kp] if kp is not None else [])
     full = _GatherKeys.apply(plan, *keys)
     kf, vf = full[0], full[1]
@@ -554,8 +568,7 @@ def _token_core(plan, q, k, v, qp, kp, topk, cu_t, max_seqlen, indices, return_l
     sparse = indices is None and not kw["warmup"]
     # the default kl in training comes from the backward (late) when the keys' exchange runs after the local
     # backward, i.e. when a key tensor requires grad; else from the forward
-    late = late_kl and kw["compute_kl"] is None and qp is not None and torch.is_grad_enabled() and \
-        any(t is not None and t.requires_grad for t in keys) and not _ops._compiling()
+    late = late_kl and _late_kl(kw, qp, keys)
     res = _ops._attention(q, kf, vf, qp, kpf, topk, cu_seqlens=cu_t, max_seqlen=max_seqlen, indices=indices,
                           return_lse=bool(return_lse), return_indices=bool(return_indices) and sparse,
                           precise_dpsum=False, kl_from_backward=late, cu_seqlens_q=plan.cu_seqlens_q,
@@ -646,8 +659,9 @@ def _hybrid(q, k, v, qp, kp, topk, cu_seqlens, max_seqlen, indices, return_lse, 
                                         for tt in range(Pt)], cu, q.device)
     sparse = indices is None and not kw["warmup"]
     want_idx = bool(return_indices) and sparse
+    late = _late_kl(kw, qp, xs[:n_diff])  # (the tokens group's mean fills kl_h first, then the heads group's)
     out_h, kl_h, lse_h, idx_o = _token_core(plan_t, qh, kh, vh, qph, kph, topk, cu_seqlens, max_seqlen, idx_h,
-                                            return_lse, want_idx, kw, late_kl=False)
+                                            return_lse, want_idx, kw, late_kl=late)
     ofields, ys = [("q", 0, 1)], [out_h]
     if return_lse:
         ofields.append(("q", 1, 0))
@@ -657,6 +671,8 @@ def _hybrid(q, k, v, qp, kp, topk, cu_seqlens, max_seqlen, indices, return_lse, 
         ofields.append(("qp", 1, 0))
         ys.append(idx_o)
     outs = _ToTokens.apply(plan_h, tuple(ofields), n_odiff, kl_h, *ys)
+    if late:
+        plan_h.late_kl = (kl_h, outs[0])
     result = [outs[1], outs[0]]
     if return_lse:
         result.append(outs[2])
@@ -951,11 +967,13 @@ def msa_attention_cp(q: Tensor, k: Tensor, v: Tensor, qp: Optional[Tensor] = Non
     # ---- local MSA on the full sequence
     sparse = indices is None and not warmup
     want_idx = bool(return_indices) and sparse
-    # the local kl from the forward: the returned kl is the cross-rank mean formed here (a value
-    # the local backward would write only into the local tensor)
+    # the default kl in training comes from the local backward (late): the gradients' all-to-all back to the token
+    # shards (_ToHeads' backward, after the local backward) carries the local values and fills the returned kl; else
+    # from the forward, the cross-rank mean formed with the outputs' all-to-all
+    late = _late_kl(kw, qp, xs[:n_diff])
     res = _ops._attention(qh, kh, vh, qph, kph, topk, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
                           indices=idx_h, return_lse=bool(return_lse), return_indices=want_idx,
-                          precise_dpsum=False, kl_from_backward=False, **kw)
+                          precise_dpsum=False, kl_from_backward=late, **kw)
     out_h, kl_h = res[0], res[1]
     S_full = sum(tsizes)
 
@@ -972,6 +990,8 @@ def msa_attention_cp(q: Tensor, k: Tensor, v: Tensor, qp: Optional[Tensor] = Non
         ys.append(idx_o.view(idx_o.shape[0], B, S_full, idx_o.shape[-1]) if batched else idx_o)
     outs = _ToTokens.apply(plan, tuple(ofields), n_odiff, kl_h, *ys)
     kl, out = outs[0], outs[1]
+    if late:  # NaN until the backward fills it (as msa_attention's kl)
+        plan.late_kl = (kl_h, kl)
     result = [out, kl]
     if return_lse:
         lse = outs[2]
