@@ -165,3 +165,22 @@ def test_example_cpu_preset(tmp_path):
     assert abs(res["gap"]) < 0.10, res["gap"]
     kl = res["last_kl_per_layer"]
     assert len(kl) == 2 and all(0 < x < 10 for x in kl), kl
+
+
+def test_kl_loss_scale(mcore):
+    """set_kl_loss_scale: the fp16 grad scaler's scale x CP size / micro-batches (Megatron's MoE rule), and the
+    autoscaler hands the kl exactly that gradient while the output's gradient passes through unchanged."""
+    from flashmsa.integrations import megatron as fm
+    cfg = mcore.config()
+    cfg.grad_scale_func = lambda one: one * 1024.0
+    fm.set_kl_loss_scale(cfg, num_microbatches=4)
+    w = torch.tensor([0.5, 1.5], requires_grad=True)
+    x = torch.ones(3, requires_grad=True)
+    out = fm.MSAKLLossAutoScaler.apply(x * 2, (w * w).sum())
+    out.sum().backward()
+    torch.testing.assert_close(x.grad, torch.full((3,), 2.0))
+    torch.testing.assert_close(w.grad, 256.0 * 2 * w.detach())  # d(kl)/dw x 1024 / 4
+    cfg.calculate_per_token_loss = True
+    fm.set_kl_loss_scale(cfg, num_microbatches=4)
+    assert float(fm.MSAKLLossAutoScaler.main_loss_backward_scale) == 1024.0
+    fm.MSAKLLossAutoScaler.set_loss_scale(torch.ones(()))

@@ -135,11 +135,7 @@ class MSAKLLossAutoScaler(torch.autograd.Function):
 
     @staticmethod
     def set_loss_scale(scale: torch.Tensor):
-        scale = torch.as_tensor(scale).detach().reshape(())
-        if MSAKLLossAutoScaler.main_loss_backward_scale is None:
-            MSAKLLossAutoScaler.main_loss_backward_scale = scale.clone()
-        else:
-            MSAKLLossAutoScaler.main_loss_backward_scale = scale.clone()
+        MSAKLLossAutoScaler.main_loss_backward_scale = torch.as_tensor(scale).detach().reshape(()).clone()
 
 
 def set_kl_loss_scale(config, num_microbatches: int) -> None:
