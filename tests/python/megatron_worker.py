@@ -96,6 +96,35 @@ def step(m, ids, labels, packed=False, b=2):
     return loss.detach()
 
 
+def curve(m, cp, steps=50, packed=True):
+    """Training losses of `steps` Adam steps on fresh batches (the same on every rank; CP ranks take their zigzag
+    share and sum their gradients as Megatron's DDP does)."""
+    from megatron.core import parallel_state
+    opt = torch.optim.Adam(m.parameters(), lr=3e-3)
+    g = torch.Generator().manual_seed(5)
+    cp_group = parallel_state.get_context_parallel_group()
+    r = parallel_state.get_context_parallel_rank()
+    losses = []
+    for _ in range(steps):
+        # learnable text: each row counts up from a random token in steps of 1 or 3
+        start, stride = torch.randint(0, VOCAB, (2, 1), generator=g), 1 + 2 * torch.randint(0, 2, (2, 1), generator=g)
+        ids = (start + stride * torch.arange(SEQ)) % VOCAB
+        labels = torch.roll(ids, -1, dims=1)
+        if cp > 1:
+            ids, labels = zigzag(ids, cp, r), zigzag(labels, cp, r)
+        loss = step(m, ids, labels, packed=packed)
+        if cp > 1:
+            dist.all_reduce(loss, group=cp_group)
+            loss = loss / cp
+            for p in m.parameters():
+                if p.grad is not None:
+                    dist.all_reduce(p.grad, group=cp_group)
+                    p.grad /= cp
+        opt.step()
+        losses.append(float(loss))
+    return losses
+
+
 def run(case, rank, P, tp, cp, out_dir):
     from megatron.core import parallel_state
     from flashmsa.integrations import megatron as fm
@@ -106,6 +135,9 @@ def run(case, rank, P, tp, cp, out_dir):
         extra = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     cfg = config(tp=tp, cp=cp, **extra)
     m = model(cfg)
+    if case == "curve":
+        torch.save(dict(losses=curve(m, cp)), pathlib.Path(out_dir) / f"{case}-rank{rank}.pt")
+        return
     ids, labels = tokens()
     cp_rank = parallel_state.get_context_parallel_rank()
     if cp > 1:

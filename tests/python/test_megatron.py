@@ -43,17 +43,19 @@ def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("megatron")
     one = tmp / "one"
     one.mkdir()
-    _world(one, 1, 1, 1, ["plain", "packed", "recompute_selective", "recompute_full"])
+    _world(one, 1, 1, 1, ["plain", "packed", "recompute_selective", "recompute_full", "curve"])
     tp2 = tmp / "tp2"
     tp2.mkdir()
-    _world(tp2, 2, 2, 1, ["plain"])
+    _world(tp2, 2, 2, 1, ["plain", "curve"])
     cp2 = tmp / "cp2"
     cp2.mkdir()
-    _world(cp2, 2, 1, 2, ["packed"])
+    _world(cp2, 2, 1, 2, ["packed", "curve"])
     load = lambda d, case, r=0: torch.load(d / f"{case}-rank{r}.pt")  # noqa: E731
     return dict(plain=load(one, "plain"), packed=load(one, "packed"), sel=load(one, "recompute_selective"),
                 full=load(one, "recompute_full"), tp2=[load(tp2, "plain", r) for r in range(2)],
-                cp2=[load(cp2, "packed", r) for r in range(2)])
+                cp2=[load(cp2, "packed", r) for r in range(2)],
+                curves={k: [load(d, "curve", r)["losses"] for r in range(n)]
+                        for k, d, n in (("one", one, 1), ("tp2", tp2, 2), ("cp2", cp2, 2))})
 
 
 def _same(a, b, rtol, atol=1e-7, what=""):
@@ -86,6 +88,19 @@ def test_recompute(results):
 def test_tensor_parallel_2(results):
     for r, res in enumerate(results["tp2"]):
         _same(res, results["plain"], rtol=1e-4, atol=1e-6, what=f"TP = 2 rank {r}")
+
+
+def test_fifty_step_curves(results):
+    """50 Adam steps (packed batches): TP = 2 and CP = 2 follow the one-process loss curve (fp32; every rank the
+    same curve), and the loss falls."""
+    one = results["curves"]["one"][0]
+    assert len(one) == 50 and one[-1] < one[0] - 0.5, (one[0], one[-1])
+    for k in ("tp2", "cp2"):
+        for r, c in enumerate(results["curves"][k]):
+            worst = max(abs(a - b) / abs(b) for a, b in zip(c, one))
+            print(f"{k} rank {r}: loss {c[0]:.4f} -> {c[-1]:.4f}, at most {worst:.1e} from one process "
+                  f"({one[0]:.4f} -> {one[-1]:.4f})")
+            assert worst < 1e-3, f"{k} rank {r}: loss curve off by {worst:.2e} relative"
 
 
 def test_context_parallel_2(results):
