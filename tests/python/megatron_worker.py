@@ -100,6 +100,7 @@ def curve(m, cp, steps=50, packed=True):
     """Training losses of `steps` Adam steps on fresh batches (the same on every rank; CP ranks take their zigzag
     share and sum their gradients as Megatron's DDP does)."""
     from megatron.core import parallel_state
+    from flashmsa.integrations import megatron as fm
     opt = torch.optim.Adam(m.parameters(), lr=3e-3)
     g = torch.Generator().manual_seed(5)
     cp_group = parallel_state.get_context_parallel_group()
@@ -122,6 +123,7 @@ def curve(m, cp, steps=50, packed=True):
                     p.grad /= cp
         opt.step()
         losses.append(float(loss))
+        fm.kl_metrics(reduce=False)  # (read and cleared each step, as a trainer logs it)
     return losses
 
 
@@ -133,6 +135,8 @@ def run(case, rank, P, tp, cp, out_dir):
         extra = dict(recompute_granularity="selective", recompute_modules=["core_attn"])
     elif case == "recompute_full":
         extra = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    elif case == "share":  # IndexShare: layer 2 attends to layer 1's blocks (packed batches)
+        extra = dict(msa_index_share=2)
     cfg = config(tp=tp, cp=cp, **extra)
     m = model(cfg)
     if case == "curve":
@@ -142,7 +146,7 @@ def run(case, rank, P, tp, cp, out_dir):
     cp_rank = parallel_state.get_context_parallel_rank()
     if cp > 1:
         ids, labels = zigzag(ids, cp, cp_rank), zigzag(labels, cp, cp_rank)
-    loss = step(m, ids, labels, packed=case.startswith("packed"))
+    loss = step(m, ids, labels, packed=case.startswith("packed") or case == "share")
     # the model's loss: the mean over every rank's tokens (equal counts)
     if cp > 1:
         dist.all_reduce(loss, group=parallel_state.get_context_parallel_group())

@@ -43,17 +43,18 @@ def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("megatron")
     one = tmp / "one"
     one.mkdir()
-    _world(one, 1, 1, 1, ["plain", "packed", "recompute_selective", "recompute_full", "curve"])
+    _world(one, 1, 1, 1, ["plain", "packed", "recompute_selective", "recompute_full", "curve", "share"])
     tp2 = tmp / "tp2"
     tp2.mkdir()
     _world(tp2, 2, 2, 1, ["plain", "curve"])
     cp2 = tmp / "cp2"
     cp2.mkdir()
-    _world(cp2, 2, 1, 2, ["packed", "curve"])
+    _world(cp2, 2, 1, 2, ["packed", "curve", "share"])
     load = lambda d, case, r=0: torch.load(d / f"{case}-rank{r}.pt")  # noqa: E731
     return dict(plain=load(one, "plain"), packed=load(one, "packed"), sel=load(one, "recompute_selective"),
                 full=load(one, "recompute_full"), tp2=[load(tp2, "plain", r) for r in range(2)],
                 cp2=[load(cp2, "packed", r) for r in range(2)],
+                share=load(one, "share"), share_cp2=[load(cp2, "share", r) for r in range(2)],
                 curves={k: [load(d, "curve", r)["losses"] for r in range(n)]
                         for k, d, n in (("one", one, 1), ("tp2", tp2, 2), ("cp2", cp2, 2))})
 
@@ -103,6 +104,44 @@ def test_fifty_step_curves(results):
             assert worst < 1e-3, f"{k} rank {r}: loss curve off by {worst:.2e} relative"
 
 
+def test_index_share(results, mcore):
+    """msa_index_share=2: layer 2 has no proxy projections and attends to the blocks layer 1 selected (the call's
+    given indices are layer 1's returned ones), only layer 1 logs a kl, CP = 2 equals one process, and batched
+    (sbhd) inputs are refused (the selection travels with PackedSeqParams)."""
+    from flashmsa.integrations import megatron as fm
+    from megatron.core.packed_seq_params import PackedSeqParams
+    share = results["share"]
+    names = [n for n in share["grads"] if "linear_qp" in n or "linear_kp" in n]
+    assert names and all("layers.0." in n for n in names), names
+    assert float(share["kl"][0]) > 0 and float(share["kl"][1]) == 0.0, share["kl"]
+    for r, res in enumerate(results["share_cp2"]):
+        torch.testing.assert_close(res["loss"], share["loss"], rtol=1e-4, atol=1e-6, msg=f"CP 2 rank {r}")
+        for n in share["grads"]:
+            torch.testing.assert_close(res["grads"][n], share["grads"][n], rtol=1e-4, atol=1e-6, msg=n)
+    m = mcore.model(mcore.config(msa_index_share=2))
+    calls, orig = [], fm._ops.msa_attention
+
+    def record(*a, **kw):
+        res = orig(*a, **kw)
+        calls.append((kw.get("indices"), res[2] if kw.get("return_indices") else None))
+        return res
+    fm._ops.msa_attention = record
+    try:
+        ids, labels = mcore.tokens(1)
+        cu = torch.tensor([0, ids.shape[1]], dtype=torch.int32)
+        psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=ids.shape[1],
+                              max_seqlen_kv=ids.shape[1])
+        m.train()
+        m(ids, None, None, labels=labels, packed_seq_params=psp).mean().backward()
+        fm.kl_metrics()
+    finally:
+        fm._ops.msa_attention = orig
+    assert len(calls) == 2 and calls[0][0] is None and calls[0][1] is not None
+    assert calls[1][0] is not None and torch.equal(calls[1][0], calls[0][1])
+    with pytest.raises(ValueError, match="needs packed"):
+        m(ids, None, None, labels=labels)
+
+
 def test_context_parallel_2(results):
     for r, res in enumerate(results["cp2"]):
         _same(res, results["packed"], rtol=1e-4, atol=1e-6, what=f"CP = 2 rank {r}")
@@ -133,6 +172,7 @@ def mcore():
      "msa_proxy_key_heads (Hpk) = 1 is not a multiple of tensor_model_parallel_size = 2"),
     (dict(msa_cp_scheme="heads"), "msa_cp_scheme: expected 'tokens' or 'hybrid'"),
     (dict(msa_kl_coeff=float("nan")), "msa_kl_coeff: expected a finite value >= 0"),
+    (dict(msa_index_share=0), "msa_index_share: expected an int >= 1"),
 ])
 def test_bad_configurations(mcore, kw, text):
     with pytest.raises(ValueError, match=None) as e:

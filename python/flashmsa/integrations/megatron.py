@@ -76,6 +76,10 @@ class MSAConfig(TransformerConfig):
     msa_cp_scheme: str = "tokens"
     """flashmsa.distributed's scheme under context parallelism: 'tokens' or 'hybrid' (both take Megatron's zigzag
     layout)."""
+    msa_index_share: int = 1
+    """IndexShare: layers in groups of this many, the first of each group selecting (its own proxy, its kl) and the
+    others attending to its blocks (no proxy projections, no selection, no kl). 1: every layer selects. Needs packed
+    (THD) micro-batches: the selection travels with their PackedSeqParams."""
 
     def __post_init__(self):
         super().__post_init__()
@@ -108,6 +112,8 @@ class MSAConfig(TransformerConfig):
             bad(f"msa_cp_scheme: expected 'tokens' or 'hybrid', got {self.msa_cp_scheme!r}")
         if not self.msa_kl_coeff >= 0 or math.isinf(self.msa_kl_coeff):
             bad(f"msa_kl_coeff: expected a finite value >= 0, got {self.msa_kl_coeff!r}")
+        if not isinstance(self.msa_index_share, int) or self.msa_index_share < 1:
+            bad(f"msa_index_share: expected an int >= 1 (layers per shared selection), got {self.msa_index_share!r}")
         if self.msa_proxy_head_dim is not None and self.msa_proxy_head_dim < 1:
             bad(f"msa_proxy_head_dim: expected >= 1, got {self.msa_proxy_head_dim!r}")
 
@@ -231,12 +237,15 @@ class MSACoreAttention(MegatronModule):
         self.pg_collection = pg_collection
         self.softmax_scale = softmax_scale
         self.warmup = bool(config.msa_warmup)
+        n = config.msa_index_share
+        self.share_group = (layer_number - 1) // n  # IndexShare: the group of layers sharing one selection
+        self.selects = (layer_number - 1) % n == 0  # its first layer selects; the others reuse its blocks
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params: Optional[PackedSeqParams] = None, qp=None, kp=None):
         if attention_bias is not None:
             raise ValueError("flashmsa.integrations.megatron: MSA takes no attention_bias")
-        if qp is None or kp is None:
+        if self.selects and (qp is None or kp is None):
             raise ValueError("flashmsa.integrations.megatron: MSACoreAttention needs qp and kp (build the layer "
                              "with get_msa_gpt_layer_spec: MSASelfAttention computes them)")
         cfg = self.config
@@ -259,24 +268,43 @@ class MSACoreAttention(MegatronModule):
 
             def to_thd(x):
                 return x.transpose(0, 1).reshape(b * s, *x.shape[2:])
-            q, k, v, p, pk = (to_thd(x) for x in (query, key, value, qp, kp))
+            q, k, v, p, pk = (None if x is None else to_thd(x) for x in (query, key, value, qp, kp))
             cu = torch.arange(0, b + 1, dtype=torch.int32, device=q.device) * (s * cp)
             max_seqlen = s * cp
+        sharing = cfg.msa_index_share > 1 and not self.warmup
+        if sharing and not thd:
+            raise ValueError("flashmsa.integrations.megatron: msa_index_share > 1 needs packed (THD) micro-batches "
+                             "(PackedSeqParams): the shared selection travels with them")
+        indices = None
+        if sharing and not self.selects:  # a follower: the blocks its group's first layer selected
+            stash = getattr(packed_seq_params, "_flashmsa_indices", {})
+            if self.share_group not in stash:
+                raise RuntimeError(f"flashmsa.integrations.megatron: layer {self.layer_number} reuses the selection "
+                                   f"of layer {self.share_group * cfg.msa_index_share + 1}, which did not run on this "
+                                   f"micro-batch here (an IndexShare group split over pipeline stages?)")
+            indices = stash[self.share_group]
+            p = pk = None
         grad = self.training and torch.is_grad_enabled()
         coeff = float(cfg.msa_kl_coeff)
-        log = grad and coeff > 0
+        log = grad and coeff > 0 and p is not None
         tp_group = self.pg_collection.tp
         tp = dist.get_world_size(tp_group) if tp_group is not None and dist.is_initialized() else 1
         if log:  # the kl is added to the tracker after the backward has formed it (_KlTap, upstream of the keys)
             kl_holder = {}
             k = _KlTap.apply(k, kl_holder, self.layer_number, cfg.num_layers, tp_group)
+        keep = sharing and self.selects  # the group's first layer hands its selection on
         kw = dict(cu_seqlens=cu, max_seqlen=max_seqlen, warmup=self.warmup, softmax_scale=self.softmax_scale,
-                  compute_kl=None if grad else False)
+                  compute_kl=None if grad and p is not None else False, indices=indices, return_indices=keep)
         if cp > 1:
-            out, kl = _cp.msa_attention_cp(q, k, v, p, pk, cfg.msa_topk, group=cp_group, layout="zigzag",
-                                           scheme=cfg.msa_cp_scheme, **kw)
+            res = _cp.msa_attention_cp(q, k, v, p, pk, cfg.msa_topk, group=cp_group, layout="zigzag",
+                                       scheme=cfg.msa_cp_scheme, **kw)
         else:
-            out, kl = _ops.msa_attention(q, k, v, p, pk, cfg.msa_topk, **kw)
+            res = _ops.msa_attention(q, k, v, p, pk, cfg.msa_topk, **kw)
+        out, kl = res[0], res[1]
+        if keep:
+            if not hasattr(packed_seq_params, "_flashmsa_indices"):
+                packed_seq_params._flashmsa_indices = {}
+            packed_seq_params._flashmsa_indices[self.share_group] = res[2].detach()
         if log:
             kl_holder["kl"] = (kl, coeff)  # (the tensor itself: the backward fills it in place)
             # the proxy heads of this TP rank: the model's kl is the mean over the TP ranks
@@ -329,8 +357,13 @@ class MSASelfAttention(SelfAttention):
         self.Hpk = config.msa_proxy_key_heads
         self.Dp = config.msa_proxy_head_dim if config.msa_proxy_head_dim is not None else config.kv_channels
         self.Hp_local = self.Hp // tp
+        n = config.msa_index_share
+        self.has_proxy = (layer_number - 1) % n == 0  # IndexShare followers reuse the group's selection
         lin = dict(config=config, init_method=config.init_method, gather_output=False, bias=False,
                    skip_bias_add=False, is_expert=False, tp_group=tp_group)
+        if not self.has_proxy:
+            self.linear_qp = self.linear_kp = None
+            return
         self.linear_qp = build_module(submodules.linear_qp or tensor_parallel.ColumnParallelLinear,
                                       config.hidden_size, self.Hp * self.Dp, tp_comm_buffer_name="msa_qp", **lin)
         if self.Hpk % tp == 0:
@@ -353,14 +386,25 @@ class MSASelfAttention(SelfAttention):
         if rotary_pos_emb is not None and not isinstance(rotary_pos_emb, tuple):
             rotary_pos_emb = (rotary_pos_emb,) * 2
         query, key, value = self.get_query_key_value_tensors(hidden_states, key_value_states)
+        thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
+        if not self.has_proxy:  # (an IndexShare follower)
+            return self._attend(query, key, value, None, None, attention_mask, rotary_pos_emb, attention_bias,
+                                packed_seq_params, thd)
         qp, _ = self.linear_qp(hidden_states)
         kp, _ = self.linear_kp(hidden_states)
         qp = qp.view(*qp.shape[:2], self.Hp_local, self.Dp)
         kp = kp.view(*kp.shape[:2], self.Hpk_local, self.Dp)
-        thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
+        return self._attend(query, key, value, qp, kp, attention_mask, rotary_pos_emb, attention_bias,
+                            packed_seq_params, thd)
+
+    def _attend(self, query, key, value, qp, kp, attention_mask, rotary_pos_emb, attention_bias, packed_seq_params,
+                thd):
+        proxy = qp is not None
         cu_q = cu_kv = None
         if thd:
-            query, key, value, qp, kp = (t.squeeze(1) for t in (query, key, value, qp, kp))
+            query, key, value = (t.squeeze(1) for t in (query, key, value))
+            if proxy:
+                qp, kp = qp.squeeze(1), kp.squeeze(1)
             cu_q = packed_seq_params.cu_seqlens_q_padded
             if cu_q is None:
                 cu_q = packed_seq_params.cu_seqlens_q
@@ -373,9 +417,10 @@ class MSASelfAttention(SelfAttention):
             def rope(t, f, cu):
                 return apply_rotary_pos_emb(t, f, config=self.config, cu_seqlens=cu, cp_group=self.pg_collection.cp)
             query, key = rope(query, q_emb, cu_q), rope(key, k_emb, cu_kv)
-            if self.config.msa_rope_on_proxy:
+            if proxy and self.config.msa_rope_on_proxy:
                 qp, kp = rope(qp, q_emb, cu_q), rope(kp, k_emb, cu_kv)
-        qp, kp = qp.contiguous(), kp.contiguous()
+        if proxy:
+            qp, kp = qp.contiguous(), kp.contiguous()
 
         def core(query, key, value, qp, kp, attention_mask):
             return self.core_attention(query, key, value, attention_mask, attn_mask_type=self.attn_mask_type,
