@@ -76,7 +76,7 @@ def dense_spec():
     return spec
 
 
-def build(kind, a, init=None):
+def build(kind, a, init=None, share=1):
     from megatron.core.models.gpt.gpt_model import GPTModel
     dt = getattr(torch, a.dtype)
     cfg = fm.MSAConfig(num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=a.heads,
@@ -86,7 +86,7 @@ def build(kind, a, init=None):
                        masked_softmax_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
                        apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
                        msa_topk=a.topk, msa_proxy_heads=a.proxy_heads, msa_proxy_key_heads=1, msa_kl_coeff=1.0,
-                       msa_warmup=True)
+                       msa_warmup=True, msa_index_share=share)
     torch.manual_seed(a.seed)
     spec = fm.get_msa_gpt_layer_spec() if kind == "msa" else dense_spec()
     m = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=256, max_sequence_length=a.seqlen,
@@ -98,19 +98,29 @@ def build(kind, a, init=None):
 
 
 def loss_of(m, x, y, a):
+    """Mean token loss; IndexShare models take the batch packed (THD: the shared selection travels with its
+    PackedSeqParams), the same sequences."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+    kw = {}
+    if m.config.msa_index_share > 1:
+        b, s = x.shape
+        cu = torch.arange(b + 1, dtype=torch.int32, device=x.device) * s
+        kw["packed_seq_params"] = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                                  max_seqlen_q=s, max_seqlen_kv=s)
+        x, y = x.reshape(1, -1), y.reshape(1, -1)
     with torch.autocast(a.device, dtype=getattr(torch, a.dtype), enabled=a.dtype != "float32"):
-        per_tok = m(x, None, None, labels=y)
+        per_tok = m(x, None, None, labels=y, **kw)
     return per_tok.float().mean()
 
 
 def train(kind, a, data, val, init, log):
-    m = build(kind, a, init)
+    m = build("msa" if kind.startswith("msa") else kind, a, init, share=a.index_share if kind == "msa_share" else 1)
     opt = torch.optim.AdamW(m.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.1)
     gen = torch.Generator().manual_seed(a.seed + 1)
     hist, times = [], {"warmup": [], "sparse": []}
     for step in range(a.steps + 1):
         sparse = step >= a.warmup_steps
-        if kind == "msa":
+        if kind.startswith("msa"):
             fm.set_warmup(m, not sparse)
         if step % a.eval_every == 0 or step == a.steps:
             m.eval()
@@ -132,7 +142,7 @@ def train(kind, a, data, val, init, log):
         opt.step()
         lm.sync(torch.device(a.device))
         times["sparse" if sparse else "warmup"].append(time.perf_counter() - t0)
-        if kind == "msa":
+        if kind.startswith("msa"):
             kl = fm.kl_metrics(reduce=False).get("msa_kl_loss")
             hist[-1].setdefault("kl", []).append(kl.tolist() if kl is not None else None)
     return m, hist, times
@@ -148,6 +158,8 @@ def main(argv=None):
     ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
     ap.add_argument("--out", default=None)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--index-share", type=int, default=1,
+                    help="> 1: a third run, MSA with IndexShare over groups of this many layers (msa_share)")
     for k, v in PRESETS["cpu"].items():
         ap.add_argument("--" + k.replace("_", "-"), type=type(v), default=None)
     a = ap.parse_args(argv)
@@ -177,7 +189,7 @@ def main(argv=None):
         f"train / {facts['val_bytes']} val bytes")
     init = build("msa", a).state_dict()
     runs = {}
-    for kind in ("msa", "dense"):
+    for kind in ("msa", "dense") + (("msa_share",) if a.index_share > 1 else ()):
         _, hist, times = train(kind, a, train_data, val, init, log)
         runs[kind] = dict(history=hist, step_s_warmup=median(times["warmup"]), step_s_sparse=median(times["sparse"]))
     fin = {k: r["history"][-1]["val_loss"] for k, r in runs.items()}
@@ -187,6 +199,12 @@ def main(argv=None):
                final_val_loss=fin, gap=gap, last_kl_per_layer=kls[-1] if kls else None,
                step_ratio_sparse=runs["dense"]["step_s_sparse"] / runs["msa"]["step_s_sparse"],
                device=torch.cuda.get_device_name() if a.device == "cuda" else "cpu")
+    if "msa_share" in runs:
+        res["gap_share"] = (fin["msa_share"] - fin["dense"]) / fin["dense"]
+        res["step_ratio_share"] = runs["msa"]["step_s_sparse"] / runs["msa_share"]["step_s_sparse"]
+        log(f"IndexShare over {a.index_share} layers: final val loss {fin['msa_share']:.4f} (gap "
+            f"{100 * res['gap_share']:+.2f}% to dense), sparse step {runs['msa_share']['step_s_sparse']:.3f} s "
+            f"({res['step_ratio_share']:.2f}x the MSA run's speed)")
     log(f"final val loss: msa {fin['msa']:.4f}, dense {fin['dense']:.4f} (gap {100 * gap:+.2f}%); kl per layer "
         f"{res['last_kl_per_layer']}; step s (sparse phase): msa {runs['msa']['step_s_sparse']:.3f}, dense "
         f"{runs['dense']['step_s_sparse']:.3f} (dense / msa {res['step_ratio_sparse']:.2f}x)")

@@ -208,7 +208,7 @@ def test_example_cpu_preset(tmp_path):
     sparse the validation loss stays within 10% of dense."""
     env = dict(os.environ, MASTER_PORT=str(_port()), FLASHMSA_NUM_THREADS="1")
     r = subprocess.run([sys.executable, str(HERE.parents[1] / "examples" / "megatron_gpt.py"), "--out", str(tmp_path),
-                        "--steps", "20", "--warmup-steps", "10", "--eval-every", "10"],
+                        "--steps", "20", "--warmup-steps", "10", "--eval-every", "10", "--index-share", "2"],
                        capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     import json
@@ -217,7 +217,8 @@ def test_example_cpu_preset(tmp_path):
     assert [h["step"] for h in msa] == [0, 10, 20]
     assert msa[0]["val_loss"] == dense[0]["val_loss"]  # the same weights
     assert abs(msa[1]["val_loss"] - dense[1]["val_loss"]) < 1e-3 * dense[1]["val_loss"]  # end of the warmup
-    assert abs(res["gap"]) < 0.10, res["gap"]
+    assert abs(res["gap"]) < 0.10 and abs(res["gap_share"]) < 0.10, (res["gap"], res["gap_share"])
+    assert res["runs"]["msa_share"]["history"][0]["val_loss"] == dense[0]["val_loss"]
     kl = res["last_kl_per_layer"]
     assert len(kl) == 2 and all(0 < x < 10 for x in kl), kl
 
