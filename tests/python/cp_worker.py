@@ -365,3 +365,6 @@ if __name__ == "__main__":
     ap.add_argument("cases", nargs="*")
     a = ap.parse_args()
     gpu_main(a) if a.gpu or a.dry_run else cpu_main(a)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # no interpreter teardown after the results are written (flashmsa/cp_run.py says why)

@@ -180,6 +180,9 @@ def main():
         dist.barrier()
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # no interpreter teardown after the results are written (flashmsa/cp_run.py says why)
 
 
 if __name__ == "__main__":
