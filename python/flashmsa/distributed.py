@@ -261,6 +261,11 @@ class _Plan:
                          and sum(n for _, n in r) == full_heads[f] for f, r in ranges.items()}
         self.late_kl = None  # (local kl, returned kl): the kl formed in the backward (to_tokens fills it)
 
+    def kl_mean(self, recv, i: int) -> Tensor:
+        """The P local kl values (piece i of each source in recv) -> their mean in fp64, in rank order (every head
+        subset has Hp / P proxy heads): identical bits on every rank."""
+        return torch.stack([recv[s][i] for s in range(self.P)]).double().sum() / self.P
+
     def to_heads(self, fields, xs) -> List[Tensor]:
         """Token shard with all heads -> all tokens with this rank's heads (per field)."""
         shapes = [x.shape for x in xs]
@@ -289,10 +294,9 @@ class _Plan:
         send = [[y.narrow(td, self.start[d], self.T[d]) for (f, td, hd), y in zip(fields, ys)] + extra
                 for d in range(self.P)]
         recv = _exchange(send, spec, self)
-        if late is not None:  # every head subset has Hp / P proxy heads: the model's kl is the plain mean
+        if late is not None:
             self.late_kl = None
-            mean = torch.stack([recv[s][-1] for s in range(self.P)]).double().sum() / self.P
-            late[1].copy_(mean.to(late[1].dtype))
+            late[1].copy_(self.kl_mean(recv, -1).to(late[1].dtype))
         res = []
         for i, (f, td, hd) in enumerate(fields):
             pieces = [recv[s][i] for s in range(self.P)]
@@ -346,7 +350,7 @@ class _ToTokens(torch.autograd.Function):
                 + [kl] for d in range(P)]  # kl: a 0-dim piece, the same to every rank
         recv = _exchange(send, spec, plan)
         outs = [torch.cat([recv[s][i] for s in range(P)], dim=hd) for i, (f, td, hd) in enumerate(fields)]
-        kl_mean = (torch.stack([recv[s][-1] for s in range(P)]).double().sum() / P).to(kl.dtype)
+        kl_mean = plan.kl_mean(recv, -1).to(kl.dtype)
         ctx.mark_non_differentiable(*outs[n_diff:])
         return (kl_mean, *outs)
 
@@ -414,6 +418,14 @@ class _TokenPlan:
                                      device=device).reshape(-1, 2)
         self.max_seqlen_q = max([n for _, _, n in mine], default=0)
         self.late_kl = None  # (local kl, returned kl): the kl formed in the backward (_KlFromBackward)
+        self.share = self.rows[rank] / self.total if self.total else 0.0  # this rank's rows / all rows
+
+    def kl_mean(self, recv, i: int) -> Tensor:
+        """The ranks' local kl values (piece i of each source in recv; each a mean over Hp x its rows) -> the mean
+        over all rows, in fp64 and rank order: identical bits on every rank."""
+        vals = torch.stack([recv[s][i] for s in range(self.P)]).double()
+        w = torch.tensor(self.rows, dtype=torch.float64, device=vals.device)
+        return (vals * w).sum() / self.total if self.total else vals.sum() * 0
 
     def gather(self, xs: List[Tensor]) -> List[Tensor]:
         """This rank's rows of each tensor -> the full packed tensor (every rank's rows in place)."""
@@ -449,10 +461,7 @@ class _TokenPlan:
         recv = _exchange(send, spec, self)
         if late is not None:
             self.late_kl = None
-            vals = torch.stack([recv[s][-1] for s in range(self.P)]).double()
-            w = torch.tensor(self.rows, dtype=torch.float64, device=vals.device)
-            mean = (vals * w).sum() / self.total if self.total else vals.sum() * 0
-            late[1].copy_(mean.to(late[1].dtype))
+            late[1].copy_(self.kl_mean(recv, -1).to(late[1].dtype))
         res = []
         for i, g in enumerate(gs):
             acc = recv[0][i].clone()
@@ -488,7 +497,7 @@ class _KlFromBackward(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, plan, kl):
-        ctx.share = plan.rows[plan.rank] / plan.total if plan.total else 0.0
+        ctx.share = plan.share
         res = torch.full((), float("nan"), dtype=kl.dtype, device=kl.device)
         plan.late_kl = (kl, res)
         return res
@@ -505,12 +514,9 @@ class _KlMean(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, plan, kl):
-        ctx.share = plan.rows[plan.rank] / plan.total if plan.total else 0.0
+        ctx.share = plan.share
         recv = _exchange([[kl] for _ in range(plan.P)], lambda s, d: [((), kl.dtype)], plan)
-        vals = torch.stack([recv[s][0] for s in range(plan.P)]).double()
-        w = torch.tensor(plan.rows, dtype=torch.float64, device=vals.device)
-        mean = (vals * w).sum() / plan.total if plan.total else vals.sum() * 0
-        return mean.to(kl.dtype)
+        return plan.kl_mean(recv, 0).to(kl.dtype)
 
     @staticmethod
     def backward(ctx, g):
@@ -625,6 +631,35 @@ def _heads_size(Hq, Hkv, Hp, Hpk, P: int, heads_size: Optional[int]) -> int:
     return 1
 
 
+def _head_fields(q, k, v, qp, kp, indices, td: int):
+    """The heads exchange's inputs: (fields, tensors, how many are differentiable). td: the token dim (1 batched);
+    indices (not differentiable) with their token dim explicit."""
+    hd = td + 1
+    fields, xs = [("q", td, hd), ("kv", td, hd), ("kv", td, hd)], [q, k, v]
+    if qp is not None:
+        fields += [("qp", td, hd), ("kp", td, hd)]
+        xs += [qp, kp]
+    n_diff = len(xs)
+    if indices is not None:
+        fields.append(("qp", td + 1, 0))
+        xs.append(indices)
+    return fields, xs, n_diff
+
+
+def _out_fields(out, lse, idx, td: int):
+    """The heads exchange's outputs back to token shards: out, lse (if not None; differentiable) and the indices
+    (if not None) -> (fields, tensors, how many are differentiable)."""
+    fields, ys = [("q", td, td + 1)], [out]
+    if lse is not None:
+        fields.append(("q", td + 1, 0))
+        ys.append(lse)
+    n_diff = len(ys)
+    if idx is not None:
+        fields.append(("qp", td + 1, 0))
+        ys.append(idx)
+    return fields, ys, n_diff
+
+
 def _hybrid(q, k, v, qp, kp, topk, cu_seqlens, max_seqlen, indices, return_lse, return_indices, tsizes, layout,
             group, rank, P, Ph, kw):
     """The hybrid scheme (docs/distributed.md): P = Ph x Pt ranks. Within each heads group of Ph consecutive ranks
@@ -642,14 +677,7 @@ def _hybrid(q, k, v, qp, kp, topk, cu_seqlens, max_seqlen, indices, return_lse, 
     members = [t * Ph + i for i in range(Ph)]
     plan_h = _Plan(hgroup, h, Ph, [tsizes[m] for m in members], head_ranges(Hq, Hkv, Hp, Hpk, Ph),
                    {"q": Hq, "kv": Hkv, "qp": Hp, "kp": Hpk}, q.device)
-    fields, xs = [("q", 0, 1), ("kv", 0, 1), ("kv", 0, 1)], [q, k, v]
-    if qp is not None:
-        fields += [("qp", 0, 1), ("kp", 0, 1)]
-        xs += [qp, kp]
-    n_diff = len(xs)
-    if indices is not None:
-        fields.append(("qp", 1, 0))
-        xs.append(indices)
+    fields, xs, n_diff = _head_fields(q, k, v, qp, kp, indices, 0)
     hs = _ToHeads.apply(plan_h, tuple(fields), n_diff, *xs)
     qh, kh, vh = hs[:3]
     qph, kph = (hs[3], hs[4]) if qp is not None else (None, None)
@@ -662,14 +690,7 @@ def _hybrid(q, k, v, qp, kp, topk, cu_seqlens, max_seqlen, indices, return_lse, 
     late = _late_kl(kw, qp, xs[:n_diff])  # (the tokens group's mean fills kl_h first, then the heads group's)
     out_h, kl_h, lse_h, idx_o = _token_core(plan_t, qh, kh, vh, qph, kph, topk, cu_seqlens, max_seqlen, idx_h,
                                             return_lse, want_idx, kw, late_kl=late)
-    ofields, ys = [("q", 0, 1)], [out_h]
-    if return_lse:
-        ofields.append(("q", 1, 0))
-        ys.append(lse_h)
-    n_odiff = len(ys)
-    if want_idx:
-        ofields.append(("qp", 1, 0))
-        ys.append(idx_o)
+    ofields, ys, n_odiff = _out_fields(out_h, lse_h, idx_o if want_idx else None, 0)
     outs = _ToTokens.apply(plan_h, tuple(ofields), n_odiff, kl_h, *ys)
     if late:
         plan_h.late_kl = (kl_h, outs[0])
@@ -948,15 +969,10 @@ def msa_attention_cp(q: Tensor, k: Tensor, v: Tensor, qp: Optional[Tensor] = Non
     Hq = q.shape[-2]
 
     # ---- tokens -> heads (one all-to-all for every input)
-    hd = td + 1
-    fields, xs = [("q", td, hd), ("kv", td, hd), ("kv", td, hd)], [q, k, v]
-    if qp is not None:
-        fields += [("qp", td, hd), ("kp", td, hd)]
-        xs += [qp, kp]
-    n_diff = len(xs)
+    idx_in = None
     if indices is not None:  # [Hp, T_r, topk] -> token dim explicit for batched
-        fields.append(("qp", 1 + int(batched), 0))
-        xs.append(indices.reshape(Hp, B, T_loc, indices.shape[2]) if batched else indices)
+        idx_in = indices.reshape(Hp, B, T_loc, indices.shape[2]) if batched else indices
+    fields, xs, n_diff = _head_fields(q, k, v, qp, kp, idx_in, td)
     hs = _ToHeads.apply(plan, tuple(fields), n_diff, *xs)
     qh, kh, vh = hs[:3]
     qph, kph = (hs[3], hs[4]) if qp is not None else (None, None)
@@ -978,16 +994,12 @@ def msa_attention_cp(q: Tensor, k: Tensor, v: Tensor, qp: Optional[Tensor] = Non
     S_full = sum(tsizes)
 
     # ---- heads -> tokens (one all-to-all for every output)
-    ofields, ys = [("q", td, hd)], [out_h]
+    lse_h = idx_o = None
     if return_lse:
-        lse_h = res[2]
-        ofields.append(("q", 1 + int(batched), 0))
-        ys.append(lse_h.view(lse_h.shape[0], B, S_full) if batched else lse_h)
-    n_odiff = len(ys)
+        lse_h = res[2].view(res[2].shape[0], B, S_full) if batched else res[2]
     if want_idx:
-        idx_o = res[-1]
-        ofields.append(("qp", 1 + int(batched), 0))
-        ys.append(idx_o.view(idx_o.shape[0], B, S_full, idx_o.shape[-1]) if batched else idx_o)
+        idx_o = res[-1].view(res[-1].shape[0], B, S_full, res[-1].shape[-1]) if batched else res[-1]
+    ofields, ys, n_odiff = _out_fields(out_h, lse_h, idx_o, td)
     outs = _ToTokens.apply(plan, tuple(ofields), n_odiff, kl_h, *ys)
     kl, out = outs[0], outs[1]
     if late:  # NaN until the backward fills it (as msa_attention's kl)
