@@ -118,6 +118,18 @@ class MSAConfig(TransformerConfig):
             bad(f"msa_proxy_head_dim: expected >= 1, got {self.msa_proxy_head_dim!r}")
 
 
+def _offsets(psp, side: str = "q"):
+    """A packed batch's sequence offsets (global, before the CP split): cu_seqlens_<side>_padded where given (the
+    tokens' places in the buffer), else cu_seqlens_<side>; None without either."""
+    cu = getattr(psp, f"cu_seqlens_{side}_padded")
+    return getattr(psp, f"cu_seqlens_{side}") if cu is None else cu
+
+
+def _size(group) -> int:
+    """A process group's size (1 without one, or before torch.distributed is initialised)."""
+    return dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
+
+
 # ---- the kl auxiliary loss ----------------------------------------------------------------------
 class MSAKLLossAutoScaler(torch.autograd.Function):
     """Attaches the kl to the attention output: the forward returns the output unchanged, the backward gives the
@@ -189,7 +201,7 @@ class _ReplicatedLinearFn(torch.autograd.Function):
         x, w = ctx.saved_tensors
         dx = torch.matmul(g, w)
         dw = torch.matmul(g.reshape(-1, g.shape[-1]).t(), x.reshape(-1, x.shape[-1]))
-        if ctx.group is not None and dist.get_world_size(ctx.group) > 1:
+        if _size(ctx.group) > 1:
             dist.all_reduce(dx, group=ctx.group)
             dist.all_reduce(dw, group=ctx.group)
         return dx, dw, None
@@ -206,7 +218,7 @@ class _ReplicatedLinear(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device))
         init_method(self.weight)
         self.tp_group = tp_group
-        if tp_group is not None and dist.get_world_size(tp_group) > 1:
+        if _size(tp_group) > 1:
             dist.broadcast(self.weight.data, src=dist.get_global_rank(tp_group, 0), group=tp_group)
 
     def forward(self, x):
@@ -251,11 +263,9 @@ class MSACoreAttention(MegatronModule):
         cfg = self.config
         thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
         cp_group = self.pg_collection.cp
-        cp = dist.get_world_size(cp_group) if cp_group is not None and dist.is_initialized() else 1
+        cp = _size(cp_group)
         if thd:
-            cu = packed_seq_params.cu_seqlens_q_padded
-            if cu is None:
-                cu = packed_seq_params.cu_seqlens_q
+            cu = _offsets(packed_seq_params)
             if cu is None:
                 raise ValueError("flashmsa.integrations.megatron: packed (THD) inputs need "
                                  "PackedSeqParams.cu_seqlens_q (or cu_seqlens_q_padded): the sequences' global "
@@ -288,7 +298,7 @@ class MSACoreAttention(MegatronModule):
         coeff = float(cfg.msa_kl_coeff)
         log = grad and coeff > 0 and p is not None
         tp_group = self.pg_collection.tp
-        tp = dist.get_world_size(tp_group) if tp_group is not None and dist.is_initialized() else 1
+        tp = _size(tp_group)
         if log:  # the kl is added to the tracker after the backward has formed it (_KlTap, upstream of the keys)
             kl_holder = {}
             k = _KlTap.apply(k, kl_holder, self.layer_number, cfg.num_layers, tp_group)
@@ -351,7 +361,7 @@ class MSASelfAttention(SelfAttention):
         super().__init__(config=config, submodules=submodules, layer_number=layer_number,
                          attn_mask_type=attn_mask_type, cp_comm_type=cp_comm_type, pg_collection=pg_collection)
         tp_group = self.pg_collection.tp
-        tp = dist.get_world_size(tp_group) if tp_group is not None and dist.is_initialized() else 1
+        tp = _size(tp_group)
         Hkv = config.num_query_groups if config.num_query_groups is not None else config.num_attention_heads
         self.Hp = config.msa_proxy_heads if config.msa_proxy_heads is not None else Hkv
         self.Hpk = config.msa_proxy_key_heads
@@ -405,12 +415,7 @@ class MSASelfAttention(SelfAttention):
             query, key, value = (t.squeeze(1) for t in (query, key, value))
             if proxy:
                 qp, kp = qp.squeeze(1), kp.squeeze(1)
-            cu_q = packed_seq_params.cu_seqlens_q_padded
-            if cu_q is None:
-                cu_q = packed_seq_params.cu_seqlens_q
-            cu_kv = packed_seq_params.cu_seqlens_kv_padded
-            if cu_kv is None:
-                cu_kv = packed_seq_params.cu_seqlens_kv
+            cu_q, cu_kv = _offsets(packed_seq_params, "q"), _offsets(packed_seq_params, "kv")
         if rotary_pos_emb is not None:
             q_emb, k_emb = rotary_pos_emb
 
