@@ -8,8 +8,11 @@ Megatron-Core GPTModel from the same initial weights, on the same batches in the
          core-attention slot (torch SDPA: cuDNN/flash on the GPU; the local DotProductAttention materialises the
          [S, S] scores, which does not fit at long context; tests/python/test_megatron.py checks that MSA's warmup
          mode equals DotProductAttention).
-It prints the validation loss of both runs, the final gap, the kl per layer, the step times and their ratio, and
-writes DIR/megatron_gpt.json.
+It prints the validation loss of both runs, the final gap, the kl per layer, the selection's attention-mass recall
+(at each evaluation: flashmsa.msa_select on each layer's qp, kp, the share of the dense causal attention mass inside
+the selected blocks at sampled rows, mean over layers), the step times and their ratio, the peak memory and the
+attention's share of the step (one layer's attention fwd + bwd at the training shape timed alone, times the layer
+count, over the step), and writes DIR/megatron_gpt.json and DIR/megatron_gpt.png (loss, kl, recall).
 
     python3 examples/megatron_gpt.py --out DIR                    # CPU preset (CI-sized: under a minute)
     python3 examples/megatron_gpt.py --preset h200 --out DIR      # one GPU, 32k tokens, head dim 128
@@ -46,10 +49,11 @@ _spec.loader.exec_module(lm)
 
 PRESETS = {
     "cpu": dict(seqlen=512, batch=2, hidden=64, layers=2, heads=4, groups=2, proxy_heads=2, head_dim=16, topk=2,
-                steps=30, warmup_steps=15, lr=3e-3, eval_every=10, eval_batches=2, dtype="float32", device="cpu"),
+                steps=30, warmup_steps=15, lr=3e-3, eval_every=10, eval_batches=2, recall_rows=32, dtype="float32",
+                device="cpu"),
     "h200": dict(seqlen=32768, batch=1, hidden=1024, layers=4, heads=16, groups=2, proxy_heads=4, head_dim=128,
-                 topk=16, steps=600, warmup_steps=150, lr=1e-3, eval_every=50, eval_batches=4, dtype="bfloat16",
-                 device="cuda"),
+                 topk=16, steps=400, warmup_steps=100, lr=1e-3, eval_every=50, eval_batches=4, recall_rows=128,
+                 dtype="bfloat16", device="cuda"),
 }
 
 
@@ -113,8 +117,79 @@ def loss_of(m, x, y, a):
     return per_tok.float().mean()
 
 
+def recall_of(m, x, y, a):
+    """The selection's attention-mass recall on one validation batch: each layer's flashmsa call is intercepted,
+    its proxy's selection recomputed by flashmsa.msa_select and scored by lm.sampled_recall (mean over layers)."""
+    import flashmsa
+    rec, orig = [], fm._ops.msa_attention
+
+    def probe(q, k, v, qp=None, kp=None, topk=16, **kw):
+        if qp is not None:
+            B, S = x.shape
+            idx = flashmsa.msa_select(qp, kp, topk, cu_seqlens=kw["cu_seqlens"], max_seqlen=kw["max_seqlen"])
+            rows = torch.linspace(lm.BLOCK, S - 1, a.recall_rows, device=q.device).long().unique()
+            rec.append(lm.sampled_recall(q.view(B, S, *q.shape[1:]), k.view(B, S, *k.shape[1:]), idx, rows))
+        return orig(q, k, v, qp, kp, topk, **kw)
+    fm._ops.msa_attention = probe
+    try:
+        loss_of(m, x, y, a)
+    finally:
+        fm._ops.msa_attention = orig
+    return sum(rec) / len(rec) if rec else float("nan")
+
+
+def attention_times(a):
+    """One layer's attention fwd + bwd at the training shape, timed alone (median of 5 after a warm-up), ms: MSA
+    (flashmsa.msa_attention, sparse, its kl on) and dense (torch SDPA causal, GQA)."""
+    import flashmsa
+    dev, dt = torch.device(a.device), getattr(torch, a.dtype)
+    T, Hq, Hkv, Hp, D = a.batch * a.seqlen, a.heads, a.groups, a.proxy_heads, a.head_dim
+    g = torch.Generator(device=dev).manual_seed(3)
+    mk = lambda *sh: torch.randn(*sh, generator=g, device=dev, dtype=dt).requires_grad_()  # noqa: E731
+    q, k, v, qp, kp = mk(T, Hq, D), mk(T, Hkv, D), mk(T, Hkv, D), mk(T, Hp, D), mk(T, 1, D)
+    cu = torch.arange(a.batch + 1, dtype=torch.int32, device=dev) * a.seqlen
+
+    def msa():
+        out, kl = flashmsa.msa_attention(q, k, v, qp, kp, a.topk, cu_seqlens=cu, max_seqlen=a.seqlen)
+        torch.autograd.backward([out, kl], [torch.ones_like(out), torch.ones_like(kl)])
+
+    def dense():
+        f = lambda t: t.view(a.batch, a.seqlen, *t.shape[1:]).transpose(1, 2)  # noqa: E731
+        o = F.scaled_dot_product_attention(f(q), f(k), f(v), is_causal=True, enable_gqa=True)
+        o.backward(torch.ones_like(o))
+    res = {}
+    for name, fn in (("msa", msa), ("dense", dense)):
+        ts = []
+        for _ in range(6):
+            lm.sync(dev)
+            t0 = time.perf_counter()
+            fn()
+            lm.sync(dev)
+            ts.append(time.perf_counter() - t0)
+        res[name] = 1e3 * sorted(ts[1:])[2]
+    return res
+
+
+def plot(runs, a, path):
+    """Validation loss of both runs, the MSA run's train kl (mean over layers) and recall, via lm.plot."""
+    import types
+    curves = {}
+    for kind in ("msa", "dense"):
+        pts, last = [], float("nan")
+        for h in runs[kind]["history"]:  # the kl of the training step right after each evaluation (the last: before)
+            kls = [x for x in h.get("kl") or [] if x]
+            last = sum(kls[0]) / len(kls[0]) if kls else last
+            pts.append(dict(val_loss=h["val_loss"], step=h["step"], recall=h.get("recall") or 0.0, kl=last))
+        curves[kind] = {"curve": pts}
+    ns = types.SimpleNamespace(warmup_steps=a.warmup_steps, layers=a.layers, seqlen=a.seqlen, heads=a.heads,
+                               kv_heads=a.groups, proxy_heads=a.proxy_heads, head_dim=a.head_dim, topk=a.topk)
+    return lm.plot(curves, ns, path)
+
+
 def train(kind, a, data, val, init, log):
     m = build("msa" if kind.startswith("msa") else kind, a, init, share=a.index_share if kind == "msa_share" else 1)
+    if a.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     opt = torch.optim.AdamW(m.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.1)
     gen = torch.Generator().manual_seed(a.seed + 1)
     hist, times = [], {"warmup": [], "sparse": []}
@@ -126,9 +201,10 @@ def train(kind, a, data, val, init, log):
             m.eval()
             with torch.no_grad():
                 vl = sum(loss_of(m, x, y, a).item() for x, y in val) / len(val)
+                rc = recall_of(m, *val[0], a) if kind.startswith("msa") else None
             m.train()
-            hist.append(dict(step=step, val_loss=vl))
-            log(f"[{kind:5s}] step {step:4d}  val loss {vl:.4f}")
+            hist.append(dict(step=step, val_loss=vl, recall=rc))
+            log(f"[{kind:5s}] step {step:4d}  val loss {vl:.4f}" + (f"  recall {rc:.4f}" if rc is not None else ""))
         if step == a.steps:
             break
         x, y = (t.to(a.device) for t in lm.windows(data, a.batch, a.seqlen, gen))
@@ -145,7 +221,8 @@ def train(kind, a, data, val, init, log):
         if kind.startswith("msa"):
             kl = fm.kl_metrics(reduce=False).get("msa_kl_loss")
             hist[-1].setdefault("kl", []).append(kl.tolist() if kl is not None else None)
-    return m, hist, times
+    peak = torch.cuda.max_memory_allocated() / 1e9 if a.device == "cuda" else None
+    return m, hist, times, peak
 
 
 def median(xs):
@@ -190,15 +267,21 @@ def main(argv=None):
     init = build("msa", a).state_dict()
     runs = {}
     for kind in ("msa", "dense") + (("msa_share",) if a.index_share > 1 else ()):
-        _, hist, times = train(kind, a, train_data, val, init, log)
-        runs[kind] = dict(history=hist, step_s_warmup=median(times["warmup"]), step_s_sparse=median(times["sparse"]))
+        m, hist, times, peak = train(kind, a, train_data, val, init, log)
+        del m
+        runs[kind] = dict(history=hist, step_s_warmup=median(times["warmup"]), step_s_sparse=median(times["sparse"]),
+                          peak_gb=peak)
     fin = {k: r["history"][-1]["val_loss"] for k, r in runs.items()}
     gap = (fin["msa"] - fin["dense"]) / fin["dense"]
     kls = [h["kl"][-1] for h in runs["msa"]["history"] if h.get("kl")]
     res = dict(preset=a.preset, args={k: v for k, v in vars(a).items() if k != "out"}, corpus=facts, runs=runs,
                final_val_loss=fin, gap=gap, last_kl_per_layer=kls[-1] if kls else None,
                step_ratio_sparse=runs["dense"]["step_s_sparse"] / runs["msa"]["step_s_sparse"],
+               last_recall=runs["msa"]["history"][-1]["recall"],
                device=torch.cuda.get_device_name() if a.device == "cuda" else "cpu")
+    at = attention_times(a)
+    res["attention_ms"] = at
+    res["attention_share"] = {k: a.layers * at[k] / 1e3 / runs[k]["step_s_sparse"] for k in ("msa", "dense")}
     if "msa_share" in runs:
         res["gap_share"] = (fin["msa_share"] - fin["dense"]) / fin["dense"]
         res["step_ratio_share"] = runs["msa"]["step_s_sparse"] / runs["msa_share"]["step_s_sparse"]
@@ -207,11 +290,18 @@ def main(argv=None):
             f"({res['step_ratio_share']:.2f}x the MSA run's speed)")
     log(f"final val loss: msa {fin['msa']:.4f}, dense {fin['dense']:.4f} (gap {100 * gap:+.2f}%); kl per layer "
         f"{res['last_kl_per_layer']}; step s (sparse phase): msa {runs['msa']['step_s_sparse']:.3f}, dense "
-        f"{runs['dense']['step_s_sparse']:.3f} (dense / msa {res['step_ratio_sparse']:.2f}x)")
+        f"{runs['dense']['step_s_sparse']:.3f} (dense / msa {res['step_ratio_sparse']:.2f}x); recall "
+        f"{res['last_recall']:.4f}")
+    log(f"attention fwd+bwd of one layer: msa {at['msa']:.2f} ms, dense {at['dense']:.2f} ms; share of the step: "
+        f"msa {100 * res['attention_share']['msa']:.0f}%, dense {100 * res['attention_share']['dense']:.0f}%"
+        + ("" if a.device != "cuda" else f"; peak memory GB: msa {runs['msa']['peak_gb']:.2f}, dense "
+                                          f"{runs['dense']['peak_gb']:.2f}"))
     if a.out:
         out = pathlib.Path(a.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "megatron_gpt.json").write_text(json.dumps(res, indent=1))
+        png = plot(runs, a, out / "megatron_gpt.png")
+        log(f"wrote {out / 'megatron_gpt.json'} and {png}")
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
     return res

@@ -1,8 +1,8 @@
 """One rank of a Megatron-Core world for test_megatron.py (not a test itself):
 
-    python3 megatron_worker.py --rank R --world P --port PORT --out DIR --tp TP --cp CP CASE...
+    python3 megatron_worker.py --rank R --world P --port PORT --out DIR --tp TP --cp CP [--device cuda] CASE...
 
-CPU, gloo. Builds a small GPTModel with flashmsa's MSA layer spec (fp32, CPU backend) from a fixed seed, runs one
+CPU, gloo (the cases below but distopt); --device cuda: one GPU a rank, NCCL, the case distopt. Builds a small GPTModel with flashmsa's MSA layer spec (fp32, CPU backend) from a fixed seed, runs one
 training step on fixed tokens and writes, per case, the loss, the kl tracker values and every parameter's gradient
 (the full tensor: TP shards gathered) to DIR/<case>-rank<R>.pt. The CPU shims below stand in for the CUDA calls
 Megatron-Core makes even on the CPU path (the rotary embedding's device, the CUDA RNG tracker, checkpointing's CUDA
@@ -127,8 +127,55 @@ def curve(m, cp, steps=50, packed=True):
     return losses
 
 
+def distopt(use_distributed_optimizer, steps=30):
+    """Megatron's training stack on the GPU: the MSA GPTModel (head dim 128, bf16 weights through Float16Module)
+    wrapped in Megatron's DistributedDataParallel, stepped by get_megatron_optimizer's optimizer (the distributed
+    one, or Megatron's bf16 optimizer with fp32 main weights) for `steps` steps of the curve's batches (packed).
+    Returns the losses, the proxy projections' weights before and after, and the optimizer's class name."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.module import Float16Module
+    from megatron.core import tensor_parallel
+    from flashmsa.integrations import megatron as fm
+    tensor_parallel.model_parallel_cuda_manual_seed(0)  # the same initial weights in every call
+    cfg = config(hidden_size=256, kv_channels=128, bf16=True, params_dtype=torch.bfloat16,
+                 pipeline_dtype=torch.bfloat16, use_cpu_initialization=False)
+    m = Float16Module(cfg, model(cfg).cuda())
+    ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(
+        use_distributed_optimizer=use_distributed_optimizer, grad_reduce_in_fp32=True, overlap_grad_reduce=False), m)
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=3e-3, bf16=True, params_dtype=torch.bfloat16,
+                                                 use_distributed_optimizer=use_distributed_optimizer, clip_grad=1.0,
+                                                 weight_decay=0.0), [ddp])
+    proxy = {n: p for n, p in ddp.named_parameters() if "linear_qp" in n or "linear_kp" in n}
+    before = {n: p.detach().float().cpu().clone() for n, p in proxy.items()}
+    g = torch.Generator().manual_seed(5)
+    losses = []
+    from megatron.core.packed_seq_params import PackedSeqParams
+    for _ in range(steps):
+        start, stride = torch.randint(0, VOCAB, (2, 1), generator=g), 1 + 2 * torch.randint(0, 2, (2, 1), generator=g)
+        ids = ((start + stride * torch.arange(SEQ)) % VOCAB).cuda()
+        labels = torch.roll(ids, -1, dims=1)
+        cu = torch.arange(3, dtype=torch.int32, device="cuda") * SEQ
+        psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=SEQ, max_seqlen_kv=SEQ)
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        fm.set_kl_loss_scale(cfg, 1)
+        loss = ddp(ids.reshape(1, -1), None, None, labels=labels.reshape(1, -1), packed_seq_params=psp).float().mean()
+        loss.backward()
+        ddp.finish_grad_sync()
+        ok, _, _ = opt.step()
+        assert ok, "optimizer step skipped"
+        losses.append(float(loss))
+        fm.kl_metrics(reduce=False)
+    after = {n: p.detach().float().cpu().clone() for n, p in proxy.items()}
+    return dict(losses=losses, before=before, after=after, optimizer=type(opt).__name__)
+
+
 def run(case, rank, P, tp, cp, out_dir):
     from megatron.core import parallel_state
+    if case.startswith("distopt"):  # distopt_on / distopt_off: the distributed optimizer or Megatron's bf16 one
+        torch.save(distopt(case == "distopt_on"), pathlib.Path(out_dir) / f"{case}-rank{rank}.pt")
+        return
     from flashmsa.integrations import megatron as fm
     extra = {}
     if case == "recompute_selective":
@@ -168,13 +215,21 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--cp", type=int, default=1)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("cases", nargs="+")
     a = ap.parse_args()
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{a.port}", rank=a.rank, world_size=a.world)
+    if a.device == "cuda":
+        torch.cuda.set_device(a.rank)
+    dist.init_process_group("gloo" if a.device == "cpu" else "nccl", init_method=f"tcp://127.0.0.1:{a.port}",
+                            rank=a.rank, world_size=a.world)
     from megatron.core import parallel_state
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=a.tp, context_parallel_size=a.cp)
-    cpu_shims()
+    if a.device == "cpu":
+        cpu_shims()
+    else:
+        from megatron.core import tensor_parallel
+        tensor_parallel.model_parallel_cuda_manual_seed(0)
     for case in a.cases:
         run(case, a.rank, a.world, a.tp, a.cp, a.out)
         dist.barrier()
