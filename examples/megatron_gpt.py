@@ -204,7 +204,9 @@ def train(kind, a, data, val, init, log):
                 rc = recall_of(m, *val[0], a) if kind.startswith("msa") else None
             m.train()
             hist.append(dict(step=step, val_loss=vl, recall=rc))
-            log(f"[{kind:5s}] step {step:4d}  val loss {vl:.4f}" + (f"  recall {rc:.4f}" if rc is not None else ""))
+            ph = times["sparse"] or times["warmup"]
+            log(f"[{kind:5s}] step {step:4d}  val loss {vl:.4f}" + (f"  recall {rc:.4f}" if rc is not None else "")
+                + (f"  step {median(ph):.3f} s" if ph else ""))
         if step == a.steps:
             break
         x, y = (t.to(a.device) for t in lm.windows(data, a.batch, a.seqlen, gen))

@@ -869,9 +869,11 @@ def _prepare(q, k, v, qp, kp, cu_seqlens, indices, max_seqlen, warmup, shard_siz
             scheme = "heads"
         except ValueError:
             scheme = "tokens"
-    if layout == "zigzag" and (scheme not in ("tokens", "hybrid") or batched):
-        raise ValueError(f"{_P}: layout: 'zigzag' needs scheme='tokens' or 'hybrid' and varlen inputs (got scheme "
-                         f"{scheme!r}, {'batched' if batched else 'varlen'} inputs)")
+    if warmup and q.is_cuda and scheme in ("tokens", "hybrid"):
+        scheme = _cuda_warmup_scheme(scheme, Hq, Hkv, Hp, Hpk, P, heads_size)
+    if layout == "zigzag" and batched:
+        raise ValueError(f"{_P}: layout: 'zigzag' needs varlen inputs ([T, H, D] with cu_seqlens), got batched "
+                         f"inputs")
     if scheme == "hybrid" and batched:
         raise ValueError(f"{_P}: scheme: 'hybrid' takes varlen inputs ([T, H, D] with cu_seqlens); batched inputs "
                          f"run the heads or the tokens scheme")
@@ -892,6 +894,21 @@ def _prepare(q, k, v, qp, kp, cu_seqlens, indices, max_seqlen, warmup, shard_siz
     return plan, B, T_loc, Hp, scheme, tsizes
 
 
+def _cuda_warmup_scheme(scheme: str, Hq: int, Hkv: int, Hp, Hpk, P: int, heads_size) -> str:
+    """The scheme a warmup (dense) call on CUDA runs: the tokens scheme's query segments (and the hybrid scheme's,
+    which has a tokens part) are not yet taken by the CUDA backend in DENSE mode (its backward takes segments in the
+    sparse modes), so such a call runs the heads scheme where P lines up with the head counts (the same results: each
+    rank the whole sequence for its MSA groups) and is refused, with the reason, where it does not."""
+    try:
+        head_ranges(Hq, Hkv, Hp, Hpk, P)
+    except ValueError as e:
+        raise ValueError(f"{_P}: warmup=True on CUDA runs the heads scheme (the CUDA backend takes the tokens "
+                         f"scheme's query segments in the sparse modes only so far), and the heads do not split "
+                         f"over P = {P}: {e}. Run the warmup steps on a context-parallel group that divides the "
+                         f"head counts, or start sparse") from None
+    return "heads"
+
+
 def msa_attention_cp(q: Tensor, k: Tensor, v: Tensor, qp: Optional[Tensor] = None,
                      kp: Optional[Tensor] = None, topk: int = 16, *,
                      cu_seqlens: Optional[Tensor] = None, max_seqlen: Optional[int] = None,
@@ -907,14 +924,15 @@ def msa_attention_cp(q: Tensor, k: Tensor, v: Tensor, qp: Optional[Tensor] = Non
 
     - scheme: "heads" (an all-to-all to whole MSA groups per rank: P must line up with the head
       counts), "tokens" (k, v, kp gathered to every rank, each rank's queries against them as query segments:
-      any P; on CUDA not yet in warmup mode), None: heads where P lines up, else tokens; or
-      "hybrid" (P = heads_size x P_t: the heads scheme within each group of heads_size consecutive ranks, the
-      tokens scheme across the groups; varlen inputs).
+      any P), None: heads where P lines up, else tokens; or "hybrid" (P = heads_size x P_t: the heads scheme
+      within each group of heads_size consecutive ranks, the tokens scheme across the groups; varlen inputs).
+      A warmup (dense) call on CUDA runs the heads scheme whatever the scheme (the CUDA backend takes query
+      segments in the sparse modes only so far) and is refused where P does not line up with the heads.
     - heads_size: the hybrid scheme's heads-group size (a divisor of P whose head split lines up); None: the
       largest such divisor below P.
     - layout: "contiguous" (rank r holds the next T_r tokens of the packed total) or "zigzag"
-      (tokens or hybrid scheme, varlen: every sequence split into 2P chunks, rank r holding chunks r and
-      2P-1-r of each, in sequence order: the causal work is the same on every rank).
+      (varlen: every sequence split into 2P chunks, rank r holding chunks r and 2P-1-r of each, in sequence
+      order: the causal work is the same on every rank; Megatron-Core's context-parallel layout).
 
     - no precise_dpsum (each rank's local msa_attention runs with the default).
     - q, k, v, qp, kp: this rank's token shard ([T_r, H, D] varlen, [B, S_r, H, D] batched);
@@ -974,6 +992,13 @@ def msa_attention_cp(q: Tensor, k: Tensor, v: Tensor, qp: Optional[Tensor] = Non
         idx_in = indices.reshape(Hp, B, T_loc, indices.shape[2]) if batched else indices
     fields, xs, n_diff = _head_fields(q, k, v, qp, kp, idx_in, td)
     hs = _ToHeads.apply(plan, tuple(fields), n_diff, *xs)
+    perm = inv = None
+    if layout == "zigzag":  # the ranks' rows (their chunks, rank after rank) -> sequence order, and back after
+        cu = [int(x) for x in cu_seqlens.tolist()]
+        perm = torch.tensor([cu[b] + pos + i for c in _chunks(cu, tsizes, "zigzag") for b, pos, n in c
+                             for i in range(n)], dtype=torch.long, device=q.device)
+        inv = torch.argsort(perm)
+        hs = [x.index_select(1 if i == len(hs) - 1 and indices is not None else 0, inv) for i, x in enumerate(hs)]
     qh, kh, vh = hs[:3]
     qph, kph = (hs[3], hs[4]) if qp is not None else (None, None)
     idx_h = None
@@ -999,6 +1024,10 @@ def msa_attention_cp(q: Tensor, k: Tensor, v: Tensor, qp: Optional[Tensor] = Non
         lse_h = res[2].view(res[2].shape[0], B, S_full) if batched else res[2]
     if want_idx:
         idx_o = res[-1].view(res[-1].shape[0], B, S_full, res[-1].shape[-1]) if batched else res[-1]
+    if perm is not None:
+        out_h = out_h.index_select(0, perm)
+        lse_h = lse_h.index_select(1, perm) if lse_h is not None else None
+        idx_o = idx_o.index_select(1, perm) if idx_o is not None else None
     ofields, ys, n_odiff = _out_fields(out_h, lse_h, idx_o, td)
     outs = _ToTokens.apply(plan, tuple(ofields), n_odiff, kl_h, *ys)
     kl, out = outs[0], outs[1]

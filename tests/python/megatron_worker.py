@@ -168,7 +168,8 @@ def distopt(use_distributed_optimizer, steps=30):
         losses.append(float(loss))
         fm.kl_metrics(reduce=False)
     after = {n: p.detach().float().cpu().clone() for n, p in proxy.items()}
-    return dict(losses=losses, before=before, after=after, optimizer=type(opt).__name__)
+    inner = [type(o).__name__ for o in getattr(opt, "chained_optimizers", [opt])]  # (get_megatron_optimizer chains)
+    return dict(losses=losses, before=before, after=after, optimizers=inner)
 
 
 def run(case, rank, P, tp, cp, out_dir):
@@ -182,6 +183,8 @@ def run(case, rank, P, tp, cp, out_dir):
         extra = dict(recompute_granularity="selective", recompute_modules=["core_attn"])
     elif case == "recompute_full":
         extra = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    elif case == "packed_heads":  # the heads scheme on Megatron's zigzag shards
+        extra = dict(msa_cp_scheme="heads")
     elif case == "share":  # IndexShare: layer 2 attends to layer 1's blocks (packed batches)
         extra = dict(msa_index_share=2)
     cfg = config(tp=tp, cp=cp, **extra)

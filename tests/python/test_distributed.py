@@ -158,6 +158,16 @@ def test_head_ranges_errors():
         fcp.head_ranges(16, 3, 4, 1, 2)
 
 
+def test_cuda_warmup_runs_the_heads_scheme():
+    """Warmup (dense) calls on CUDA run the heads scheme where P lines up with the heads (the CUDA backend takes
+    the tokens scheme's query segments in the sparse modes only), and are refused with the reason where not."""
+    for scheme in ("tokens", "hybrid"):
+        assert fcp._cuda_warmup_scheme(scheme, 64, 4, 4, 1, 2, None) == "heads"
+        assert fcp._cuda_warmup_scheme(scheme, 64, 4, 4, 1, 4, None) == "heads"
+        with pytest.raises(ValueError, match="warmup=True on CUDA runs the heads scheme .* over P = 8"):
+            fcp._cuda_warmup_scheme(scheme, 64, 4, 4, 1, 8, None)
+
+
 def test_shard_sizes():
     assert fcp.shard_sizes(10, 4) == [3, 3, 2, 2]
     assert fcp.shard_sizes(3, 4) == [1, 1, 1, 0]

@@ -108,8 +108,15 @@ class MSAConfig(TransformerConfig):
         if Hpk % tp and self.sequence_parallel:
             bad(f"msa_proxy_key_heads (Hpk) = {Hpk} is not a multiple of tensor_model_parallel_size = {tp}: its "
                 f"projection is replicated over the TP ranks, which sequence_parallel does not support")
-        if self.msa_cp_scheme not in ("tokens", "hybrid"):
-            bad(f"msa_cp_scheme: expected 'tokens' or 'hybrid', got {self.msa_cp_scheme!r}")
+        if self.msa_cp_scheme not in ("tokens", "heads", "hybrid"):
+            bad(f"msa_cp_scheme: expected 'tokens', 'heads' or 'hybrid', got {self.msa_cp_scheme!r}")
+        cp = self.context_parallel_size
+        if self.msa_cp_scheme == "heads" and cp > 1:
+            try:  # a TP rank's heads (a replicated proxy key projection keeps all Hpk) over the CP ranks
+                _cp.head_ranges(Hq // tp, Hkv // tp, Hp // tp, Hpk // tp if Hpk % tp == 0 else Hpk, cp)
+            except ValueError as e:
+                bad(f"msa_cp_scheme 'heads': the heads of a TP rank do not split over context_parallel_size = {cp} "
+                    f"({e}); use 'tokens' or 'hybrid'")
         if not self.msa_kl_coeff >= 0 or math.isinf(self.msa_kl_coeff):
             bad(f"msa_kl_coeff: expected a finite value >= 0, got {self.msa_kl_coeff!r}")
         if not isinstance(self.msa_index_share, int) or self.msa_index_share < 1:
@@ -261,6 +268,11 @@ class MSACoreAttention(MegatronModule):
             raise ValueError("flashmsa.integrations.megatron: MSACoreAttention needs qp and kp (build the layer "
                              "with get_msa_gpt_layer_spec: MSASelfAttention computes them)")
         cfg = self.config
+        # one dtype for the five inputs: under torch.autocast Megatron's projections and rotary embedding can hand
+        # over q, k, v and qp, kp in different dtypes (fp32 weights, bf16 compute); the autocast dtype, else q's
+        dev = query.device.type
+        dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else query.dtype
+        query, key, value, qp, kp = (None if x is None else x.to(dt) for x in (query, key, value, qp, kp))
         thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
         cp_group = self.pg_collection.cp
         cp = _size(cp_group)
