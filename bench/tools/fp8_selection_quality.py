@@ -33,10 +33,23 @@ E4M3_MAX = 448.0
 CONFIGS = {"m3": dict(Hq=64, Hkv=4, Hp=4, Hpk=1), "fmsa": dict(Hq=16, Hkv=2, Hp=4, Hpk=1)}  # bench/run_bench.py's
 
 
-def fp8_roundtrip(x: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D] -> e4m3 with a per-(token, head) scale amax / 448, back to fp32."""
+def fp8_roundtrip(x: torch.Tensor, group: str = "token") -> torch.Tensor:
+    """x [T, H, D] -> e4m3 with one scale amax / 448 per group, back to fp32. group: "token" (per token and head,
+    DeepGEMM's fp8_mqa_logits), "block" (per 128-token key block and head: a kernel multiplies the block's max logit by
+    it once, instead of every logit by its token's scale), "head" (one per head over the whole sequence)."""
     x = x.float()
-    scale = x.abs().amax(-1, keepdim=True).clamp_min(1e-12) / E4M3_MAX
+    T = x.shape[0]
+    if group == "token":
+        amax = x.abs().amax(-1, keepdim=True)
+    elif group == "block":
+        nb = (T + BLOCK - 1) // BLOCK
+        xp = torch.nn.functional.pad(x.abs(), (0, 0, 0, 0, 0, nb * BLOCK - T))
+        amax = xp.view(nb, BLOCK, *x.shape[1:]).amax(dim=(1, 3)).repeat_interleave(BLOCK, 0)[:T, :, None]
+    elif group == "head":
+        amax = x.abs().amax(dim=(0, 2), keepdim=True)
+    else:
+        raise ValueError(f"group: expected token, block or head, got {group!r}")
+    scale = amax.clamp_min(1e-12) / E4M3_MAX
     return (x / scale).to(torch.float8_e4m3fn).float() * scale
 
 
@@ -105,17 +118,22 @@ def mass_recall(q, k, sets, rows, Hp) -> float:
     return sum(vals) / len(vals)
 
 
-def measure(name, q, k, qp, kp, topk, n_rows, seed=0) -> dict:
+def measure(name, q, k, qp, kp, topk, n_rows, seed=0, kp_scales=("token",)) -> dict:
     T = qp.shape[0]
     Hp = qp.shape[1]
     ref = select(qp.float(), kp.float(), topk)
-    f8 = select(fp8_roundtrip(qp), fp8_roundtrip(kp), topk)
     g = torch.Generator().manual_seed(seed)
     rows = sorted(set(torch.randint(BLOCK * topk, T, (n_rows,), generator=g).tolist())) if T > BLOCK * topk else []
-    r = dict(inputs=name, tokens=T, topk=topk, **set_recall(f8, ref))
+    r = dict(inputs=name, tokens=T, topk=topk)
     if rows and q is not None:
         r["mass_recall_bf16"] = mass_recall(q, k, ref, rows, Hp)
-        r["mass_recall_fp8"] = mass_recall(q, k, f8, rows, Hp)
+    for group in kp_scales:  # qp: one scale per token (a row's factor does not change its ranking)
+        f8 = select(fp8_roundtrip(qp), fp8_roundtrip(kp, group), topk)
+        sr = set_recall(f8, ref)
+        sfx = "" if group == "token" else f"_kp_{group}"
+        r.update({k + sfx: v for k, v in sr.items()})
+        if rows and q is not None:
+            r["mass_recall_fp8" + sfx] = mass_recall(q, k, f8, rows, Hp)
     return r
 
 
@@ -128,6 +146,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, default=16, help="sampled rows of the mass recall")
     ap.add_argument("--trained", default=None, help="proxy_inputs_layer0_seq0.pt of examples/lm_long_context.py")
     ap.add_argument("--check", action="store_true", help="first compare this selection with flashmsa.msa_select")
+    ap.add_argument("--kp-scales", default="token",
+                    help="kp's scale groups to compare, of token,block,head (keys of a group other than token get a "
+                         "_kp_<group> suffix)")
     a = ap.parse_args(argv)
     import user_path as U
     cfg = CONFIGS[a.config]
@@ -140,15 +161,18 @@ def main(argv=None) -> int:
         print(f"check against flashmsa.msa_select at 1000 tokens: {'equal sets' if same else 'DIFFERENT'}")
         if not same:
             return 1
+    scales = [x for x in a.kp_scales.split(",") if x]
     res = []
     for pattern in [x for x in a.patterns.split(",") if x]:
         q, k, v, qp, kp, cu = U.make_inputs(cfg, a.seqlen, pattern, "cpu", dtype=torch.bfloat16, seed=0)
-        res.append(measure(f"{a.config} {pattern}", q.detach(), k.detach(), qp.detach(), kp.detach(), a.topk, a.rows))
+        res.append(measure(f"{a.config} {pattern}", q.detach(), k.detach(), qp.detach(), kp.detach(), a.topk, a.rows,
+                           kp_scales=scales))
         print(json.dumps(res[-1]), flush=True)
     if a.trained:
         d = torch.load(a.trained)
         topk = int(d.get("topk", a.topk))
-        res.append(measure("trained (examples/lm_long_context.py)", d["q"], d["k"], d["qp"], d["kp"], topk, a.rows))
+        res.append(measure("trained (examples/lm_long_context.py)", d["q"], d["k"], d["qp"], d["kp"], topk, a.rows,
+                           kp_scales=scales))
         print(json.dumps(res[-1]), flush=True)
     return 0
 

@@ -138,6 +138,9 @@ def distopt(use_distributed_optimizer, steps=30):
     from megatron.core import tensor_parallel
     from flashmsa.integrations import megatron as fm
     tensor_parallel.model_parallel_cuda_manual_seed(0)  # the same initial weights in every call
+    # deterministic kernels (flashmsa's deterministic backward among them): the two optimizers' curves then differ
+    # only by the optimizers' own arithmetic, not by the run-to-run bf16 noise of atomics amplified over 30 steps
+    torch.use_deterministic_algorithms(True, warn_only=True)
     cfg = config(hidden_size=256, kv_channels=128, bf16=True, params_dtype=torch.bfloat16,
                  pipeline_dtype=torch.bfloat16, use_cpu_initialization=False)
     m = Float16Module(cfg, model(cfg).cuda())

@@ -29,6 +29,8 @@ def _world(tmp, P, tp, cp, cases, device="cpu"):
     env = dict(os.environ, FLASHMSA_NUM_THREADS="1", OMP_NUM_THREADS="1")
     if device == "cpu":  # Megatron-Core's CPU path (cpu_support) where a GPU is present too
         env["CUDA_VISIBLE_DEVICES"] = ""
+    else:  # deterministic cuBLAS (the distributed-optimizer case runs deterministic algorithms)
+        env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     if "GLOO_SOCKET_IFNAME" not in env and pathlib.Path("/sys/class/net/lo").exists():
         env["GLOO_SOCKET_IFNAME"] = "lo"
     port = _port()
@@ -254,9 +256,9 @@ def test_kl_loss_scale(mcore):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="Megatron-Core's distributed optimizer needs CUDA")
 def test_distributed_optimizer_cuda(tmp_path):
     """Megatron's DistributedDataParallel + distributed optimizer (bf16 weights, fp32 main weights, one GPU: a data
-    parallel group of 1, the one this machine lends) trains the MSA model: 30 steps follow the curve of Megatron's
-    non-distributed bf16 optimizer to bf16 noise, the loss falls, and the proxy projections (trained by the kl alone)
-    move."""
+    parallel group of 1, the one this machine lends) trains the MSA model: with deterministic kernels, 30 steps follow
+    the curve of Megatron's non-distributed bf16 optimizer within 2%, the loss falls, and the proxy projections
+    (trained by the kl alone) move."""
     _world(tmp_path, 1, 1, 1, ["distopt_on", "distopt_off"], device="cuda")
     on, off = (torch.load(tmp_path / f"distopt_{k}-rank0.pt") for k in ("on", "off"))
     assert "DistributedOptimizer" in on["optimizers"] and "DistributedOptimizer" not in off["optimizers"], \
