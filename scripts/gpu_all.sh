@@ -39,6 +39,14 @@
 #   cp         context parallelism over NCCL on every GPU of the machine (needs 2 or more):
 #              tests/python/test_distributed.py::test_nccl_two_gpus_m3 for each token count in
 #              CP_LENGTHS (default "16384,9000,7384 65536,40000,25536": 32k and 128k tokens)
+#   long       the long-context table (bench/long_context.py: the README's step at 128k-1M, cuDNN to --dense-max),
+#              LONG_ARGS (default "--configs m3 --seqlens 1048576,524288,262144,131072 --dense-max 262144"),
+#              under $OUT/long
+#   megatron   Megatron-Core on the GPU: megatron-core's wheel (and packaging's) from .gpu_pack/ (pip download
+#              --no-deps --python-version 3.12 --only-binary=:all: megatron-core==0.16.1 packaging==24.2 -d .gpu_pack;
+#              the GPU machine has no index) installed into a folder on PYTHONPATH, the GPU tests of
+#              tests/python/test_megatron.py, then examples/megatron_gpt.py --preset h200 --index-share 2 (MG_ARGS
+#              replaces the last two), under $OUT/megatron
 # Binaries and libflashmsa.so are expected in .gpu/ (copied from build/, carried by the device call),
 # or packed by scripts/pack_gpu.sh into .gpu_pack/bins.tar.xz (carry .gpu_pack: several binaries
 # exceed the device tool's 64 MiB), which is unpacked into .gpu/ first.
@@ -237,5 +245,26 @@ if has cp; then
       tests/python/test_distributed.py -k "${CP_K:-nccl}" > "$OUT/cp-$n-${lens//,/_}.log" 2>&1; echo "cp rc=$?"
     grep -E "^rank|^P = 1|passed|failed|Error" "$OUT/cp-$n-${lens//,/_}.log" | tail -8
   done
+fi
+if has long; then
+  stamp "long context"
+  mkdir -p "$OUT/long"
+  FLASHMSA_BUILD_DIR=.gpu PYTHONUNBUFFERED=1 timeout ${LONG_S:-540} python3 bench/long_context.py --out "$OUT/long" \
+    ${LONG_ARGS:---configs m3 --seqlens 1048576,524288,262144,131072 --dense-max 262144} > "$OUT/long/log.txt" 2>&1
+  echo "long rc=$?"
+  grep -E '^\| [0-9]{4}-' "$OUT/long/long_context.md" 2>/dev/null | tail -8 || tail -5 "$OUT/long/log.txt"
+fi
+if has megatron; then
+  stamp "Megatron-Core"
+  mkdir -p "$OUT/megatron"; M=/tmp/flashmsa-megatron; rm -rf "$M"
+  python3 -m pip install --quiet --no-index --no-deps --target "$M" .gpu_pack/megatron_core-*.whl .gpu_pack/packaging-*.whl
+  echo "megatron-core install rc=$?"
+  PYTHONPATH="$M" FLASHMSA_BUILD_DIR=$PWD/.gpu timeout 200 python3 -m pytest -q -rs -s tests/python/test_megatron.py \
+    -k cuda > "$OUT/megatron/pytest.log" 2>&1; echo "pytest (Megatron, GPU) rc=$?"
+  grep -E "distributed optimizer|passed|failed|Error" "$OUT/megatron/pytest.log" | tail -5
+  PYTHONPATH="$M" FLASHMSA_BUILD_DIR=$PWD/.gpu PYTHONUNBUFFERED=1 timeout ${MG_S:-540} python3 examples/megatron_gpt.py \
+    --preset h200 --out "$OUT/megatron" ${MG_ARGS:---index-share 2} > "$OUT/megatron/log.txt" 2>&1
+  echo "example rc=$?"
+  grep -E "^\[|final|attention|IndexShare|Error" "$OUT/megatron/log.txt" | tail -30
 fi
 stamp "done"
