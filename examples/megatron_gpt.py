@@ -224,7 +224,34 @@ def train(kind, a, data, val, init, log):
             kl = fm.kl_metrics(reduce=False).get("msa_kl_loss")
             hist[-1].setdefault("kl", []).append(kl.tolist() if kl is not None else None)
     peak = torch.cuda.max_memory_allocated() / 1e9 if a.device == "cuda" else None
+    if a.profile:
+        profile_steps(m, opt, kind, a, data, gen, log)
     return m, hist, times, peak
+
+
+def profile_steps(m, opt, kind, a, data, gen, log, steps=3):
+    """--profile: `steps` more training steps of the final mode under torch.profiler; the ops by total device time
+    (CPU time on the CPU), top 30, to the log and to DIR/profile_<kind>.txt: where a step's time goes beside the
+    attention."""
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if a.device == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            x, y = (t.to(a.device) for t in lm.windows(data, a.batch, a.seqlen, gen))
+            fm.set_kl_loss_scale(m.config, 1)
+            loss = loss_of(m, x, y, a)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            if kind.startswith("msa"):
+                fm.kl_metrics(reduce=False)
+        lm.sync(torch.device(a.device))
+    table = prof.key_averages().table(sort_by="cuda_time_total" if a.device == "cuda" else "cpu_time_total",
+                                      row_limit=30)
+    log(f"[{kind}] profile of {steps} steps:\n{table}")
+    if a.out:
+        pathlib.Path(a.out).mkdir(parents=True, exist_ok=True)
+        (pathlib.Path(a.out) / f"profile_{kind}.txt").write_text(table)
 
 
 def median(xs):
@@ -237,6 +264,8 @@ def main(argv=None):
     ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
     ap.add_argument("--out", default=None)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile", action="store_true",
+                    help="after each run, 3 more steps under torch.profiler: the top ops to the log and DIR/profile_*.txt")
     ap.add_argument("--index-share", type=int, default=1,
                     help="> 1: a third run, MSA with IndexShare over groups of this many layers (msa_share)")
     for k, v in PRESETS["cpu"].items():
