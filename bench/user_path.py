@@ -105,7 +105,8 @@ def kernel_calls(inputs, topk, dout):
                   softmax_scale=0.0, proxy_scale=0.0,  # 0.0: the library's default scales
                   cu_seqlens_q=None, q_origin=None, max_seqlen_q=0)  # no query segments
     fa = A.args_tuple(A.FWD_ARGS, dict(shared, indices=None, numerics=L.NUMERICS_TRAIN, topk=topk, compute_kl=0,
-                                       want_indices=True, want_proxy_lse=True, validate=False, want_out_lo=False))
+                                       want_indices=True, want_proxy_lse=True, validate=False, want_out_lo=False,
+                                       selection=L.SELECTION_INPUT))
     o = dict(zip(A.FWD_OUTPUTS, K.fwd(*fa)))
     ba = A.args_tuple(A.BWD_ARGS, dict(shared, dout=dout, dlse=None, dkl=torch.ones_like(o["kl"]),
                                        indices=o["indices"], out=o["out"], lse=o["lse"], proxy_lse=o["proxy_lse"],

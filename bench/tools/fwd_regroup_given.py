@@ -86,7 +86,8 @@ def main():
             q, k, v, qp, kp, cu = (x.detach() for x in make_inputs(M3, T, pattern, args.device))
             shared = dict(q=q, k=k, v=v, qp=qp, kp=kp, cu_seqlens=cu, max_seqlen=T, softmax_scale=0.0,
                           proxy_scale=0.0, numerics=L.NUMERICS_TRAIN, topk=args.topk, compute_kl=0,
-                          want_proxy_lse=False, validate=args.device != "cuda", want_out_lo=False)
+                          want_proxy_lse=False, validate=args.device != "cuda", want_out_lo=False,
+                          cu_seqlens_q=None, q_origin=None, max_seqlen_q=0, selection=L.SELECTION_INPUT)
             sparse = A.args_tuple(A.FWD_ARGS, dict(shared, indices=None, mode=L.MODE_SPARSE, want_indices=True))
             idx = dict(zip(A.FWD_OUTPUTS, K.fwd(*sparse)))["indices"]
             t_sparse = timed(lambda: K.fwd(*sparse))

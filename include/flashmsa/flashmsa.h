@@ -92,6 +92,20 @@ typedef enum flashmsa_numerics {
   FLASHMSA_NUMERICS_INFER = 1
 } flashmsa_numerics_t;
 
+/* The precision the selection ranks blocks in (SPARSE mode and flashmsa_select). INPUT: the
+ * proxy logits of qp, kp as given. FP8: qp and kp quantised to e4m3 first (OCP E4M3FN, round to
+ * nearest even, saturating at 448), qp with one scale per (query row, proxy head), kp with one per
+ * (128-token key block, proxy key head): scale = amax / 448 in fp32 over the group's values (read
+ * as fp32), the stored value e4m3(x * (448 / amax)), dequantised as e4m3 value x scale; a group
+ * whose amax is 0 is all zeros, one with a non-finite value is all NaN. The blocks are ranked by
+ * the block max of the dequantised logits, as in INPUT. Only the ranking changes: proxy_lse, the
+ * kl and every gradient use the unquantised qp, kp over the selected blocks. The CPU backend runs
+ * it (the reference); the CUDA backend answers NOT_SUPPORTED so far. */
+typedef enum flashmsa_selection {
+  FLASHMSA_SELECTION_INPUT = 0,
+  FLASHMSA_SELECTION_FP8 = 1
+} flashmsa_selection_t;
+
 /* ---- selection ------------------------------------------------------------------------ */
 typedef struct flashmsa_select_args {
   flashmsa_tensor_t qp;          /* [total, Hp, Dp] or [B, S, Hp, Dp] */
@@ -103,6 +117,7 @@ typedef struct flashmsa_select_args {
   int64_t max_seqlen_q;           /* with cu_seqlens_q: >= every segment's length */
   int32_t topk;                  /* 1..FLASHMSA_MAX_TOPK, counts the local block */
   double proxy_scale;            /* 0 selects 1/sqrt(Dp); else finite, > 0 and <= FLASHMSA_MAX_SCALE */
+  flashmsa_selection_t selection; /* the ranking's precision (INPUT or FP8, above) */
   flashmsa_tensor_t indices;     /* out: [Hp, total, topk] int32 */
   flashmsa_tensor_t proxy_lse;   /* out, optional: [Hp, total] fp32 */
   flashmsa_tensor_t status;      /* optional status words (see "Metadata faults" below) */
@@ -122,6 +137,7 @@ typedef struct flashmsa_fwd_args {
   int64_t max_seqlen_q;           /* with cu_seqlens_q: >= every segment's length */
   flashmsa_mode_t mode;
   flashmsa_numerics_t numerics;
+  flashmsa_selection_t selection; /* SPARSE: the ranking's precision (INPUT or FP8, above); else ignored */
   int32_t topk;                  /* SPARSE: 1..64; GIVEN: taken from indices; DENSE: ignored */
   double softmax_scale;          /* 0 selects 1/sqrt(D); else finite, > 0 and <= FLASHMSA_MAX_SCALE */
   double proxy_scale;            /* 0 selects 1/sqrt(Dp); likewise */
@@ -187,8 +203,9 @@ typedef struct flashmsa_bwd_args {
  * segment length <= max_seqlen_q; 0 <= q_origin[s][0] < B and 0 <= q_origin[s][1] with
  * q_origin[s][1] + length(s) <= the length of key sequence q_origin[s][0]. The CPU backend checks
  * the values before it computes (INVALID_ARGUMENT); the CUDA backend checks them on the device like
- * cu_seqlens (FLASHMSA_FAULT_SEGMENTS, "Metadata faults" below) and runs segments in flashmsa_select and
- * flashmsa_fwd without the kl value (compute_kl and flashmsa_bwd: NOT_SUPPORTED so far). */
+ * cu_seqlens (FLASHMSA_FAULT_SEGMENTS, "Metadata faults" below) and runs segments in every call of
+ * the SPARSE and GIVEN modes (DENSE with segments: the forward without the kl value only, so far;
+ * the rest NOT_SUPPORTED). */
 
 /* Initialise an argument struct: every tensor absent, scales 0 (defaults), TRAIN numerics. */
 FLASHMSA_API void flashmsa_select_args_init(flashmsa_select_args_t* args);
@@ -265,7 +282,7 @@ FLASHMSA_API const char* flashmsa_version(void);
 
 /* ABI of this header: bindings compare it (and the struct sizes) with what they were written
  * against before their first call. Bumped whenever a struct or an enum changes. */
-#define FLASHMSA_ABI_VERSION 5
+#define FLASHMSA_ABI_VERSION 6
 typedef enum flashmsa_struct {
   FLASHMSA_STRUCT_TENSOR = 0,
   FLASHMSA_STRUCT_SELECT_ARGS = 1,
@@ -278,7 +295,7 @@ FLASHMSA_API size_t flashmsa_struct_size(flashmsa_struct_t which);
 /* The value this build gives a constant of this header, looked up by its name as spelled here
  * ("FLASHMSA_MODE_GIVEN", "FLASHMSA_MAX_TOPK", ...), so that bindings can compare every value
  * they mirror: each enumerator of flashmsa_status_t, flashmsa_dtype_t, flashmsa_device_type_t,
- * flashmsa_mode_t, flashmsa_numerics_t and flashmsa_struct_t, and each numeric macro
+ * flashmsa_mode_t, flashmsa_numerics_t, flashmsa_selection_t and flashmsa_struct_t, and each numeric macro
  * (FLASHMSA_VERSION_*, FLASHMSA_BLOCK_SIZE, FLASHMSA_MAX_TOPK, FLASHMSA_MAX_DIMS,
  * FLASHMSA_MAX_SCALE (an integral value, reported exactly), FLASHMSA_STATUS_WORDS,
  * FLASHMSA_FAULT_*, FLASHMSA_CHECK_*, FLASHMSA_ABI_VERSION). Returns 1 and writes *value (when

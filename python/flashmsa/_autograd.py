@@ -28,14 +28,14 @@ HAS_CUSTOM_OP = hasattr(torch.library, "custom_op") and hasattr(torch.library, "
 # reordering an argument in one place and not the others fails at import, naming the position.
 FWD_ARGS = ("q", "k", "v", "qp", "kp", "cu_seqlens", "indices", "max_seqlen", "mode", "numerics",
             "topk", "softmax_scale", "proxy_scale", "compute_kl", "want_indices", "want_proxy_lse",
-            "validate", "want_out_lo", "cu_seqlens_q", "q_origin", "max_seqlen_q")
+            "validate", "want_out_lo", "cu_seqlens_q", "q_origin", "max_seqlen_q", "selection")
 FWD_OUTPUTS = ("out", "lse", "indices", "proxy_lse", "kl", "out_lo")
 BWD_ARGS = ("dout", "dlse", "dkl", "q", "k", "v", "qp", "kp", "cu_seqlens", "indices", "out", "lse",
             "proxy_lse", "max_seqlen", "mode", "softmax_scale", "proxy_scale", "deterministic", "out_lo",
             "want_kl", "cu_seqlens_q", "q_origin", "max_seqlen_q")
 BWD_OUTPUTS = ("dq", "dk", "dv", "dqp", "dkp", "kl")
 SELECT_ARGS = ("qp", "kp", "cu_seqlens", "max_seqlen", "topk", "proxy_scale", "want_proxy_lse", "cu_seqlens_q",
-               "q_origin", "max_seqlen_q")
+               "q_origin", "max_seqlen_q", "selection")
 SELECT_OUTPUTS = ("indices", "proxy_lse")
 # what the forward saves for the backward, in save_for_backward order
 _SAVED = ("q", "k", "v", "qp", "kp", "cu_seqlens", "indices", "out", "lse", "proxy_lse", "out_lo", "cu_seqlens_q",
@@ -128,14 +128,14 @@ if HAS_CUSTOM_OP:
                cu_seqlens: Optional[Tensor], indices: Optional[Tensor], max_seqlen: int, mode: int,
                numerics: int, topk: int, softmax_scale: float, proxy_scale: float, compute_kl: int,
                want_indices: bool, want_proxy_lse: bool, validate: bool, want_out_lo: bool,
-               cu_seqlens_q: Optional[Tensor], q_origin: Optional[Tensor], max_seqlen_q: int
+               cu_seqlens_q: Optional[Tensor], q_origin: Optional[Tensor], max_seqlen_q: int, selection: int = 0
                ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
         return K.fwd(*args_tuple(FWD_ARGS, locals()))
 
     @fwd_op.register_fake
     def _fwd_fake(q, k, v, qp, kp, cu_seqlens, indices, max_seqlen, mode, numerics, topk, softmax_scale,
                   proxy_scale, compute_kl, want_indices, want_proxy_lse, validate, want_out_lo, cu_seqlens_q,
-                  q_origin, max_seqlen_q):
+                  q_origin, max_seqlen_q, selection=0):
         return K.fwd_outputs(q=q, qp=qp, indices=indices, mode=mode, topk=topk, want_indices=want_indices,
                              want_proxy_lse=want_proxy_lse, want_out_lo=want_out_lo)
 
@@ -156,12 +156,12 @@ if HAS_CUSTOM_OP:
     @torch.library.custom_op("flashmsa::select", mutates_args=())
     def select_op(qp: Tensor, kp: Tensor, cu_seqlens: Optional[Tensor], max_seqlen: int, topk: int,
                   proxy_scale: float, want_proxy_lse: bool, cu_seqlens_q: Optional[Tensor],
-                  q_origin: Optional[Tensor], max_seqlen_q: int) -> Tuple[Tensor, Tensor]:
+                  q_origin: Optional[Tensor], max_seqlen_q: int, selection: int = 0) -> Tuple[Tensor, Tensor]:
         return K.select(*args_tuple(SELECT_ARGS, locals()))
 
     @select_op.register_fake
     def _select_fake(qp, kp, cu_seqlens, max_seqlen, topk, proxy_scale, want_proxy_lse, cu_seqlens_q, q_origin,
-                     max_seqlen_q):
+                     max_seqlen_q, selection=0):
         return K.select_outputs(qp=qp, topk=topk, want_proxy_lse=want_proxy_lse)
 
     _FAKES = {"flashmsa::fwd": _fwd_fake, "flashmsa::bwd": _bwd_fake, "flashmsa::select": _select_fake}

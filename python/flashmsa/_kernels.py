@@ -81,11 +81,12 @@ NO_VALUE = float("nan")
 def fwd(q, k, v, qp, kp, cu_seqlens, indices, max_seqlen: int, mode: int, numerics: int, topk: int,
         softmax_scale: float, proxy_scale: float, compute_kl: int, want_indices: bool,
         want_proxy_lse: bool, validate: bool, want_out_lo: bool = False, cu_seqlens_q=None, q_origin=None,
-        max_seqlen_q: int = 0):
+        max_seqlen_q: int = 0, selection: int = 0):
     """flashmsa_fwd. compute_kl: one of the KL_* codes above (KL_FROM_BACKWARD: the library
     does not touch kl, which reads NaN). want_proxy_lse is a hint for the backward; want_out_lo
     asks for the output's low part (the backward's precise dpsum). cu_seqlens_q, q_origin,
-    max_seqlen_q: query segments (C header, "Query segments"), or None, None, 0."""
+    max_seqlen_q: query segments (C header, "Query segments"), or None, None, 0. selection: a
+    flashmsa_selection_t (SELECTION_INPUT or SELECTION_FP8)."""
     outs = fwd_outputs(q, qp, indices, mode, topk, want_indices, want_proxy_lse, want_out_lo)
     out, lse, idx, plse, kl, out_lo = outs
     a = L.new_args(L.FwdArgs)
@@ -94,6 +95,7 @@ def fwd(q, k, v, qp, kp, cu_seqlens, indices, max_seqlen: int, mode: int, numeri
     a.max_seqlen = max_seqlen
     _segments(a, cu_seqlens_q, q_origin, max_seqlen_q)
     a.mode, a.numerics, a.topk = mode, numerics, topk if mode == L.MODE_SPARSE else 0
+    a.selection = selection
     a.softmax_scale, a.proxy_scale = softmax_scale, proxy_scale
     a.validate = int(validate)
     a.indices = L.view(indices if mode == L.MODE_GIVEN else idx if idx.numel() else None)
@@ -214,12 +216,12 @@ def select_outputs(qp, topk, want_proxy_lse):
 
 
 def select(qp, kp, cu_seqlens, max_seqlen: int, topk: int, proxy_scale: float, want_proxy_lse: bool,
-           cu_seqlens_q=None, q_origin=None, max_seqlen_q: int = 0):
+           cu_seqlens_q=None, q_origin=None, max_seqlen_q: int = 0, selection: int = 0):
     outs = select_outputs(qp, topk, want_proxy_lse)
     idx, plse = outs
     a = L.new_args(L.SelectArgs)
     a.qp, a.kp, a.cu_seqlens = L.view(qp), L.view(kp), L.view(cu_seqlens)
-    a.max_seqlen, a.topk, a.proxy_scale = max_seqlen, topk, proxy_scale
+    a.max_seqlen, a.topk, a.proxy_scale, a.selection = max_seqlen, topk, proxy_scale, selection
     _segments(a, cu_seqlens_q, q_origin, max_seqlen_q)
     a.indices = L.view(idx)
     a.proxy_lse = L.view(plse if want_proxy_lse else None)

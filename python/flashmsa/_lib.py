@@ -31,6 +31,8 @@ DEVICE_CPU, DEVICE_CUDA = range(2)
 MODE_SPARSE, MODE_DENSE, MODE_GIVEN = range(3)
 # flashmsa_numerics_t
 NUMERICS_TRAIN, NUMERICS_INFER = range(2)
+# flashmsa_selection_t
+SELECTION_INPUT, SELECTION_FP8 = range(2)
 # flashmsa_struct_t
 STRUCT_TENSOR, STRUCT_SELECT_ARGS, STRUCT_FWD_ARGS, STRUCT_BWD_ARGS = range(4)
 
@@ -94,6 +96,7 @@ class SelectArgs(ctypes.Structure):
         ("max_seqlen_q", ctypes.c_int64),
         ("topk", ctypes.c_int32),
         ("proxy_scale", ctypes.c_double),
+        ("selection", ctypes.c_int),
         ("indices", Tensor),
         ("proxy_lse", Tensor),
         ("status", Tensor),
@@ -115,6 +118,7 @@ class FwdArgs(ctypes.Structure):
         ("max_seqlen_q", ctypes.c_int64),
         ("mode", ctypes.c_int),
         ("numerics", ctypes.c_int),
+        ("selection", ctypes.c_int),
         ("topk", ctypes.c_int32),
         ("softmax_scale", ctypes.c_double),
         ("proxy_scale", ctypes.c_double),
@@ -216,7 +220,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
-ABI_VERSION = 5  # FLASHMSA_ABI_VERSION of the header these structs mirror
+ABI_VERSION = 6  # FLASHMSA_ABI_VERSION of the header these structs mirror
 
 # Every constant of this module that mirrors flashmsa.h -> its name there. _check_abi compares each
 # with the library (tests/python/test_abi.py checks that no int constant of the module is missing).
@@ -227,6 +231,7 @@ ABI_CONSTANTS = {name: "FLASHMSA_" + name for name in (
     "DEVICE_CPU", "DEVICE_CUDA",
     "MODE_SPARSE", "MODE_DENSE", "MODE_GIVEN",
     "NUMERICS_TRAIN", "NUMERICS_INFER",
+    "SELECTION_INPUT", "SELECTION_FP8",
     "STRUCT_TENSOR", "STRUCT_SELECT_ARGS", "STRUCT_FWD_ARGS", "STRUCT_BWD_ARGS",
     "STATUS_WORDS", "CHECK_SYNC", "CHECK_RESET",
 )}

@@ -918,7 +918,7 @@ def msa_attention_cp(q: Tensor, k: Tensor, v: Tensor, qp: Optional[Tensor] = Non
                      compute_kl: Optional[bool] = None, return_lse: bool = False,
                      return_indices: bool = False, numerics: Optional[str] = None,
                      validate: bool = False, scheme: Optional[str] = None,
-                     layout: str = "contiguous", heads_size: Optional[int] = None):
+                     layout: str = "contiguous", heads_size: Optional[int] = None, fp8_selection: bool = False):
     """flashmsa.msa_attention with every per-token tensor sharded by tokens over the ranks of
     `group` (default: the world). Arguments and results as in msa_attention, except:
 
@@ -935,6 +935,8 @@ def msa_attention_cp(q: Tensor, k: Tensor, v: Tensor, qp: Optional[Tensor] = Non
       order: the causal work is the same on every rank; Megatron-Core's context-parallel layout).
 
     - no precise_dpsum (each rank's local msa_attention runs with the default).
+    - fp8_selection as in msa_attention: every scheme quantises kp over the whole key blocks (the tokens
+      schemes gather kp first), so the selection is the single-process one.
     - q, k, v, qp, kp: this rank's token shard ([T_r, H, D] varlen, [B, S_r, H, D] batched);
       cu_seqlens [B+1] and max_seqlen describe the FULL packed sequence (same on every rank).
     - shard_sizes: T_0..T_{P-1} (positions per sequence when batched); None: equal shards.
@@ -950,16 +952,18 @@ def msa_attention_cp(q: Tensor, k: Tensor, v: Tensor, qp: Optional[Tensor] = Non
     if rank < 0:
         raise ValueError(f"{_P}: group: this process is not a member of the group")
     kw = dict(warmup=warmup, softmax_scale=softmax_scale, proxy_scale=proxy_scale,
-              compute_kl=compute_kl, numerics=numerics, validate=validate)
+              compute_kl=compute_kl, numerics=numerics, validate=validate, fp8_selection=fp8_selection)
     if P == 1:
         return _ops.msa_attention(q, k, v, qp, kp, topk, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
                                   indices=indices, return_lse=return_lse,
                                   return_indices=return_indices, **kw)
     # the agreement check: always on gloo (cheap, CPU), opt-in (validate=True) elsewhere
     agree = validate is True or dist.get_backend(group) == "gloo"
-    options = dict(topk=topk, return_lse=return_lse, return_indices=return_indices, **kw)
+    options = dict(topk=topk, return_lse=return_lse, return_indices=return_indices,
+                   **{n: x for n, x in kw.items() if n != "fp8_selection"})
     tsizes = None
     try:
+        _ops._flag("fp8_selection", fp8_selection)
         plan, B, T_loc, Hp, scheme, tsizes = _prepare(q, k, v, qp, kp, cu_seqlens, indices, max_seqlen, warmup,
                                                       shard_sizes, options, validate is True, group, rank, P,
                                                       scheme, layout, heads_size)
@@ -972,7 +976,8 @@ def msa_attention_cp(q: Tensor, k: Tensor, v: Tensor, qp: Optional[Tensor] = Non
         dev = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
         sig = _signature(q, k, v, qp, kp, indices, cu_seqlens, max_seqlen, topk, warmup, return_lse,
                          return_indices, shard_sizes, tsizes, P)
-        sig.update(scheme=_SCHEMES.index(scheme) if scheme in _SCHEMES else -2,
+        sig.update(fp8_selection=int(fp8_selection) if isinstance(fp8_selection, bool) else -1,
+                   scheme=_SCHEMES.index(scheme) if scheme in _SCHEMES else -2,
                    layout=_LAYOUTS.index(layout) if layout in _LAYOUTS else -2,
                    heads_size=int(heads_size) if isinstance(heads_size, numbers.Integral) else -1)
         _check_agreement(sig, error, group, dev, P)

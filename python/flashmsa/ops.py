@@ -253,7 +253,7 @@ def msa_attention(q: Tensor, k: Tensor, v: Tensor, qp: Optional[Tensor] = None,
                   return_indices: bool = False, numerics: Optional[str] = None,
                   precise_dpsum: bool = False, validate: bool = False,
                   cu_seqlens_q: Optional[Tensor] = None, q_origin: Optional[Tensor] = None,
-                  max_seqlen_q: Optional[int] = None):
+                  max_seqlen_q: Optional[int] = None, fp8_selection: bool = False):
     """MiniMax Sparse Attention: proxy selection of topk 128-token blocks, then causal GQA
     attention over them, plus the proxy's KL term.
 
@@ -292,6 +292,11 @@ def msa_attention(q: Tensor, k: Tensor, v: Tensor, qp: Optional[Tensor] = None,
     queries; kl is their mean (N = Hp x the query rows). max_seqlen_q: the longest segment (None:
     read from cu_seqlens_q).
 
+    fp8_selection: the sparse mode ranks the blocks on e4m3 copies of qp (one scale per token and
+    head) and kp (one per 128-token block and head); the proxy lse, the kl and every gradient still
+    use qp, kp as given (C header, flashmsa_selection_t). CPU backend only so far (the reference of
+    the coming CUDA kernel); ignored in the warmup and given modes.
+
     Returns (out, kl), then lse [Hq, total] fp32 if return_lse (differentiable), then indices
     [Hp, total, topk] int32 if return_indices (None in warmup mode).
     """
@@ -299,18 +304,20 @@ def msa_attention(q: Tensor, k: Tensor, v: Tensor, qp: Optional[Tensor] = None,
                       indices=indices, softmax_scale=softmax_scale, proxy_scale=proxy_scale,
                       compute_kl=compute_kl, return_lse=return_lse, return_indices=return_indices,
                       numerics=numerics, precise_dpsum=precise_dpsum, validate=validate, kl_from_backward=True,
-                      cu_seqlens_q=cu_seqlens_q, q_origin=q_origin, max_seqlen_q=max_seqlen_q)
+                      cu_seqlens_q=cu_seqlens_q, q_origin=q_origin, max_seqlen_q=max_seqlen_q,
+                      fp8_selection=fp8_selection)
 
 
 def _attention(q, k, v, qp, kp, topk, *, cu_seqlens, max_seqlen, warmup, indices, softmax_scale, proxy_scale,
                compute_kl, return_lse, return_indices, numerics, precise_dpsum, validate, kl_from_backward,
-               cu_seqlens_q=None, q_origin=None, max_seqlen_q=None):
+               cu_seqlens_q=None, q_origin=None, max_seqlen_q=None, fp8_selection=False):
     """msa_attention with the choice of where the default kl value comes from: kl_from_backward
     (msa_attention) or the forward (flashmsa.distributed, whose kl is a cross-rank mean)."""
     _check_inputs(q, k, v, qp, kp, cu_seqlens, indices)
     topk, sm_scale, px_scale, num = _check_options(topk, warmup, softmax_scale, proxy_scale, compute_kl,
                                                    return_lse, return_indices, numerics, validate,
                                                    precise_dpsum)
+    _flag("fp8_selection", fp8_selection)
     has_proxy = qp is not None
     if warmup and indices is not None:
         raise ValueError("flashmsa: indices: must be None with warmup=True (dense mode selects nothing)")
@@ -334,7 +341,7 @@ def _attention(q, k, v, qp, kp, topk, *, cu_seqlens, max_seqlen, warmup, indices
         numerics=num, topk=topk, softmax_scale=sm_scale, proxy_scale=px_scale, compute_kl=kl_mode,
         want_indices=return_indices or grad, want_proxy_lse=grad and has_proxy, validate=validate,
         want_out_lo=precise_dpsum and grad, cu_seqlens_q=cu_seqlens_q, q_origin=q_origin,
-        max_seqlen_q=max_seqlen_q))
+        max_seqlen_q=max_seqlen_q, selection=L.SELECTION_FP8 if fp8_selection else L.SELECTION_INPUT))
     result = [out, kl]
     if return_lse:
         result.append(lse)
@@ -346,11 +353,12 @@ def _attention(q, k, v, qp, kp, topk, *, cu_seqlens, max_seqlen, warmup, indices
 def msa_select(qp: Tensor, kp: Tensor, topk: int = 16, *, cu_seqlens: Optional[Tensor] = None,
                max_seqlen: Optional[int] = None, proxy_scale: Optional[float] = None,
                return_proxy_lse: bool = False, cu_seqlens_q: Optional[Tensor] = None,
-               q_origin: Optional[Tensor] = None, max_seqlen_q: Optional[int] = None):
+               q_origin: Optional[Tensor] = None, max_seqlen_q: Optional[int] = None,
+               fp8_selection: bool = False):
     """The selection alone: indices [Hp, total, topk] int32 (slots 0..n-2 the chosen blocks by
     descending score, slot n-1 the query's own block, -1 padding), and proxy_lse [Hp, total]
     fp32 (the proxy's log-normaliser over the selected keys) if return_proxy_lse. Query segments
-    (cu_seqlens_q, q_origin, max_seqlen_q) as in msa_attention."""
+    (cu_seqlens_q, q_origin, max_seqlen_q) and fp8_selection as in msa_attention."""
     _tensor("qp", qp)
     _tensor("kp", kp)
     _tensor("cu_seqlens", cu_seqlens, optional=True)
@@ -366,9 +374,11 @@ def msa_select(qp: Tensor, kp: Tensor, topk: int = 16, *, cu_seqlens: Optional[T
     topk = _int("topk", topk, 1, L.MAX_TOPK)
     px_scale = _scale("proxy_scale", proxy_scale)
     _flag("return_proxy_lse", return_proxy_lse)
+    _flag("fp8_selection", fp8_selection)
     max_seqlen = _max_seqlen(qp, cu_seqlens, max_seqlen)
     max_seqlen_q = _segments(qp, cu_seqlens, cu_seqlens_q, q_origin, max_seqlen_q)
     idx, plse = A.select_op(*A.select_args(qp=qp, kp=kp, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, topk=topk,
                                            proxy_scale=px_scale, want_proxy_lse=return_proxy_lse,
-                                           cu_seqlens_q=cu_seqlens_q, q_origin=q_origin, max_seqlen_q=max_seqlen_q))
+                                           cu_seqlens_q=cu_seqlens_q, q_origin=q_origin, max_seqlen_q=max_seqlen_q,
+                                           selection=L.SELECTION_FP8 if fp8_selection else L.SELECTION_INPUT))
     return (idx, plse) if return_proxy_lse else idx

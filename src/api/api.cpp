@@ -349,6 +349,9 @@ int flashmsa_abi_constant(const char* name, int64_t* value) {
       // flashmsa_numerics_t
       FLASHMSA_CONSTANT(FLASHMSA_NUMERICS_TRAIN),
       FLASHMSA_CONSTANT(FLASHMSA_NUMERICS_INFER),
+      // flashmsa_selection_t
+      FLASHMSA_CONSTANT(FLASHMSA_SELECTION_INPUT),
+      FLASHMSA_CONSTANT(FLASHMSA_SELECTION_FP8),
       // metadata faults
       FLASHMSA_CONSTANT(FLASHMSA_STATUS_WORDS),
       FLASHMSA_CONSTANT(FLASHMSA_FAULT_FIRST_NOT_ZERO),

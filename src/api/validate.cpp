@@ -294,6 +294,12 @@ struct V {
                        std::to_string(g.Hpk) + ")");
   }
 
+  // flashmsa_selection_t: true for FP8
+  bool selection(flashmsa_selection_t sel) const {
+    if (sel != FLASHMSA_SELECTION_INPUT && sel != FLASHMSA_SELECTION_FP8)
+      bad("selection", "expected FLASHMSA_SELECTION_INPUT (0) or FP8 (1), got " + std::to_string(int(sel)));
+    return sel == FLASHMSA_SELECTION_FP8;
+  }
   void topk_range(const std::string& name, int64_t topk) const {
     if (topk < 1 || topk > FLASHMSA_MAX_TOPK)
       bad(name, "expected 1 <= topk <= " + std::to_string(FLASHMSA_MAX_TOPK) + ", got " +
@@ -411,6 +417,7 @@ Geometry validate_select(const flashmsa_select_args_t& a) {
   v.topk_range("topk", a.topk);
   v.g.topk = a.topk;
   v.g.proxy_scale = v.resolve_scale("proxy_scale", a.proxy_scale, v.g.Dp);
+  v.g.fp8_selection = v.selection(a.selection);
   v.heads("indices", a.indices, v.g.Hp, v.g.topk);
   v.dtype_is("indices", a.indices, FLASHMSA_DTYPE_INT32, "block ids");
   if (present(a.proxy_lse)) {
@@ -427,6 +434,7 @@ Geometry validate_fwd(const flashmsa_fwd_args_t& a) {
   if (a.numerics != FLASHMSA_NUMERICS_TRAIN && a.numerics != FLASHMSA_NUMERICS_INFER)
     v.bad("numerics", "expected FLASHMSA_NUMERICS_TRAIN (0) or INFER (1), got " +
                           std::to_string(int(a.numerics)));
+  v.g.fp8_selection = v.selection(a.selection) && a.mode == FLASHMSA_MODE_SPARSE;  // only SPARSE selects
   v.main_inputs(a.q, a.k, a.v, a.qp, a.kp);
   v.seqlens(a.cu_seqlens, a.max_seqlen);
   v.segments(a.cu_seqlens_q, a.q_origin, a.max_seqlen_q);

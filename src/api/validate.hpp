@@ -58,6 +58,7 @@ struct Geometry {
   int topk = 0;
   double scale = 0, proxy_scale = 0;  // resolved
   bool has_proxy = false;
+  bool fp8_selection = false;  // the selection ranks in e4m3 (flashmsa_selection_t FP8; SPARSE / select only)
   flashmsa_dtype_t dtype = FLASHMSA_DTYPE_BF16;
   flashmsa_device_type_t device = FLASHMSA_DEVICE_CPU;
   int device_id = 0;

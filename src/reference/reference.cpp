@@ -166,6 +166,77 @@ void key_set(const Problem& pb, const int32_t* indices, int p, int64_t t,
   }
 }
 
+double round_e4m3(float x) {
+  if (std::isnan(x)) return std::numeric_limits<double>::quiet_NaN();
+  const double a = std::fabs(double(x));
+  // 448 is the largest value; from the tie with the next binade step (464) up, RNE would leave the format
+  if (a >= 464.0) return std::copysign(448.0, double(x));
+  if (a == 0.0) return std::copysign(0.0, double(x));
+  int e = 0;
+  std::frexp(a, &e);                 // a in [2^(e-1), 2^e)
+  const int E = std::max(e - 1, -6);  // subnormals keep the smallest normal binade's quantum, 2^-9
+  const double quantum = std::ldexp(1.0, E - 3);
+  return std::copysign(std::nearbyint(a / quantum) * quantum, double(x));  // round to nearest, ties to even
+}
+
+namespace {
+// One fp8 group: values v[i * stride] for i < n, quantised and dequantised in place.
+void fp8_group(double* v, int64_t n, int64_t stride) {
+  float amax = 0.f;
+  bool finite = true;
+  for (int64_t i = 0; i < n; ++i) {
+    const float f = float(v[i * stride]);
+    finite = finite && std::isfinite(f);
+    amax = std::max(amax, std::fabs(f));
+  }
+  if (!finite) {
+    for (int64_t i = 0; i < n; ++i) v[i * stride] = std::numeric_limits<double>::quiet_NaN();
+    return;
+  }
+  if (amax == 0.f) return;
+  const float inv = 448.f / amax, scale = amax / 448.f;
+  for (int64_t i = 0; i < n; ++i) v[i * stride] = round_e4m3(float(v[i * stride]) * inv) * double(scale);
+}
+}  // namespace
+
+void quantize_fp8_selection(const Problem& pb, std::vector<double>& qp, std::vector<double>& kp) {
+  const int Dp = pb.Dp;
+  for (int64_t t = 0; t < pb.total; ++t)  // qp: one group per (row, head)
+    for (int p = 0; p < pb.Hp; ++p) fp8_group(qp.data() + (t * pb.Hp + p) * Dp, Dp, 1);
+  // kp: one group per (key block of its sequence, head): the block's rows x Dp
+  for (size_t b = 0; b + 1 < pb.cu.size(); ++b)
+    for (int64_t lo = pb.cu[b]; lo < pb.cu[b + 1]; lo += kBlock) {
+      const int64_t rows = std::min<int64_t>(kBlock, pb.cu[b + 1] - lo);
+      for (int c = 0; c < pb.Hpk; ++c) {
+        std::vector<double> g(size_t(rows) * Dp);
+        for (int64_t r = 0; r < rows; ++r)
+          for (int d = 0; d < Dp; ++d) g[size_t(r * Dp + d)] = kp[size_t(((lo + r) * pb.Hpk + c) * Dp + d)];
+        fp8_group(g.data(), int64_t(g.size()), 1);
+        for (int64_t r = 0; r < rows; ++r)
+          for (int d = 0; d < Dp; ++d) kp[size_t(((lo + r) * pb.Hpk + c) * Dp + d)] = g[size_t(r * Dp + d)];
+      }
+    }
+}
+
+void proxy_lse_of(const Problem& pb, const double* qp, const double* kp, const int32_t* indices, double* out) {
+  const int64_t n = int64_t(pb.Hp) * pb.total;
+  const int T = threads_for(n);
+  parallel_for(n, T, [&](int64_t first, int64_t, int) {
+    std::vector<int64_t> keys;
+    std::vector<double> z;
+    for_items(first, n, T, [&](int64_t r) {
+      const int p = int(r / pb.total);
+      const int64_t t = r % pb.total;
+      key_set(pb, indices, p, t, keys);
+      const double* qrow = qp + (t * pb.Hp + p) * pb.Dp;
+      const int c = pb.pk_of(p);
+      z.resize(keys.size());
+      for (size_t j = 0; j < keys.size(); ++j) z[j] = pb.proxy_scale * dot(qrow, kp + (keys[j] * pb.Hpk + c) * pb.Dp, pb.Dp);
+      out[r] = logsumexp(z, z.size());
+    });
+  });
+}
+
 void select(const Problem& pb, const double* qp, const double* kp, int32_t* indices,
             double* proxy_lse) {
   const int64_t n = int64_t(pb.Hp) * pb.total;

@@ -63,6 +63,18 @@ void parallel_for(int64_t n, int T, const std::function<void(int64_t, int64_t, i
 void select(const Problem& pb, const double* qp, const double* kp, int32_t* indices,
             double* proxy_lse);
 
+// The OCP E4M3FN value nearest to x (ties to the even code), saturating at +-448; NaN stays NaN.
+double round_e4m3(float x);
+
+// flashmsa_selection_t FP8 (flashmsa.h): qp [total][Hp][Dp] and kp [total_k][Hpk][Dp] replaced in place by their
+// dequantised e4m3 values, qp with one scale per (row, head), kp with one per (128-token key block of its sequence,
+// head): scale = amax / 448 in fp32 of the group's values read as fp32, the stored value e4m3(x * (448 / amax));
+// a group whose amax is 0 stays 0, one with a non-finite value becomes NaN.
+void quantize_fp8_selection(const Problem& pb, std::vector<double>& qp, std::vector<double>& kp);
+
+// proxy_lse [Hp][total]: the proxy's log-normaliser over the key sets of `indices` (-inf for an empty set).
+void proxy_lse_of(const Problem& pb, const double* qp, const double* kp, const int32_t* indices, double* out);
+
 // The key set U_p(t) of query row t for proxy head p, as key rows in slot order
 // (SPARSE / GIVEN) or ascending (DENSE). Empty slots and keys after t are left out.
 void key_set(const Problem& pb, const int32_t* indices, int p, int64_t t,

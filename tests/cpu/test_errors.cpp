@@ -240,6 +240,10 @@ std::vector<ErrorCase> error_cases() {
       {"FwdTopk65", E::Fwd, [](ValidCall& s) { s.fa.topk = 65; }, {"topk", "got 65"}},
       {"FwdModeUnknown", E::Fwd, [](ValidCall& s) { s.fa.mode = flashmsa_mode_t(7); }, {"mode", "got 7"}},
       {"FwdNumericsUnknown", E::Fwd, [](ValidCall& s) { s.fa.numerics = flashmsa_numerics_t(3); }, {"numerics", "got 3"}},
+      {"FwdSelectionUnknown", E::Fwd, [](ValidCall& s) { s.fa.selection = flashmsa_selection_t(2); },
+       {"selection", "got 2"}},
+      {"SelectSelectionUnknown", E::Select, [](ValidCall& s) { s.sa.selection = flashmsa_selection_t(-1); },
+       {"selection", "got -1"}},
       // ---- flashmsa_fwd: sequences
       {"FwdCuNotInt32", E::Fwd, [](ValidCall& s) { s.fa.cu_seqlens = s.make_values(F32, {4}, {0, 100, 100, 300}); },
        {"cu_seqlens", "int32", "got fp32"}},

@@ -89,6 +89,11 @@ CASES = {
                                    worlds=(3, 4), error=("ValueError", "the ranks' token shards do not add up")),
     "err_heads_p_divides_nothing": dict(heads=M3LIKE, lengths=[129], mode="sparse", shards="balanced", scheme="heads",
                                         worlds=(3,), error=("ValueError", "is not divisible by the context-parallel size")),
+    # the fp8 selection: kp quantised over whole key blocks on every rank (the single-process selection)
+    "tok_fp8": dict(heads=M3LIKE, lengths=[300, 129, 0, 260, 5], mode="sparse", shards="balanced", scheme="tokens",
+                    layout="zigzag", fp8=True),
+    "heads_fp8": dict(heads=M3LIKE, lengths=[300, 1, 0, 129, 127, 215], mode="sparse", shards="balanced",
+                      scheme="heads", fp8=True),
     # the heads scheme on Megatron's zigzag shards: rows put in sequence order after the all-to-all (and back)
     "heads_zigzag": dict(heads=M3LIKE, lengths=[300, 129, 0, 260, 5], mode="sparse", shards="balanced",
                          scheme="heads", layout="zigzag"),
@@ -148,6 +153,8 @@ def run_case(name, case, rank, P, device="cpu"):
         rows = [fcp.zigzag_rows(x["cu_seqlens"], P, r).to(device) for r in range(P)]
         sizes = [len(r_) for r_ in rows]
     kw = dict(warmup=case["mode"] == "warmup", return_lse=True, return_indices=True, **seq)
+    if case.get("fp8"):
+        kw["fp8_selection"] = True
     given = None
     if case["mode"] == "given":
         given = flashmsa.msa_select(full["qp"].detach(), full["kp"].detach(), TOPK, **seq)

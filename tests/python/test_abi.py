@@ -159,9 +159,9 @@ def test_reordered_fake_is_caught(monkeypatch):
 
 
 def test_args_tuple():
-    seg = dict(cu_seqlens_q=None, q_origin=None, max_seqlen_q=0)
+    seg = dict(cu_seqlens_q=None, q_origin=None, max_seqlen_q=0, selection=1)
     assert A.select_args(want_proxy_lse=True, topk=3, qp="a", kp="b", cu_seqlens=None, max_seqlen=7,
-                         proxy_scale=0.5, **seg) == ("a", "b", None, 7, 3, 0.5, True, None, None, 0)
+                         proxy_scale=0.5, **seg) == ("a", "b", None, 7, 3, 0.5, True, None, None, 0, 1)
     with pytest.raises(TypeError, match=r"missing \['want_proxy_lse'\], unknown \['want_lse'\]"):
         A.select_args(want_lse=True, topk=3, qp="a", kp="b", cu_seqlens=None, max_seqlen=7, proxy_scale=0.5, **seg)
 
@@ -185,14 +185,15 @@ def test_msa_attention_passes_each_option_in_its_place(monkeypatch):
     x = make_inputs(lengths=[300, 7], D=8, Dp=8, seed=31)
     q, k, v, qp, kp, cu = (x[n] for n in ("q", "k", "v", "qp", "kp", "cu_seqlens"))
     flashmsa.msa_attention(q, k, v, qp, kp, 3, cu_seqlens=cu, max_seqlen=300, softmax_scale=0.5,
-                           proxy_scale=0.25, compute_kl=True, numerics="infer", validate=True, precise_dpsum=True)
+                           proxy_scale=0.25, compute_kl=True, numerics="infer", validate=True, precise_dpsum=True,
+                           fp8_selection=True)
     a = calls.pop()
     assert all(a[n] is t for n, t in (("q", q), ("k", k), ("v", v), ("qp", qp), ("kp", kp), ("cu_seqlens", cu)))
     assert a["indices"] is None
     assert {n: a[n] for n in A.FWD_ARGS[7:]} == dict(
         max_seqlen=300, mode=L.MODE_SPARSE, numerics=L.NUMERICS_INFER, topk=3, softmax_scale=0.5,
         proxy_scale=0.25, compute_kl=1, want_indices=False, want_proxy_lse=False, validate=True,
-        want_out_lo=False, cu_seqlens_q=None, q_origin=None, max_seqlen_q=0)
+        want_out_lo=False, cu_seqlens_q=None, q_origin=None, max_seqlen_q=0, selection=L.SELECTION_FP8)
     # training (grad): indices, proxy_lse and out_lo wanted; given indices
     idx = flashmsa.msa_select(qp, kp, 3, cu_seqlens=cu, max_seqlen=300)
     qg = q.clone().requires_grad_()
@@ -203,7 +204,7 @@ def test_msa_attention_passes_each_option_in_its_place(monkeypatch):
     assert {n: a[n] for n in A.FWD_ARGS[7:]} == dict(
         max_seqlen=300, mode=L.MODE_GIVEN, numerics=L.NUMERICS_TRAIN, topk=3, softmax_scale=0.0,
         proxy_scale=0.0, compute_kl=0, want_indices=True, want_proxy_lse=True, validate=False,
-        want_out_lo=True, cu_seqlens_q=None, q_origin=None, max_seqlen_q=0)
+        want_out_lo=True, cu_seqlens_q=None, q_origin=None, max_seqlen_q=0, selection=L.SELECTION_INPUT)
     flashmsa.msa_attention(q, k, v, None, None, 3, cu_seqlens=cu, max_seqlen=300, warmup=True)
     a = calls.pop()
     assert (a["mode"], a["qp"], a["kp"], a["compute_kl"]) == (L.MODE_DENSE, None, None, 0)
@@ -213,10 +214,11 @@ def test_msa_select_passes_each_option_in_its_place(monkeypatch):
     calls = _spy(monkeypatch, "select_op", A.SELECT_ARGS)
     x = make_inputs(lengths=[300, 7], D=8, Dp=8, seed=32)
     flashmsa.msa_select(x["qp"], x["kp"], 3, cu_seqlens=x["cu_seqlens"], max_seqlen=300, proxy_scale=0.25,
-                        return_proxy_lse=True)
+                        return_proxy_lse=True, fp8_selection=True)
     a = calls.pop()
     assert a["qp"] is x["qp"] and a["kp"] is x["kp"] and a["cu_seqlens"] is x["cu_seqlens"]
-    assert (a["max_seqlen"], a["topk"], a["proxy_scale"], a["want_proxy_lse"]) == (300, 3, 0.25, True)
+    assert (a["max_seqlen"], a["topk"], a["proxy_scale"], a["want_proxy_lse"], a["selection"]) == \
+        (300, 3, 0.25, True, L.SELECTION_FP8)
 
 
 def test_backward_binds_by_name(monkeypatch):
