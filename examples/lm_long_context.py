@@ -364,7 +364,7 @@ def train(kind, a, train_data, val_batches, init, device, log):
     return model, hist, train_s, phase_s
 
 
-def plot(runs, a, path: pathlib.Path) -> pathlib.Path:
+def plot(runs, a, path: pathlib.Path, kl_title: str = "proxy kl (validation)") -> pathlib.Path:
     """Validation loss of both runs in one panel, kl and recall of the MSA run in two more
     (without matplotlib: a small built-in PNG writer, MSA blue, dense orange)."""
     msa, dense = runs["msa"]["curve"], runs["dense"]["curve"]
@@ -385,7 +385,7 @@ def plot(runs, a, path: pathlib.Path) -> pathlib.Path:
     ax[0].set_title("validation loss (nats/byte)", fontsize=10)
     ax[0].legend()
     ax[1].plot([h["step"] for h in msa], [h["kl"] for h in msa], marker=".")
-    ax[1].set_title("proxy kl (validation)", fontsize=10)
+    ax[1].set_title(kl_title, fontsize=10)
     ax[2].plot([h["step"] for h in msa], [h["recall"] for h in msa], marker=".")
     ax[2].set_title("attention-mass recall of the selection", fontsize=10)
     ax[2].set_ylim(0, 1.02)

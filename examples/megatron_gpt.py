@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
 import pathlib
 import sys
@@ -179,11 +180,12 @@ def plot(runs, a, path):
         for h in runs[kind]["history"]:  # the kl of the training step right after each evaluation (the last: before)
             kls = [x for x in h.get("kl") or [] if x]
             last = sum(kls[0]) / len(kls[0]) if kls else last
-            pts.append(dict(val_loss=h["val_loss"], step=h["step"], recall=h.get("recall") or 0.0, kl=last))
+            fin = lambda x: x if x is not None and math.isfinite(x) else 0.0  # noqa: E731 (the PNG writer needs numbers)
+            pts.append(dict(val_loss=fin(h["val_loss"]), step=h["step"], recall=fin(h.get("recall")), kl=fin(last)))
         curves[kind] = {"curve": pts}
     ns = types.SimpleNamespace(warmup_steps=a.warmup_steps, layers=a.layers, seqlen=a.seqlen, heads=a.heads,
                                kv_heads=a.groups, proxy_heads=a.proxy_heads, head_dim=a.head_dim, topk=a.topk)
-    return lm.plot(curves, ns, path)
+    return lm.plot(curves, ns, path, kl_title="proxy kl (training step, mean over layers)")
 
 
 def train(kind, a, data, val, init, log):

@@ -869,8 +869,6 @@ def _prepare(q, k, v, qp, kp, cu_seqlens, indices, max_seqlen, warmup, shard_siz
             scheme = "heads"
         except ValueError:
             scheme = "tokens"
-    if warmup and q.is_cuda and scheme in ("tokens", "hybrid"):
-        scheme = _cuda_warmup_scheme(scheme, Hq, Hkv, Hp, Hpk, P, heads_size)
     if layout == "zigzag" and batched:
         raise ValueError(f"{_P}: layout: 'zigzag' needs varlen inputs ([T, H, D] with cu_seqlens), got batched "
                          f"inputs")
@@ -884,21 +882,26 @@ def _prepare(q, k, v, qp, kp, cu_seqlens, indices, max_seqlen, warmup, shard_siz
             raise ValueError(f"{_P}: shard_sizes: with layout='zigzag' rank r holds chunks r and 2P-1-r of "
                              f"every sequence, {want} tokens per rank for these cu_seqlens, but the shards "
                              f"hold {tsizes}")
+    if scheme == "hybrid":
+        Ph = _heads_size(Hq, Hkv, Hp, Hpk, P, heads_size)  # (checked whatever runs: the same errors in every mode)
+    scheme = _run_scheme(scheme, warmup, q.device.type, Hq, Hkv, Hp, Hpk, P)
     if scheme == "tokens":
         return None, B, T_loc, Hp, scheme, tsizes
     if scheme == "hybrid":
-        return _heads_size(Hq, Hkv, Hp, Hpk, P, heads_size), B, T_loc, Hp, scheme, tsizes
+        return Ph, B, T_loc, Hp, scheme, tsizes
     ranges = head_ranges(Hq, Hkv, Hp, Hpk, P)
     full = {"q": Hq, "kv": Hkv, "qp": Hp, "kp": Hpk}
     plan = _Plan(group, rank, P, tsizes, ranges, full, q.device)
     return plan, B, T_loc, Hp, scheme, tsizes
 
 
-def _cuda_warmup_scheme(scheme: str, Hq: int, Hkv: int, Hp, Hpk, P: int, heads_size) -> str:
-    """The scheme a warmup (dense) call on CUDA runs: the tokens scheme's query segments (and the hybrid scheme's,
-    which has a tokens part) are not yet taken by the CUDA backend in DENSE mode (its backward takes segments in the
-    sparse modes), so such a call runs the heads scheme where P lines up with the head counts (the same results: each
-    rank the whole sequence for its MSA groups) and is refused, with the reason, where it does not."""
+def _run_scheme(scheme: str, warmup: bool, device_type: str, Hq: int, Hkv: int, Hp, Hpk, P: int) -> str:
+    """The scheme a call runs: the asked one, except a warmup (dense) call on CUDA with the tokens or hybrid scheme,
+    whose query segments the CUDA backend takes in the sparse modes only so far: it runs the heads scheme where P
+    lines up with the head counts (the same results: each rank the whole sequence for its MSA groups) and is
+    refused, with the reason, where it does not."""
+    if not (warmup and device_type == "cuda" and scheme in ("tokens", "hybrid")):
+        return scheme
     try:
         head_ranges(Hq, Hkv, Hp, Hpk, P)
     except ValueError as e:
@@ -1000,8 +1003,8 @@ def msa_attention_cp(q: Tensor, k: Tensor, v: Tensor, qp: Optional[Tensor] = Non
     perm = inv = None
     if layout == "zigzag":  # the ranks' rows (their chunks, rank after rank) -> sequence order, and back after
         cu = [int(x) for x in cu_seqlens.tolist()]
-        perm = torch.tensor([cu[b] + pos + i for c in _chunks(cu, tsizes, "zigzag") for b, pos, n in c
-                             for i in range(n)], dtype=torch.long, device=q.device)
+        parts = [torch.arange(cu[b] + pos, cu[b] + pos + n) for c in _chunks(cu, tsizes, "zigzag") for b, pos, n in c]
+        perm = (torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)).to(q.device)
         inv = torch.argsort(perm)
         hs = [x.index_select(1 if i == len(hs) - 1 and indices is not None else 0, inv) for i, x in enumerate(hs)]
     qh, kh, vh = hs[:3]

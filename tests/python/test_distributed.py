@@ -160,12 +160,17 @@ def test_head_ranges_errors():
 
 def test_cuda_warmup_runs_the_heads_scheme():
     """Warmup (dense) calls on CUDA run the heads scheme where P lines up with the heads (the CUDA backend takes
-    the tokens scheme's query segments in the sparse modes only), and are refused with the reason where not."""
+    the tokens scheme's query segments in the sparse modes only), and are refused with the reason where not; every
+    other call runs the scheme asked for."""
+    m3 = (64, 4, 4, 1)
     for scheme in ("tokens", "hybrid"):
-        assert fcp._cuda_warmup_scheme(scheme, 64, 4, 4, 1, 2, None) == "heads"
-        assert fcp._cuda_warmup_scheme(scheme, 64, 4, 4, 1, 4, None) == "heads"
+        assert fcp._run_scheme(scheme, True, "cuda", *m3, 2) == "heads"
+        assert fcp._run_scheme(scheme, True, "cuda", *m3, 4) == "heads"
+        assert fcp._run_scheme(scheme, False, "cuda", *m3, 8) == scheme
+        assert fcp._run_scheme(scheme, True, "cpu", *m3, 8) == scheme
         with pytest.raises(ValueError, match="warmup=True on CUDA runs the heads scheme .* over P = 8"):
-            fcp._cuda_warmup_scheme(scheme, 64, 4, 4, 1, 8, None)
+            fcp._run_scheme(scheme, True, "cuda", *m3, 8)
+    assert fcp._run_scheme("heads", True, "cuda", *m3, 4) == "heads"
 
 
 def test_shard_sizes():

@@ -182,6 +182,8 @@ def mcore():
     (dict(msa_cp_scheme="ring"), "msa_cp_scheme: expected 'tokens', 'heads' or 'hybrid'"),
     (dict(context_parallel_size=4, msa_cp_scheme="heads"),
      "msa_cp_scheme 'heads': the heads of a TP rank do not split over context_parallel_size = 4"),
+    (dict(tensor_model_parallel_size=2, context_parallel_size=2, msa_cp_scheme="heads"),  # Hp 2 / TP 2 = 1 a rank
+     "msa_cp_scheme 'heads': the heads of a TP rank do not split over context_parallel_size = 2"),
     (dict(msa_kl_coeff=float("nan")), "msa_kl_coeff: expected a finite value >= 0"),
     (dict(msa_index_share=0), "msa_index_share: expected an int >= 1"),
 ])
@@ -295,3 +297,21 @@ def test_autocast(mcore):
         fm._ops.msa_attention = orig
     assert torch.isfinite(loss)
     assert seen and all(d == {torch.bfloat16} for d in seen), seen
+
+
+def test_autocast_recompute_inputs(mcore, monkeypatch):
+    """Selective recompute under autocast: the checkpointed core attention's tensor inputs already share the autocast
+    dtype (the recompute runs without the forward's autocast state, so a cast inside it would pick another)."""
+    from flashmsa.integrations import megatron as fm
+    m = mcore.model(mcore.config(recompute_granularity="selective", recompute_modules=["core_attn"]))
+    ids, labels = mcore.tokens()
+    m.train()
+    seen, orig = [], fm.tensor_parallel.checkpoint
+
+    def record(fn, distribute, *args):
+        seen.append({a.dtype for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()})
+        return orig(fn, distribute, *args)
+    monkeypatch.setattr(fm.tensor_parallel, "checkpoint", record)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        m(ids, None, None, labels=labels)
+    assert len(seen) == 2 and all(d == {torch.bfloat16} for d in seen), seen

@@ -268,8 +268,8 @@ class MSACoreAttention(MegatronModule):
             raise ValueError("flashmsa.integrations.megatron: MSACoreAttention needs qp and kp (build the layer "
                              "with get_msa_gpt_layer_spec: MSASelfAttention computes them)")
         cfg = self.config
-        # one dtype for the five inputs: under torch.autocast Megatron's projections and rotary embedding can hand
-        # over q, k, v and qp, kp in different dtypes (fp32 weights, bf16 compute); the autocast dtype, else q's
+        # one dtype for the five inputs (MSASelfAttention aligns them under autocast before any recompute; a caller
+        # of this module alone gets the autocast dtype, else q's)
         dev = query.device.type
         dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else query.dtype
         query, key, value, qp, kp = (None if x is None else x.to(dt) for x in (query, key, value, qp, kp))
@@ -438,6 +438,13 @@ class MSASelfAttention(SelfAttention):
                 qp, kp = rope(qp, q_emb, cu_q), rope(kp, k_emb, cu_kv)
         if proxy:
             qp, kp = qp.contiguous(), kp.contiguous()
+        # one dtype for flashmsa's five inputs, chosen here, outside the selective recompute (which runs core again
+        # without the forward's autocast state): under torch.autocast, Megatron's projections and rotary embedding
+        # can hand over q, k, v and qp, kp in different dtypes (fp32 weights, bf16 compute)
+        dev = query.device.type
+        if torch.is_autocast_enabled(dev):
+            dt = torch.get_autocast_dtype(dev)
+            query, key, value, qp, kp = (None if x is None else x.to(dt) for x in (query, key, value, qp, kp))
 
         def core(query, key, value, qp, kp, attention_mask):
             return self.core_attention(query, key, value, attention_mask, attn_mask_type=self.attn_mask_type,
