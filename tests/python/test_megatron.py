@@ -193,6 +193,17 @@ def test_bad_configurations(mcore, kw, text):
     assert text in str(e.value)
 
 
+def test_cuda_warmup_cp_size_checked_at_construction(mcore, monkeypatch):
+    """On a CUDA machine the dense warmup runs flashmsa.distributed's heads scheme: a CP size that a TP rank's heads
+    do not split over is refused at construction (CPU-only machines run every scheme and are not refused)."""
+    kw = dict(context_parallel_size=4, msa_warmup=True)  # Hp = 2 over CP 4
+    mcore.config(**kw)  # no CUDA here: accepted
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ValueError, match="msa_warmup: the dense warmup on CUDA runs the heads scheme"):
+        mcore.config(**kw)
+    mcore.config(context_parallel_size=2, msa_warmup=True)  # Hp = 2 over CP 2: the heads split
+
+
 def test_warmup_equals_megatron_dense_attention(mcore):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from flashmsa.integrations import megatron as fm

@@ -111,12 +111,20 @@ class MSAConfig(TransformerConfig):
         if self.msa_cp_scheme not in ("tokens", "heads", "hybrid"):
             bad(f"msa_cp_scheme: expected 'tokens', 'heads' or 'hybrid', got {self.msa_cp_scheme!r}")
         cp = self.context_parallel_size
+        local = (Hq // tp, Hkv // tp, Hp // tp, Hpk // tp if Hpk % tp == 0 else Hpk)  # a TP rank's heads
         if self.msa_cp_scheme == "heads" and cp > 1:
-            try:  # a TP rank's heads (a replicated proxy key projection keeps all Hpk) over the CP ranks
-                _cp.head_ranges(Hq // tp, Hkv // tp, Hp // tp, Hpk // tp if Hpk % tp == 0 else Hpk, cp)
+            try:
+                _cp.head_ranges(*local, cp)
             except ValueError as e:
                 bad(f"msa_cp_scheme 'heads': the heads of a TP rank do not split over context_parallel_size = {cp} "
                     f"({e}); use 'tokens' or 'hybrid'")
+        if self.msa_warmup and cp > 1 and torch.cuda.is_available():
+            try:  # the dense warmup on CUDA runs the heads scheme (flashmsa.distributed)
+                _cp.head_ranges(*local, cp)
+            except ValueError as e:
+                bad(f"msa_warmup: the dense warmup on CUDA runs the heads scheme, and the heads of a TP rank do not "
+                    f"split over context_parallel_size = {cp} ({e}); warm up on a CP size that divides them, or "
+                    f"start sparse (msa_warmup=False)")
         if not self.msa_kl_coeff >= 0 or math.isinf(self.msa_kl_coeff):
             bad(f"msa_kl_coeff: expected a finite value >= 0, got {self.msa_kl_coeff!r}")
         if not isinstance(self.msa_index_share, int) or self.msa_index_share < 1:
