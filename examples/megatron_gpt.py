@@ -174,13 +174,13 @@ def attention_times(a):
 def plot(runs, a, path):
     """Validation loss of both runs, the MSA run's train kl (mean over layers) and recall, via lm.plot."""
     import types
+    fin = lambda x: x if x is not None and math.isfinite(x) else 0.0  # noqa: E731 (the PNG writer needs numbers)
     curves = {}
     for kind in ("msa", "dense"):
         pts, last = [], float("nan")
         for h in runs[kind]["history"]:  # the kl of the training step right after each evaluation (the last: before)
             kls = [x for x in h.get("kl") or [] if x]
             last = sum(kls[0]) / len(kls[0]) if kls else last
-            fin = lambda x: x if x is not None and math.isfinite(x) else 0.0  # noqa: E731 (the PNG writer needs numbers)
             pts.append(dict(val_loss=fin(h["val_loss"]), step=h["step"], recall=fin(h.get("recall")), kl=fin(last)))
         curves[kind] = {"curve": pts}
     ns = types.SimpleNamespace(warmup_steps=a.warmup_steps, layers=a.layers, seqlen=a.seqlen, heads=a.heads,

@@ -99,8 +99,7 @@ def zigzag_rows(cu_seqlens, world_size: int, rank: int) -> Tensor:
     in sequence order): x.index_select(0, zigzag_rows(cu, P, r)) is its shard of a varlen tensor,
     and len() of it is its entry of shard_sizes."""
     cu = [int(c) for c in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)]
-    mine = _chunks(cu, [0] * int(world_size), "zigzag")[int(rank)]
-    return torch.tensor([cu[b] + pos + i for b, pos, n in mine for i in range(n)], dtype=torch.long)
+    return _chunk_rows(cu, [_chunks(cu, [0] * int(world_size), "zigzag")[int(rank)]])
 
 
 def head_ranges(Hq: int, Hkv: int, Hp: Optional[int], Hpk: Optional[int], world_size: int
@@ -397,6 +396,13 @@ def _chunks(cu: List[int], tsizes: List[int], layout: str, batched_S: Optional[i
     return res
 
 
+def _chunk_rows(cu: List[int], chunks: List[List[Tuple[int, int, int]]], device=None) -> Tensor:
+    """The rows of the packed total that the (sequence, first position, length) chunks hold, chunk list after chunk
+    list (rank after rank for _chunks' lists), as one long tensor."""
+    parts = [torch.arange(cu[b] + pos, cu[b] + pos + n) for c in chunks for b, pos, n in c]
+    return (torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)).to(device)
+
+
 class _TokenPlan:
     """Who holds which rows: chunks per rank, the row of every rank's tokens in the full packed
     key tensor (perm), and this rank's query segments."""
@@ -406,8 +412,7 @@ class _TokenPlan:
         self.cu = cu
         self.total = cu[-1]
         self.rows = [sum(n for _, _, n in c) for c in chunks]
-        perm = [cu[b] + pos + i for c in chunks for b, pos, n in c for i in range(n)]
-        self.perm = torch.tensor(perm, dtype=torch.long, device=device)  # full row of each gathered row
+        self.perm = _chunk_rows(cu, chunks, device)  # full row of each gathered row
         self.offsets = [sum(self.rows[:r]) for r in range(P)]
         mine = chunks[rank]
         cuq = [0]
@@ -962,11 +967,9 @@ def msa_attention_cp(q: Tensor, k: Tensor, v: Tensor, qp: Optional[Tensor] = Non
                                   return_indices=return_indices, **kw)
     # the agreement check: always on gloo (cheap, CPU), opt-in (validate=True) elsewhere
     agree = validate is True or dist.get_backend(group) == "gloo"
-    options = dict(topk=topk, return_lse=return_lse, return_indices=return_indices,
-                   **{n: x for n, x in kw.items() if n != "fp8_selection"})
+    options = dict(topk=topk, return_lse=return_lse, return_indices=return_indices, **kw)
     tsizes = None
     try:
-        _ops._flag("fp8_selection", fp8_selection)
         plan, B, T_loc, Hp, scheme, tsizes = _prepare(q, k, v, qp, kp, cu_seqlens, indices, max_seqlen, warmup,
                                                       shard_sizes, options, validate is True, group, rank, P,
                                                       scheme, layout, heads_size)
@@ -1003,8 +1006,7 @@ def msa_attention_cp(q: Tensor, k: Tensor, v: Tensor, qp: Optional[Tensor] = Non
     perm = inv = None
     if layout == "zigzag":  # the ranks' rows (their chunks, rank after rank) -> sequence order, and back after
         cu = [int(x) for x in cu_seqlens.tolist()]
-        parts = [torch.arange(cu[b] + pos, cu[b] + pos + n) for c in _chunks(cu, tsizes, "zigzag") for b, pos, n in c]
-        perm = (torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)).to(q.device)
+        perm = _chunk_rows(cu, _chunks(cu, tsizes, "zigzag"), q.device)
         inv = torch.argsort(perm)
         hs = [x.index_select(1 if i == len(hs) - 1 and indices is not None else 0, inv) for i, x in enumerate(hs)]
     qh, kh, vh = hs[:3]

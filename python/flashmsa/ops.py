@@ -141,12 +141,12 @@ def _numerics(numerics) -> Optional[int]:
 
 def _check_options(topk, warmup=False, softmax_scale=None, proxy_scale=None, compute_kl=None,
                    return_lse=False, return_indices=False, numerics=None, validate=False,
-                   precise_dpsum=False):
+                   precise_dpsum=False, fp8_selection=False):
     """Every non-tensor argument of msa_attention (types and ranges, no tensor needed):
     (topk, softmax_scale, proxy_scale, numerics code or None), scales 0.0 for None."""
     topk = _int("topk", topk, 1, L.MAX_TOPK)
     for name, x in (("warmup", warmup), ("return_lse", return_lse), ("return_indices", return_indices),
-                    ("validate", validate), ("precise_dpsum", precise_dpsum)):
+                    ("validate", validate), ("precise_dpsum", precise_dpsum), ("fp8_selection", fp8_selection)):
         _flag(name, x)
     _flag("compute_kl", compute_kl, none_ok=True)
     num = _numerics(numerics)
@@ -316,8 +316,7 @@ def _attention(q, k, v, qp, kp, topk, *, cu_seqlens, max_seqlen, warmup, indices
     _check_inputs(q, k, v, qp, kp, cu_seqlens, indices)
     topk, sm_scale, px_scale, num = _check_options(topk, warmup, softmax_scale, proxy_scale, compute_kl,
                                                    return_lse, return_indices, numerics, validate,
-                                                   precise_dpsum)
-    _flag("fp8_selection", fp8_selection)
+                                                   precise_dpsum, fp8_selection)
     has_proxy = qp is not None
     if warmup and indices is not None:
         raise ValueError("flashmsa: indices: must be None with warmup=True (dense mode selects nothing)")

@@ -158,12 +158,18 @@ void bwd(const flashmsa_bwd_args_t& a, const Geometry& g) {
 
 namespace {
 
-// The FP8 selection (flashmsa.h, flashmsa_selection_t): the ranking on qp, kp's dequantised e4m3 copies.
-void select_fp8(const ref::Problem& pb, const std::vector<double>& qp, const std::vector<double>& kp,
-                std::vector<int32_t>& idx) {
+// The selection of flashmsa_select and SPARSE flashmsa_fwd: indices, and proxy_lse when plse is not null. FP8
+// (flashmsa.h, flashmsa_selection_t): ranked on qp, kp's dequantised e4m3 copies, the lse from qp, kp themselves.
+void run_selection(const ref::Problem& pb, const Geometry& g, const std::vector<double>& qp,
+                   const std::vector<double>& kp, std::vector<int32_t>& idx, double* plse) {
+  if (!g.fp8_selection) {
+    ref::select(pb, qp.data(), kp.data(), idx.data(), plse);
+    return;
+  }
   std::vector<double> q8 = qp, k8 = kp;
   ref::quantize_fp8_selection(pb, q8, k8);
   ref::select(pb, q8.data(), k8.data(), idx.data(), nullptr);
+  if (plse) ref::proxy_lse_of(pb, qp.data(), kp.data(), idx.data(), plse);
 }
 
 void select_impl(const flashmsa_select_args_t& a, const Geometry& g) {
@@ -171,12 +177,7 @@ void select_impl(const flashmsa_select_args_t& a, const Geometry& g) {
   const auto qp = gather_tokens(a.qp, g), kp = gather_tokens(a.kp, g, true);
   std::vector<int32_t> idx(size_t(g.Hp) * g.total * g.topk);
   std::vector<double> plse(size_t(g.Hp) * g.total);
-  if (g.fp8_selection) {  // ranked on the e4m3 values, the lse from the unquantised ones
-    select_fp8(pb, qp, kp, idx);
-    ref::proxy_lse_of(pb, qp.data(), kp.data(), idx.data(), plse.data());
-  } else {
-    ref::select(pb, qp.data(), kp.data(), idx.data(), plse.data());
-  }
+  run_selection(pb, g, qp, kp, idx, plse.data());
   scatter_indices(a.indices, g, idx);
   if (present(a.proxy_lse)) scatter_heads(a.proxy_lse, g, plse);
 }
@@ -196,10 +197,7 @@ void fwd_impl(const flashmsa_fwd_args_t& a, const Geometry& g) {
   }
   if (a.mode == FLASHMSA_MODE_SPARSE) {
     idx.assign(size_t(g.Hp) * g.total * g.topk, -1);
-    if (g.fp8_selection)
-      select_fp8(pb, qp, kp, idx);
-    else
-      ref::select(pb, qp.data(), kp.data(), idx.data(), nullptr);
+    run_selection(pb, g, qp, kp, idx, nullptr);
   }
   std::vector<double> out(size_t(g.total) * g.Hq * g.D), lse(size_t(g.Hq) * g.total),
       plse(size_t(g.Hp) * g.total, -std::numeric_limits<double>::infinity());

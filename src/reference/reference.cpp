@@ -180,42 +180,36 @@ double round_e4m3(float x) {
 }
 
 namespace {
-// One fp8 group: values v[i * stride] for i < n, quantised and dequantised in place.
-void fp8_group(double* v, int64_t n, int64_t stride) {
+// One fp8 group: rows x Dp values, row r at v + r * row_stride, quantised and dequantised in place.
+void fp8_group(double* v, int64_t rows, int64_t row_stride, int Dp) {
   float amax = 0.f;
   bool finite = true;
-  for (int64_t i = 0; i < n; ++i) {
-    const float f = float(v[i * stride]);
-    finite = finite && std::isfinite(f);
-    amax = std::max(amax, std::fabs(f));
-  }
-  if (!finite) {
-    for (int64_t i = 0; i < n; ++i) v[i * stride] = std::numeric_limits<double>::quiet_NaN();
-    return;
-  }
-  if (amax == 0.f) return;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int d = 0; d < Dp; ++d) {
+      const float f = float(v[r * row_stride + d]);
+      finite = finite && std::isfinite(f);
+      amax = std::max(amax, std::fabs(f));
+    }
+  if (amax == 0.f && finite) return;
   const float inv = 448.f / amax, scale = amax / 448.f;
-  for (int64_t i = 0; i < n; ++i) v[i * stride] = round_e4m3(float(v[i * stride]) * inv) * double(scale);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int d = 0; d < Dp; ++d) {
+      double& x = v[r * row_stride + d];
+      x = finite ? round_e4m3(float(x) * inv) * double(scale) : std::numeric_limits<double>::quiet_NaN();
+    }
 }
 }  // namespace
 
 void quantize_fp8_selection(const Problem& pb, std::vector<double>& qp, std::vector<double>& kp) {
   const int Dp = pb.Dp;
   for (int64_t t = 0; t < pb.total; ++t)  // qp: one group per (row, head)
-    for (int p = 0; p < pb.Hp; ++p) fp8_group(qp.data() + (t * pb.Hp + p) * Dp, Dp, 1);
+    for (int p = 0; p < pb.Hp; ++p) fp8_group(qp.data() + (t * pb.Hp + p) * Dp, 1, 0, Dp);
   // kp: one group per (key block of its sequence, head): the block's rows x Dp
   for (size_t b = 0; b + 1 < pb.cu.size(); ++b)
-    for (int64_t lo = pb.cu[b]; lo < pb.cu[b + 1]; lo += kBlock) {
-      const int64_t rows = std::min<int64_t>(kBlock, pb.cu[b + 1] - lo);
-      for (int c = 0; c < pb.Hpk; ++c) {
-        std::vector<double> g(size_t(rows) * Dp);
-        for (int64_t r = 0; r < rows; ++r)
-          for (int d = 0; d < Dp; ++d) g[size_t(r * Dp + d)] = kp[size_t(((lo + r) * pb.Hpk + c) * Dp + d)];
-        fp8_group(g.data(), int64_t(g.size()), 1);
-        for (int64_t r = 0; r < rows; ++r)
-          for (int d = 0; d < Dp; ++d) kp[size_t(((lo + r) * pb.Hpk + c) * Dp + d)] = g[size_t(r * Dp + d)];
-      }
-    }
+    for (int64_t lo = pb.cu[b]; lo < pb.cu[b + 1]; lo += kBlock)
+      for (int c = 0; c < pb.Hpk; ++c)
+        fp8_group(kp.data() + (lo * pb.Hpk + c) * Dp, std::min<int64_t>(kBlock, pb.cu[b + 1] - lo),
+                  int64_t(pb.Hpk) * Dp, Dp);
 }
 
 void proxy_lse_of(const Problem& pb, const double* qp, const double* kp, const int32_t* indices, double* out) {

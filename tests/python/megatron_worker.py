@@ -96,6 +96,13 @@ def step(m, ids, labels, packed=False, b=2):
     return loss.detach()
 
 
+def counting_batch(g):
+    """Learnable text, 2 rows: each counts up from a random token in steps of 1 or 3 -> (ids, labels)."""
+    start, stride = torch.randint(0, VOCAB, (2, 1), generator=g), 1 + 2 * torch.randint(0, 2, (2, 1), generator=g)
+    ids = (start + stride * torch.arange(SEQ)) % VOCAB
+    return ids, torch.roll(ids, -1, dims=1)
+
+
 def curve(m, cp, steps=50, packed=True):
     """Training losses of `steps` Adam steps on fresh batches (the same on every rank; CP ranks take their zigzag
     share and sum their gradients as Megatron's DDP does)."""
@@ -107,10 +114,7 @@ def curve(m, cp, steps=50, packed=True):
     r = parallel_state.get_context_parallel_rank()
     losses = []
     for _ in range(steps):
-        # learnable text: each row counts up from a random token in steps of 1 or 3
-        start, stride = torch.randint(0, VOCAB, (2, 1), generator=g), 1 + 2 * torch.randint(0, 2, (2, 1), generator=g)
-        ids = (start + stride * torch.arange(SEQ)) % VOCAB
-        labels = torch.roll(ids, -1, dims=1)
+        ids, labels = counting_batch(g)
         if cp > 1:
             ids, labels = zigzag(ids, cp, r), zigzag(labels, cp, r)
         loss = step(m, ids, labels, packed=packed)
@@ -155,9 +159,7 @@ def distopt(use_distributed_optimizer, steps=30):
     losses = []
     from megatron.core.packed_seq_params import PackedSeqParams
     for _ in range(steps):
-        start, stride = torch.randint(0, VOCAB, (2, 1), generator=g), 1 + 2 * torch.randint(0, 2, (2, 1), generator=g)
-        ids = ((start + stride * torch.arange(SEQ)) % VOCAB).cuda()
-        labels = torch.roll(ids, -1, dims=1)
+        ids, labels = (t.cuda() for t in counting_batch(g))
         cu = torch.arange(3, dtype=torch.int32, device="cuda") * SEQ
         psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=SEQ, max_seqlen_kv=SEQ)
         ddp.zero_grad_buffer()

@@ -140,6 +140,15 @@ def _offsets(psp, side: str = "q"):
     return getattr(psp, f"cu_seqlens_{side}") if cu is None else cu
 
 
+def _one_dtype(*xs, default=None):
+    """xs (None kept) in torch.autocast's dtype where autocast is on for their device, else in `default` (None:
+    as they are): under autocast Megatron's projections and rotary embedding can hand over q, k, v and qp, kp in
+    different dtypes (fp32 weights, bf16 compute), and flashmsa takes one."""
+    dev = xs[0].device.type
+    dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else default
+    return tuple(x if x is None or dt is None else x.to(dt) for x in xs)
+
+
 def _size(group) -> int:
     """A process group's size (1 without one, or before torch.distributed is initialised)."""
     return dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
@@ -278,9 +287,7 @@ class MSACoreAttention(MegatronModule):
         cfg = self.config
         # one dtype for the five inputs (MSASelfAttention aligns them under autocast before any recompute; a caller
         # of this module alone gets the autocast dtype, else q's)
-        dev = query.device.type
-        dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else query.dtype
-        query, key, value, qp, kp = (None if x is None else x.to(dt) for x in (query, key, value, qp, kp))
+        query, key, value, qp, kp = _one_dtype(query, key, value, qp, kp, default=query.dtype)
         thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
         cp_group = self.pg_collection.cp
         cp = _size(cp_group)
@@ -449,10 +456,7 @@ class MSASelfAttention(SelfAttention):
         # one dtype for flashmsa's five inputs, chosen here, outside the selective recompute (which runs core again
         # without the forward's autocast state): under torch.autocast, Megatron's projections and rotary embedding
         # can hand over q, k, v and qp, kp in different dtypes (fp32 weights, bf16 compute)
-        dev = query.device.type
-        if torch.is_autocast_enabled(dev):
-            dt = torch.get_autocast_dtype(dev)
-            query, key, value, qp, kp = (None if x is None else x.to(dt) for x in (query, key, value, qp, kp))
+        query, key, value, qp, kp = _one_dtype(query, key, value, qp, kp)
 
         def core(query, key, value, qp, kp, attention_mask):
             return self.core_attention(query, key, value, attention_mask, attn_mask_type=self.attn_mask_type,
