@@ -4,7 +4,9 @@
 `torch.autograd.backward([out, kl], [dout, 1])`) at lengths where the whole user's-path protocol
 (user_path.py: eight timings per row, among them the dense warmup mode) would take minutes per row.
 
-Per (config, T, pattern): the selection alone (flashmsa.msa_select), the default step, the peak memory
+Per (config, T, pattern): the selection alone (flashmsa.msa_select) and, with --fp8, the fp8 selection alone
+(fp8_selection=True: its time, its speed-up and its set recall, the share of the input dtype's selected non-local
+blocks that it also selects, per (token, proxy head) averaged), the default step, the peak memory
 of one step (torch's allocator: the library takes its workspaces from it), the memory the inputs hold,
 the kl value; per T the peer cuDNN SDPA dense causal f+b where T <= --dense-max (above it '-': the
 ratio column then uses the quadratic extrapolation of the longest measured cuDNN step, marked '~').
@@ -63,6 +65,9 @@ def columns():
         ("pattern", lambda m, r: r["pattern"]),
         ("select ms", u("select_ms")),
         ("**step** ms", u("step_ms")),
+        ("fp8 select ms", u("fp8_select_ms")),
+        ("fp8 speed-up", lambda m, r: RB.ratio(r.get("select_ms"), r.get("fp8_select_ms"))),
+        ("fp8 set recall", u("fp8_set_recall", 4)),
         ("select share", lambda m, r: "-" if "error" in r or not r.get("step_ms") else
          f"{100 * r['select_ms'] / r['step_ms']:.0f}%"),
         ("peak GB", lambda m, r: RB.fmt(r.get("peak_gb"), 2)),
@@ -76,7 +81,21 @@ def columns():
     ]
 
 
-def measure(cfg, T, pattern, iters, log):
+def set_recall(want, got):
+    """The share of each row's non-local selected blocks of `want` [Hp, T, K] that `got` holds too, averaged over
+    the rows that have any (the local block, always in both, is the last valid slot)."""
+    import torch
+    valid = want >= 0
+    n = valid.sum(-1, keepdim=True)
+    local = want.gather(-1, (n - 1).clamp(min=0))
+    counted = valid & (want != local)
+    hit = (want.unsqueeze(-1) == got.unsqueeze(-2)).any(-1) & counted
+    rows = counted.sum(-1)
+    has = rows > 0
+    return float((hit.sum(-1)[has].double() / rows[has].double()).mean()) if bool(has.any()) else float("nan")
+
+
+def measure(cfg, T, pattern, iters, log, fp8=False):
     """One row's numbers on the GPU (raises on out-of-memory; the caller records it)."""
     import torch
 
@@ -93,6 +112,19 @@ def measure(cfg, T, pattern, iters, log):
         with torch.no_grad():
             flashmsa.msa_select(qp.detach(), kp.detach(), cfg["topk"], cu_seqlens=cu, max_seqlen=T)
     r["select_ms"] = user_path.median_ms(select, lambda: None, iters, 1, reps=1)
+    if fp8:
+        log("fp8 select")
+
+        def select8():
+            with torch.no_grad():
+                return flashmsa.msa_select(qp.detach(), kp.detach(), cfg["topk"], cu_seqlens=cu, max_seqlen=T,
+                                           fp8_selection=True)
+        r["fp8_select_ms"] = user_path.median_ms(select8, lambda: None, iters, 1, reps=1)
+        with torch.no_grad():
+            want = flashmsa.msa_select(qp.detach(), kp.detach(), cfg["topk"], cu_seqlens=cu, max_seqlen=T)
+            r["fp8_set_recall"] = set_recall(want, select8())
+        del want
+        torch.cuda.empty_cache()
     log("step")
     last = {}
 
@@ -120,6 +152,7 @@ def main(argv=None):
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(RB.REPO, "bench", "results"))
     ap.add_argument("--results-dir", default=os.path.join(RB.REPO, "bench", "results"))
     ap.add_argument("--commit", default=None)
+    ap.add_argument("--fp8", action="store_true", help="also the fp8 selection alone: time, speed-up, set recall")
     full = [sys.argv[0]] + list(sys.argv[1:] if argv is None else argv)
     args = ap.parse_args(full[1:])
     args.argv = full
@@ -150,7 +183,7 @@ def main(argv=None):
                     row["cudnn_extrapolated_ms"] = longest[1] * (T / longest[0]) ** 2
                 try:
                     row.update(measure(cfg, T, pattern, args.iters,
-                                       lambda what: RB.log(f"[long] {name} {T} {pattern}: {what}")))
+                                       lambda what: RB.log(f"[long] {name} {T} {pattern}: {what}"), args.fp8))
                 except torch.cuda.OutOfMemoryError as e:
                     row["error"] = "out of memory: " + " ".join(str(e).split())[:240]
                     row["peak_gb"] = torch.cuda.max_memory_allocated() / 1e9

@@ -210,6 +210,7 @@ struct FwdLayout {
   size_t route = 0;  // the forward router's per-tile bytes (SPARSE/GIVEN)
   size_t perm = 0;   // the regrouping's token order, Hp x total int32 (SPARSE/GIVEN)
   size_t idx = 0, lse2 = 0, inv = 0, plse = 0, kl = 0, teach = 0, next_item = 0, total = 0;
+  size_t fp8 = 0;  // the fp8 selection's copies and scales (SPARSE with g.fp8_selection)
   int kl_seg = 0, kl_ctas = 0;  // as in BwdLayout
   int64_t padded = 0;
   bool has_teacher = false;
@@ -249,7 +250,9 @@ void launch_select(Dtype d, const selection::Args& a, cudaStream_t st);
 void run_select(const flashmsa_tensor_t& qp, const flashmsa_tensor_t& kp, const flashmsa_tensor_t& cu,
                 const Geometry& g, int32_t* indices, int64_t idx_head, int64_t idx_tok, HeadTensor<float> proxy_lse,
                 cudaStream_t st, int lse_mode = selection::kSelect, HeadTensor<const int32_t> given = {},
-                const Guard* segments = nullptr);
+                const Guard* segments = nullptr, void* fp8_ws = nullptr);
+// The fp8 selection's workspace (g.fp8_selection: the e4m3 copies and scales, fp8_quant.h), else 0.
+size_t fp8_selection_bytes(const Geometry& g);
 
 // ---- proxy_side.cpp ----
 // What the backward's kernels and the forward's kl share: q, k, the padded lse2, the sequences,

@@ -145,7 +145,7 @@ void fwd(const flashmsa_fwd_args_t& user, const Geometry& g, void* ws_raw, size_
     idx_head = present(a.indices) ? a.indices.strides[0] : g.total * g.topk;
     idx_tok = present(a.indices) ? a.indices.strides[1] : g.topk;
     run_select(a.qp, a.kp, a.cu_seqlens, g, dst, idx_head, idx_tok, head_tensor<float>(plse_t), st,
-               selection::kSelect, {}, segs);
+               selection::kSelect, {}, segs, ws + l.fp8);
     idx = dst;
   } else {
     if (a.mode == FLASHMSA_MODE_GIVEN) {

@@ -71,9 +71,6 @@ void check_supported(const Geometry& g, const char* fn) {
     unsupported(fn, "at most " + std::to_string(tiles::kMaxGridYZ) + " heads of each kind");
   if (g.max_seqlen > tiles::kMaxSeqlen)
     unsupported(fn, "max_seqlen " + std::to_string(g.max_seqlen) + " exceeds " + std::to_string(tiles::kMaxSeqlen));
-  if (g.fp8_selection)
-    unsupported(fn, "selection = FLASHMSA_SELECTION_FP8 runs on the CPU backend only so far (the reference of the "
-                    "coming e4m3 selection kernel; docs/kernels/select.md)");
 }
 
 // What the CUDA kernels support beyond the spec's validation; called by the workspace queries

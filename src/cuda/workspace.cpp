@@ -201,6 +201,7 @@ FwdLayout fwd_layout(const flashmsa_fwd_args_t& a, const Geometry& g) {
     l.perm = take(size_t(g.Hp) * g.total * 4);
   }
   if (a.mode == FLASHMSA_MODE_SPARSE && !present(a.indices)) l.idx = take(size_t(g.Hp) * g.total * g.topk * 4);
+  if (a.mode == FLASHMSA_MODE_SPARSE && g.fp8_selection) l.fp8 = take(fp8_selection_bytes(g));
   if (a.compute_kl) {
     l.padded = padded_total(g.total, g.segmented ? g.segments : g.batch, attn_bwd::kPadTile);
     l.lse2 = take(size_t(g.Hq) * l.padded * 4);
@@ -216,7 +217,9 @@ FwdLayout fwd_layout(const flashmsa_fwd_args_t& a, const Geometry& g) {
   return l;
 }
 
-size_t select_workspace(const flashmsa_select_args_t&, const Geometry& g) { return guard_bytes(g); }
+size_t select_workspace(const flashmsa_select_args_t&, const Geometry& g) {
+  return g.fp8_selection && g.total > 0 ? align_up(guard_bytes(g)) + fp8_selection_bytes(g) : guard_bytes(g);
+}
 
 size_t fwd_workspace(const flashmsa_fwd_args_t& a, const Geometry& g) {
   fwd_features(a, g);

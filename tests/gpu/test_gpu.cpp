@@ -15,6 +15,7 @@
 #include "cuda/bwd/bwd_params.cuh"  // fixed_unit (host and device)
 #include "cuda/fwd/fwd.h"              // the forward's router (Routes.*)
 #include "gpu_harness.hpp"
+#include "reference/reference.hpp"  // the fp8 selection's quantisation (Fp8Selection.*)
 
 namespace gputest {
 namespace {
@@ -71,13 +72,15 @@ void make_near_converged(const Problem& pb, Inputs& in, double eps, std::mt19937
   for (Tensor* x : {&in.q, &in.qp, &in.kp}) upload(*x);
 }
 
-// Per-block fp64 proxy score S_p(i, j) (max over the block of the scaled proxy logits).
-double block_score(const Problem& pb, const Inputs& in, int p, int64_t t, int64_t s0, int64_t j) {
+// Per-block fp64 proxy score S_p(i, j) (max over the block of the scaled proxy logits) of qp, kp (the inputs, or
+// the fp8 selection's dequantised copies).
+double block_score(const Problem& pb, const std::vector<double>& qp, const std::vector<double>& kp, int p, int64_t t,
+                   int64_t s0, int64_t j) {
   const int c = p / (pb.Hp / pb.Hpk);
   double m = -INFINITY;
-  const double* qr = &in.qp.host[(size_t(t) * pb.Hp + p) * pb.Dp];
+  const double* qr = &qp[(size_t(t) * pb.Hp + p) * pb.Dp];
   for (int64_t u = s0 + j * 128; u < std::min(s0 + (j + 1) * 128, t + 1); ++u) {
-    const double* kr = &in.kp.host[(size_t(u) * pb.Hpk + c) * pb.Dp];
+    const double* kr = &kp[(size_t(u) * pb.Hpk + c) * pb.Dp];
     double acc = 0;
     for (int d = 0; d < pb.Dp; ++d) acc += qr[d] * kr[d];
     m = std::max(m, acc / std::sqrt(double(pb.Dp)));
@@ -86,10 +89,11 @@ double block_score(const Problem& pb, const Inputs& in, int p, int64_t t, int64_
 }
 
 // SPEC section 4: the kernel's rows equal the reference's up to exact-tie swaps: same count,
-// local block last, -1 after; slot by slot, the fp64 scores of the two blocks agree to 1e-3
-// relative; no repeated block.
-void expect_selection_matches(const Problem& pb, const Inputs& in, const std::vector<int32_t>& got,
-                              const std::vector<int32_t>& want, int topk) {
+// local block last, -1 after; slot by slot, the fp64 scores of the two blocks (of qp, kp: the inputs, or the fp8
+// selection's dequantised copies) agree to `tol` relative; no repeated block.
+void expect_selection_matches(const Problem& pb, const std::vector<double>& qp, const std::vector<double>& kp,
+                              const std::vector<int32_t>& got, const std::vector<int32_t>& want, int topk,
+                              double tol = 1e-3) {
   const auto cu = pb.offsets();
   const int64_t T = pb.total();
   int64_t bad = 0, swaps = 0;
@@ -109,8 +113,8 @@ void expect_selection_matches(const Problem& pb, const Inputs& in, const std::ve
         for (int s = 0; ok && s < n - 1; ++s) {
           if (g[s] == w[s]) continue;
           if (g[s] < 0 || g[s] >= l) { ok = false; break; }
-          const double a = block_score(pb, in, p, t, cu[b], g[s]), c = block_score(pb, in, p, t, cu[b], w[s]);
-          if (std::fabs(a - c) > 1e-3 * std::max(std::fabs(a), std::fabs(c))) ok = false;
+          const double a = block_score(pb, qp, kp, p, t, cu[b], g[s]), c = block_score(pb, qp, kp, p, t, cu[b], w[s]);
+          if (std::fabs(a - c) > tol * std::max(std::fabs(a), std::fabs(c))) ok = false;
           ++swaps;
         }
         if (!ok && bad++ == 0) first_bad = "head " + std::to_string(p) + " token " + std::to_string(t);
@@ -132,6 +136,7 @@ struct FwdCall {
   flashmsa_numerics_t numerics = FLASHMSA_NUMERICS_TRAIN;
   bool proxy_lse = false;  // SPARSE: write proxy_lse; GIVEN: pass qp, kp (no proxy_lse output)
   bool out_lo = false;     // write the low part of the output too
+  bool fp8 = false;        // SPARSE: the fp8 selection (flashmsa_selection_t FP8)
 
   // the key sets: SPARSE selects (indices out), GIVEN reads `idx` (GIVEN only), DENSE neither
   [[nodiscard]] FwdCall key_sets(flashmsa_mode_t m, int k, const std::vector<int32_t>* idx) const {
@@ -161,6 +166,11 @@ struct FwdCall {
     c.out_lo = true;
     return c;
   }
+  [[nodiscard]] FwdCall with_fp8_selection() const {
+    FwdCall c = *this;
+    c.fp8 = true;
+    return c;
+  }
 };
 
 // Runs flashmsa_fwd on the device (SPARSE computes indices; GIVEN takes them); out_lo also
@@ -186,6 +196,7 @@ FwdRun run_fwd(const Problem& pb, Inputs& in, const FwdCall& call) {
   a.mode = mode;
   a.numerics = call.numerics;
   a.topk = topk;
+  a.selection = call.fp8 ? FLASHMSA_SELECTION_FP8 : FLASHMSA_SELECTION_INPUT;
   if (mode == FLASHMSA_MODE_SPARSE) {
     r.indices = output({pb.Hp, T, topk}, FLASHMSA_DTYPE_INT32);
     a.indices = dev_view(r.indices);
@@ -260,8 +271,9 @@ void check_forward(const Problem& pb, Inputs& in, const FwdRun& r, flashmsa_mode
 
 // ---- tests ----------------------------------------------------------------------------------
 
-// The selection of the library's CPU backend (fp64) on the test's inputs: [Hp, total, topk].
-std::vector<int32_t> cpu_selection(const Problem& pb, const Inputs& in) {
+// The selection of the library's CPU backend (fp64) on the test's inputs: [Hp, total, topk] (fp8: ranked on the
+// e4m3 copies).
+std::vector<int32_t> cpu_selection(const Problem& pb, const Inputs& in, bool fp8 = false) {
   std::vector<double> qp = in.qp.host, kp = in.kp.host;
   std::vector<int32_t> cu32 = in.cu32;
   const int64_t T = pb.total();
@@ -272,6 +284,7 @@ std::vector<int32_t> cpu_selection(const Problem& pb, const Inputs& in) {
   s.cu_seqlens = flashmsa::view(cu32.data(), FLASHMSA_DTYPE_INT32, {int64_t(cu32.size())});
   s.max_seqlen = pb.max_len();
   s.topk = pb.topk;
+  s.selection = fp8 ? FLASHMSA_SELECTION_FP8 : FLASHMSA_SELECTION_INPUT;
   s.indices = flashmsa::view(want.data(), FLASHMSA_DTYPE_INT32, {pb.Hp, T, pb.topk});
   flashmsa::select(s);
   return want;
@@ -288,7 +301,7 @@ void run_sparse_case(const Problem& pb0, flashmsa_numerics_t num) {
   // selection vs the fp64 reference
   const std::vector<int32_t> want = cpu_selection(pb, in);
   const auto got = as_int(r.indices);
-  expect_selection_matches(pb, in, got, want, pb.topk);
+  expect_selection_matches(pb, in.qp.host, in.kp.host, got, want, pb.topk);
   // proxy lse over the kernel's own sets
   RefFwd pref = reference_fwd(pb, in.q, in.k, in.v, &in.qp, &in.kp, &got, pb.topk, FLASHMSA_MODE_GIVEN);
   const double e = rel_l2(r.proxy_lse.host, pref.proxy_lse);
@@ -345,7 +358,7 @@ TEST(Sparse, SmallNanKpBlockRanksLast) {
   FwdRun r = run_fwd(pb, in, FwdCall().sparse(pb.topk).with_proxy_lse());
   const std::vector<int32_t> want = cpu_selection(pb, in);
   const auto got = as_int(r.indices);
-  expect_selection_matches(pb, in, got, want, pb.topk);
+  expect_selection_matches(pb, in.qp.host, in.kp.host, got, want, pb.topk);
   RefFwd pref = reference_fwd(pb, in.q, in.k, in.v, &in.qp, &in.kp, &got, pb.topk, FLASHMSA_MODE_GIVEN);
   std::vector<double> fin_got, fin_ref;
   int64_t nan_rows = 0, mismatched = 0;
@@ -368,6 +381,53 @@ TEST(Sparse, SmallNanKpBlockRanksLast) {
               fin_got.size(), e);
   EXPECT_LT(e, 1e-4);
   check_forward(pb, in, r, FLASHMSA_MODE_SPARSE, pb.topk);
+}
+
+// The fp8 selection (docs/semantics.md, "fp8 selection") against the CPU backend's: the rows equal up to swaps of
+// blocks whose scores on the dequantised e4m3 copies (the reference's own quantisation, ref::quantize_fp8_selection)
+// agree to 1e-2 relative (the fp8 tensor cores accumulate with fewer bits than fp32); where the fp8 and the input
+// dtype's rankings differ, the kernel takes the fp8 one (it ran the e4m3 path); the proxy lse over the kernel's
+// sets is of the unquantised values (1e-4); out and lse as in every sparse case.
+void run_fp8_case(const Problem& pb0) {
+  PoolScope scope;
+  std::mt19937_64 rng(fresh_seed());
+  Problem pb = pb0;
+  Inputs in = make_inputs(pb, rng);
+  FwdRun r = run_fwd(pb, in, FwdCall().sparse(pb.topk).with_proxy_lse().with_fp8_selection());
+  ASSERT_TRUE(all_finite(r.proxy_lse.host)) << "proxy_lse unwritten";
+  const std::vector<int32_t> want = cpu_selection(pb, in, true), want_input = cpu_selection(pb, in, false);
+  const auto got = as_int(r.indices);
+  flashmsa::ref::Problem rp;
+  rp.cu = pb.offsets();
+  rp.total = rp.total_k = pb.total();
+  rp.Hp = pb.Hp;
+  rp.Hpk = pb.Hpk;
+  rp.Dp = pb.Dp;
+  std::vector<double> q8 = in.qp.host, k8 = in.kp.host;
+  flashmsa::ref::quantize_fp8_selection(rp, q8, k8);
+  expect_selection_matches(pb, q8, k8, got, want, pb.topk, 1e-2);
+  int64_t differ = 0, as_fp8 = 0, as_input = 0;
+  for (size_t x = 0; x < want.size(); ++x)
+    if (want[x] != want_input[x]) {
+      ++differ;
+      as_fp8 += got[x] == want[x];
+      as_input += got[x] == want_input[x];
+    }
+  std::printf("    %lld slots where the fp8 and input rankings differ: the kernel took the fp8 one in %lld, the input "
+              "one in %lld\n", (long long)differ, (long long)as_fp8, (long long)as_input);
+  EXPECT_GT(differ, 0) << "the case cannot tell the fp8 ranking from the input dtype's";
+  EXPECT_GT(as_fp8, 2 * as_input) << "the kernel's rows follow the input dtype's ranking";
+  RefFwd pref = reference_fwd(pb, in.q, in.k, in.v, &in.qp, &in.kp, &got, pb.topk, FLASHMSA_MODE_GIVEN);
+  const double e = rel_l2(r.proxy_lse.host, pref.proxy_lse);
+  std::printf("    %-10s rel-L2 %.3e\n", "proxy_lse", e);
+  EXPECT_LT(e, 1e-4);
+  check_forward(pb, in, r, FLASHMSA_MODE_SPARSE, pb.topk);
+}
+TEST(Fp8Selection, M3) { run_fp8_case(m3().with_topk(16).seqlens({3000})); }
+TEST(Fp8Selection, FmsaVarlenFp16) { run_fp8_case(fmsa().with_topk(16).seqlens({0, 1, 127, 129, 1000, 2500}).fp16()); }
+TEST(Fp8Selection, M3Batched) { run_fp8_case(m3().with_topk(16).batched(2, 1300)); }
+TEST(Fp8Selection, SmallTopk40Hpk2) {  // topk 40: the shared-memory list
+  run_fp8_case(Problem().heads(8, 2).proxy_heads(4, 2).with_topk(40).seqlens({6000, 300}));
 }
 
 TEST(Dense, FmsaVarlen) {
@@ -2523,13 +2583,15 @@ TEST(Empty, SmallZeroTokens) {
 // flashmsa_select with cu_seqlens_q / q_origin: chunks of the sequences' queries (cut off block
 // boundaries, out of order, two of one sequence, an empty one) against the whole key sequences give
 // exactly the whole call's rows (the same tile math per row), for the register list (topk 4) and the
-// shared-memory one (topk 20); their outputs fully written (poisoned before).
+// shared-memory one (topk 20), with the input dtype's ranking and the fp8 one (the proxy lse then from the union walk
+// over each tile's given blocks); their outputs fully written (poisoned before).
 struct SegSelect {
   Tensor idx, plse;
 };
 SegSelect cuda_select(const Tensor& qp, const Tensor& kp, const Tensor& cu, int64_t max_seqlen, int topk, int64_t rows,
                       int Hp, const Tensor* cuq = nullptr, const Tensor* origin = nullptr, int64_t max_seqlen_q = 0,
-                      flashmsa_tensor_t status = flashmsa::none(), flashmsa_status_t want = FLASHMSA_SUCCESS) {
+                      flashmsa_tensor_t status = flashmsa::none(), flashmsa_status_t want = FLASHMSA_SUCCESS,
+                      flashmsa_selection_t selection = FLASHMSA_SELECTION_INPUT) {
   SegSelect r{output({Hp, rows, topk}, FLASHMSA_DTYPE_INT32), output({Hp, rows}, FLASHMSA_DTYPE_FP32)};
   flashmsa::SelectArgs a;
   a.qp = dev_view(qp);
@@ -2542,6 +2604,7 @@ SegSelect cuda_select(const Tensor& qp, const Tensor& kp, const Tensor& cu, int6
     a.max_seqlen_q = max_seqlen_q;
   }
   a.topk = topk;
+  a.selection = selection;
   a.indices = dev_view(r.idx);
   a.proxy_lse = dev_view(r.plse);
   a.status = status;
@@ -2593,10 +2656,13 @@ TEST(Segments, SmallSelectRowsEqualWholeCall) {
     for (int64_t x = 0; x < Hp * Dp; ++x) qp_r.host.push_back(qp.host[size_t(r * Hp * Dp + x)]);
   upload(qp_r);
   Tensor cuq_t = int_tensor({int64_t(cuq.size())}, cuq), origin_t = int_tensor({int64_t(segs.size()), 2}, origin);
-  for (int topk : {4, 20}) {
-    SCOPED_TRACE("topk " + std::to_string(topk));
-    const SegSelect whole = cuda_select(qp, kp, cu_t, 700, topk, T, Hp);
-    const SegSelect part = cuda_select(qp_r, kp, cu_t, 700, topk, Tq, Hp, &cuq_t, &origin_t, max_q);
+  for (auto [topk, sel] : {std::pair{4, FLASHMSA_SELECTION_INPUT}, std::pair{20, FLASHMSA_SELECTION_INPUT},
+                           std::pair{4, FLASHMSA_SELECTION_FP8}, std::pair{20, FLASHMSA_SELECTION_FP8}}) {
+    SCOPED_TRACE("topk " + std::to_string(topk) + (sel == FLASHMSA_SELECTION_FP8 ? ", fp8 selection" : ""));
+    const flashmsa_tensor_t none = flashmsa::none();
+    const SegSelect whole = cuda_select(qp, kp, cu_t, 700, topk, T, Hp, nullptr, nullptr, 0, none, FLASHMSA_SUCCESS, sel);
+    const SegSelect part =
+        cuda_select(qp_r, kp, cu_t, 700, topk, Tq, Hp, &cuq_t, &origin_t, max_q, none, FLASHMSA_SUCCESS, sel);
     int64_t bad_idx = 0, bad_lse = 0;
     for (int h = 0; h < Hp; ++h)
       for (int64_t i = 0; i < Tq; ++i) {

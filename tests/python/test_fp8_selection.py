@@ -2,7 +2,8 @@
 scale per token and head) and kp (one per 128-token key block and head), the rest of the call uses qp, kp as given.
 Checked against an independent emulation with torch's float8_e4m3fn: the same indices as the ordinary selection on
 the dequantised values, the proxy lse of the unquantised values over those blocks, msa_attention equal to the
-given-indices call with them, and that it does change some selections."""
+given-indices call with them, and that it does change some selections; on a GPU the CUDA kernel against the CPU
+backend."""
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -105,10 +106,48 @@ def test_ignored_outside_the_sparse_mode_and_checked():
         flashmsa.msa_select(qp, kp, 3, cu_seqlens=cu, fp8_selection=1)
 
 
+def block_scores(q8, k8, cu, Hp, p, t, blocks):
+    """fp64 block scores (max of the scaled logits over the block's keys up to t) of the dequantised copies."""
+    b = int((cu[1:] <= t).sum())
+    s0 = int(cu[b])
+    c = p * k8.shape[1] // Hp
+    out = []
+    for j in blocks:
+        keys = range(s0 + j * BLOCK, min(s0 + j * BLOCK + BLOCK, t + 1))
+        out.append(float((k8[list(keys), c] @ q8[t, p]).max()) * q8.shape[-1] ** -0.5)
+    return out
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or not flashmsa.cuda_available(), reason="needs the CUDA backend")
-def test_cuda_not_supported_yet():
-    qp, kp, cu = inputs([300], dtype=torch.bfloat16)
-    qp, kp, cu = qp.cuda(), kp.cuda().repeat(1, 1, 8), cu.cuda()
-    qp = qp.repeat(1, 1, 8)  # Dp 128
-    with pytest.raises(NotImplementedError, match="runs on the CPU backend only so far"):
-        flashmsa.msa_select(qp, kp, 3, cu_seqlens=cu, fp8_selection=True)
+@pytest.mark.parametrize("lengths,topk", [([2000, 129, 1, 900], 4), ([3000, 300], 20)])
+def test_cuda_equals_the_cpu_backend(lengths, topk):
+    """The CUDA e4m3 kernel against the CPU backend on the same bf16 values (scales over many orders of magnitude, a
+    zero row, a zero key block): the rows equal up to swaps of blocks whose scores on the dequantised copies agree
+    to 1e-2 (the fp8 tensor cores accumulate with fewer bits than fp32), the kernel follows the fp8 ranking where it
+    differs from the input dtype's, and the proxy lse is the unquantised one (rows with the same blocks)."""
+    qp, kp, cu = inputs(lengths, Dp=128)
+    qp, kp = qp.bfloat16(), kp.bfloat16()
+    want, wlse = flashmsa.msa_select(qp.double(), kp.double(), topk, cu_seqlens=cu, fp8_selection=True,
+                                     return_proxy_lse=True)
+    plain = flashmsa.msa_select(qp.double(), kp.double(), topk, cu_seqlens=cu)
+    got, glse = flashmsa.msa_select(qp.cuda(), kp.cuda(), topk, cu_seqlens=cu.cuda(), fp8_selection=True,
+                                    return_proxy_lse=True)
+    got, glse = got.cpu(), glse.cpu()
+    q8, k8 = emulate(qp, kp, cu)
+    Hp = qp.shape[1]
+    bad = []
+    for p, t in (want != got).any(-1).nonzero().tolist():
+        slots = (want[p, t] != got[p, t]).nonzero().flatten().tolist()
+        a = block_scores(q8, k8, cu, Hp, p, t, [int(got[p, t, s]) for s in slots])
+        b = block_scores(q8, k8, cu, Hp, p, t, [int(want[p, t, s]) for s in slots])
+        chosen = [x for x in got[p, t].tolist() if x >= 0]
+        if len(chosen) != len(set(chosen)) or any(abs(x - y) > 1e-2 * max(abs(x), abs(y)) for x, y in zip(a, b)):
+            bad.append((p, t))
+    assert not bad, f"{len(bad)} rows differ beyond ties, first {bad[0]}"
+    differ = want != plain
+    assert differ.any()
+    took_fp8 = (got == want)[differ].float().mean().item()
+    took_input = (got == plain)[differ].float().mean().item()
+    assert took_fp8 > 2 * took_input, (took_fp8, took_input)
+    same = (want == got).all(-1)
+    torch.testing.assert_close(glse[same].double(), wlse[same], rtol=1e-4, atol=1e-4)

@@ -4,6 +4,7 @@
 
 namespace flashmsa::cuda {
 
-enum class Dtype { kBf16, kFp16 };
+// kE4m3: the fp8 selection's quantised copies of qp and kp (select_e4m3.cu), no other kernel
+enum class Dtype { kBf16, kFp16, kE4m3 };
 
 }  // namespace flashmsa::cuda

@@ -178,6 +178,7 @@ __device__ __forceinline__ float quad_sum(float x) {
 template <Dtype> struct ElementOf;
 template <> struct ElementOf<Dtype::kBf16> { using type = cutlass::bfloat16_t; };
 template <> struct ElementOf<Dtype::kFp16> { using type = cutlass::half_t; };
+template <> struct ElementOf<Dtype::kE4m3> { using type = cutlass::float_e4m3_t; };
 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;

@@ -31,7 +31,16 @@ struct Args {
   int64_t total = 0;  // tokens of the per-token tensors (the TMA descriptor's extent)
 };
 
+// The e4m3 selection's scales (fp8_quant.h): qscale [Hp, total_q], kscale [Hpk, total] (a key block's scale at
+// its first row). Read only by the kE4m3 instantiation, which selects without the proxy lse (the dispatcher forms
+// it afterwards over the selected blocks in the input dtype, kGivenLse).
+struct Fp8Scales {
+  const float* qscale = nullptr;
+  const float* kscale = nullptr;
+  int64_t total_q = 0;
+};
+
 template <Dtype>
-void run(const Args& a, cudaStream_t stream);
+void run(const Args& a, cudaStream_t stream, const Fp8Scales& fp8 = {});
 
 }  // namespace flashmsa::cuda::selection

@@ -1,4 +1,4 @@
 #include "cuda/select/select_kernel.cuh"
 namespace flashmsa::cuda::selection {
-template void run<Dtype::kBf16>(const Args&, cudaStream_t);
+template void run<Dtype::kBf16>(const Args&, cudaStream_t, const Fp8Scales&);
 }

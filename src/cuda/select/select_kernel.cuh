@@ -45,7 +45,25 @@ struct Params : Args {
   using StageLayout = decltype(cute::take<0, 2>(typename Config<Element>::SmemLayoutK{}));
   TmaBlockLoad<Element, StageLayout> tma_kp;
   TmaShape tma_shape_kp;
+  Fp8Scales fp8;  // the kE4m3 instantiation's (last: the other members' offsets do not depend on it)
 };
+
+template <class Element>
+constexpr bool kIsFp8 = std::is_same_v<Element, cutlass::float_e4m3_t>;
+
+// The first set bit of `bits` at or after `from`, else `end` (bits covers [0, end)): the union walk's next block.
+__device__ __forceinline__ int next_set(const uint32_t* bits, int from, int end) {
+  if (from >= end) return end;
+  int w = from >> 5;
+  uint32_t m = bits[w] & (~0u << (from & 31));
+  const int last_w = (end - 1) >> 5;
+  while (m == 0) {
+    if (++w > last_w) return end;
+    m = bits[w];
+  }
+  const int j = (w << 5) + __ffs(m) - 1;
+  return j < end ? j : end;
+}
 
 template <class Element>
 struct Config {
@@ -145,12 +163,18 @@ __device__ __forceinline__ void write_row(const Smem& S, int row, int n, int loc
   for (int s = n + 1; s < topk; ++s) out[s] = -1;
 }
 
-template <class Element>
+// kUnion (kGivenLse only): the CTA walks the union of its rows' given blocks instead of every block 0..m_block
+// (the lse over given blocks costs the union's GEMMs, not the causal prefix's). kE4m3 (kIsFp8): the fp8
+// selection's ranking, no lse (docs/kernels/select.md, "fp8 selection").
+template <class Element, bool kUnion>
 __global__ void __launch_bounds__(kCtaThreads, 1) select_kernel(const __grid_constant__ Params<Element> p) {
   using namespace cute;
   using C = Config<Element>;
   extern __shared__ char smem_raw[];
   auto& S = smem_struct<typename C::Smem>(smem_raw);
+  constexpr bool kFp8 = kIsFp8<Element>;
+  // the lse mode (known at compile time in the union walk and the fp8 ranking)
+  auto mode_is = [&](int m) { return kUnion ? m == kGivenLse : kFp8 ? m == kSelect : p.lse_mode == m; };
 
   const int m_block = p.num_m_blocks - 1 - int(blockIdx.x);  // heavy tiles first
   const int ph = blockIdx.y;
@@ -166,7 +190,25 @@ __global__ void __launch_bounds__(kCtaThreads, 1) select_kernel(const __grid_con
   const int role_wg = tid / kWarpGroupThreads;
   const auto pp = tma_pipeline_params<Pipeline>(role_wg, C::kConsumers, C::kBlockN * C::kHeadDim * sizeof(Element));
   Pipeline pipeline(S.pipe, pp, Shape<_1, _1, _1>{});
-  __syncthreads();  // barrier initialisation visible to every thread
+  // the union walk's blocks: a bitmap over 0..m_block in the score lists' memory (kGivenLse keeps no score lists),
+  // built by every thread before the producer starts
+  uint32_t* const union_bits = reinterpret_cast<uint32_t*>(&S.score[0][0]);
+  if constexpr (kUnion) {
+    static_assert(sizeof(S.score) * 8 >= 8192, "the bitmap of 8192 blocks (max_seqlen 1M) fits the score lists");
+    for (int w = threadIdx.x; w <= m_block / 32; w += kCtaThreads) union_bits[w] = 0u;
+    __syncthreads();
+    for (int e = threadIdx.x; e < C::kBlockM * p.topk; e += kCtaThreads) {
+      const int64_t i = int64_t(m_block) * C::kBlockM + e / p.topk;
+      if (i < lo || i >= hi) continue;
+      const int v = p.given.at(ph, qrow0 + i)[e % p.topk];
+      if (v >= 0 && v <= m_block) atomicOr(&union_bits[v >> 5], 1u << (v & 31));
+    }
+  }
+  __syncthreads();  // barrier initialisation (and the union) visible to every thread
+  // the blocks walked: 0..m_block (the fp8 ranking: 0..m_block-1, the local block is never ranked), or the union
+  const int walk_last = kFp8 ? m_block - 1 : m_block;
+  auto first_block = [&]() { return kUnion ? next_set(union_bits, 0, walk_last + 1) : 0; };
+  auto next_block = [&](int j) { return kUnion ? next_set(union_bits, j + 1, walk_last + 1) : j + 1; };
 
   Tensor sQ = make_tensor(make_smem_ptr(S.q.data()), typename C::SmemLayoutQ{});
   Tensor sK = make_tensor(make_smem_ptr(S.k.data()), typename C::SmemLayoutK{});
@@ -177,7 +219,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) select_kernel(const __grid_con
       Tensor tKg = tma_blocks(p.tma_kp, p.tma_shape_kp, pk, b, s0, p.batched);  // (TMA, block)
       Tensor tKs = tma_stages(p.tma_kp, sK);                                      // (TMA, stage)
       auto state = cutlass::make_producer_start_state<Pipeline>();
-      for (int j = 0; j <= m_block; ++j) {
+      for (int j = first_block(); j <= walk_last; j = next_block(j)) {
         pipeline.producer_acquire(state);
         copy(p.tma_kp.with(*pipeline.producer_get_barrier(state)), tKg(_, j), tKs(_, state.index()));
         ++state;
@@ -191,9 +233,10 @@ __global__ void __launch_bounds__(kCtaThreads, 1) select_kernel(const __grid_con
   {
     // this warpgroup's 64 query rows (positions clamped to the unit's [lo, hi))
     const Element* qbase = p.qp.template row<const Element>(b, 0, ph);
+    constexpr int kChunk = 16 / int(sizeof(Element)), kChunks = C::kHeadDim / kChunk;  // 16-byte copies a row
 #pragma unroll
-    for (int c = tid % kWarpGroupThreads; c < 64 * 16; c += kWarpGroupThreads) {
-      const int r = wg * 64 + c / 16, col = (c % 16) * 8;
+    for (int c = tid % kWarpGroupThreads; c < 64 * kChunks; c += kWarpGroupThreads) {
+      const int r = wg * 64 + c / kChunks, col = (c % kChunks) * kChunk;
       const int64_t pos = min(max(int64_t(m_block) * C::kBlockM + r, lo), hi - 1);
       ptx::cp_async_16(&sQ(r, col), qbase + (qrow0 + pos) * p.qp.tok + col);
     }
@@ -228,7 +271,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) select_kernel(const __grid_con
   float local_lse2[2] = {0.f, 0.f};
   // lse-only modes: running log2-sum-exp2 of the counted blocks (kept by all four quad lanes)
   float run_m[2] = {-INFINITY, -INFINITY}, run_s[2] = {0.f, 0.f};
-  if (p.lse_mode == kGivenLse && (lane & 3) == 0) {
+  if (mode_is(kGivenLse) && (lane & 3) == 0) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int row = wg * 64 + get<0>(cRC(r, 0));
@@ -239,7 +282,11 @@ __global__ void __launch_bounds__(kCtaThreads, 1) select_kernel(const __grid_con
       }
     }
   }
-  if (p.lse_mode == kGivenLse) barrier_sync(consumer_wg_barrier(wg), kWarpGroupThreads);
+  if (mode_is(kGivenLse)) barrier_sync(consumer_wg_barrier(wg), kWarpGroupThreads);
+  // the fp8 ranking's row scale (the owner's row; the block scale is read per block)
+  float own_qscale = 0.f;
+  if constexpr (kFp8)
+    if (own_valid) own_qscale = p.fp8.qscale[int64_t(ph) * p.fp8.total_q + qrow0 + own_i];
 
   // One key block's logits in `a` -> the rows' block max and block lse, into the list (or the
   // running lse). The causal mask only in the local block (j == m_block). Both rows of a thread
@@ -278,62 +325,72 @@ __global__ void __launch_bounds__(kCtaThreads, 1) select_kernel(const __grid_con
       out[0] = acc_[0][0];
       out[1] = acc_[1][0];
     };
-    float mx[2], blse2[2];
+    float mx[2];
     reduce_rows(logit, [](float x, float y) { return fmaxf(x, y); }, mx);
 #pragma unroll
     for (int r = 0; r < 2; ++r) mx[r] = quad_max(mx[r]);
-    // A block that no row of the warp takes needs no lse: the select mode reads a block's lse only
-    // at its insert; the local block and the lse-only modes always need it (docs/kernels/select.md,
-    // the lazy lse: clustered -13% at 32k, -25% at 128k; random +1-2%).
-    if constexpr (!decltype(masked)::value) {
-      if (p.lse_mode == kSelect) {
-        const float sc = rank_score(own_r == 0 ? mx[0] : mx[1]);
-        const bool take = cap > 0 && own_valid && (count < cap || outranks(sc, list_last));
-        if (!__any_sync(0xffffffffu, take)) return;
+    if constexpr (kFp8) {  // rank by the dequantised block max (the scales are positive, NaN or 0); no lse
+      if (cap > 0 && own_valid) {
+        const float ks = p.fp8.kscale[int64_t(pk) * p.total + s0 + int64_t(j) * C::kBlockN];
+        const float sc = rank_score((own_r == 0 ? mx[0] : mx[1]) * (own_qscale * ks));
+        if (reg_list) rl.insert(count, list_last, cap, sc, j, 0.f);
+        else list_insert(S, own_row, count, list_last, cap, sc, j, 0.f);
       }
-    }
-    {
-      float ms[2], sum[2];
-#pragma unroll
-      for (int r = 0; r < 2; ++r) ms[r] = mx[r] * sl2;
-      reduce_rows([&](int r, int c) {
-                    const float x = logit(r, c) * sl2 - ms[r];
-                    if constexpr (!decltype(masked)::value && kPolyCols > 0)
-                      if (c % 8 < kPolyCols) return exp2f_poly(x);
-                    return ptx::exp2f_approx(x);
-                  },
-                  [](float x, float y) { return x + y; }, sum);
-#pragma unroll
-      for (int r = 0; r < 2; ++r) blse2[r] = ms[r] + __log2f(quad_sum(sum[r]));
-    }
-    if (p.lse_mode != kSelect) {
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        bool counted = true;
-        if (p.lse_mode == kGivenLse) {
-          const int row = wg * 64 + get<0>(cRC(r, 0));
-          counted = false;
-          for (int s = 0; s < p.topk; ++s) counted = counted || S.idx[s][row] == j;
-        }
-        if (counted) {
-          const float m2 = fmaxf(run_m[r], blse2[r]);
-          run_s[r] = run_s[r] * exp2f(run_m[r] - m2) + exp2f(blse2[r] - m2);
-          run_m[r] = m2;
+    } else {
+      float blse2[2];
+      // A block that no row of the warp takes needs no lse: the select mode reads a block's lse only
+      // at its insert; the local block and the lse-only modes always need it (docs/kernels/select.md,
+      // the lazy lse: clustered -13% at 32k, -25% at 128k; random +1-2%).
+      if constexpr (!decltype(masked)::value) {
+        if (mode_is(kSelect)) {
+          const float sc = rank_score(own_r == 0 ? mx[0] : mx[1]);
+          const bool take = cap > 0 && own_valid && (count < cap || outranks(sc, list_last));
+          if (!__any_sync(0xffffffffu, take)) return;
         }
       }
-    } else if constexpr (decltype(masked)::value) {
-      local_lse2[0] = blse2[0];
-      local_lse2[1] = blse2[1];
-    } else if (cap > 0 && own_valid) {
-      // one owner lane per row (quad lane 0: the thread's first row, lane 1: its second), so
-      // the two rows' inserts run side by side
-      const float sc = rank_score(own_r == 0 ? mx[0] : mx[1]), l2 = own_r == 0 ? blse2[0] : blse2[1];
-      if (reg_list) rl.insert(count, list_last, cap, sc, j, l2);
-      else list_insert(S, own_row, count, list_last, cap, sc, j, l2);
+      {
+        float ms[2], sum[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) ms[r] = mx[r] * sl2;
+        reduce_rows([&](int r, int c) {
+                      const float x = logit(r, c) * sl2 - ms[r];
+                      if constexpr (!decltype(masked)::value && kPolyCols > 0)
+                        if (c % 8 < kPolyCols) return exp2f_poly(x);
+                      return ptx::exp2f_approx(x);
+                    },
+                    [](float x, float y) { return x + y; }, sum);
+#pragma unroll
+        for (int r = 0; r < 2; ++r) blse2[r] = ms[r] + __log2f(quad_sum(sum[r]));
+      }
+      if (!mode_is(kSelect)) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          bool counted = true;
+          if (mode_is(kGivenLse)) {
+            const int row = wg * 64 + get<0>(cRC(r, 0));
+            counted = false;
+            for (int s = 0; s < p.topk; ++s) counted = counted || S.idx[s][row] == j;
+          }
+          if (counted) {
+            const float m2 = fmaxf(run_m[r], blse2[r]);
+            run_s[r] = run_s[r] * exp2f(run_m[r] - m2) + exp2f(blse2[r] - m2);
+            run_m[r] = m2;
+          }
+        }
+      } else if constexpr (decltype(masked)::value) {
+        local_lse2[0] = blse2[0];
+        local_lse2[1] = blse2[1];
+      } else if (cap > 0 && own_valid) {
+        // one owner lane per row (quad lane 0: the thread's first row, lane 1: its second), so
+        // the two rows' inserts run side by side
+        const float sc = rank_score(own_r == 0 ? mx[0] : mx[1]), l2 = own_r == 0 ? blse2[0] : blse2[1];
+        if (reg_list) rl.insert(count, list_last, cap, sc, j, l2);
+        else list_insert(S, own_row, count, list_last, cap, sc, j, l2);
+      }
     }
   };
   typename Pipeline::PipelineState state;
-  for (int j = 0; j <= m_block; ++j) {
+  for (int j = first_block(); j <= walk_last; j = next_block(j)) {
     pipeline.consumer_wait(state);
     wg_gemm<true>(mma, tSrQ, tSrK(_, _, _, state.index()), acc);
     pipeline.consumer_release(state);
@@ -346,7 +403,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) select_kernel(const __grid_con
   if (own_valid) {
     const int r = own_r, row = own_row;
     const int64_t i = own_i;
-    if (p.lse_mode != kSelect) {
+    if (!mode_is(kSelect)) {
       const float rs = r == 0 ? run_s[0] : run_s[1], rm = r == 0 ? run_m[0] : run_m[1];
       *p.proxy_lse.at(ph, qrow0 + i) = rs > 0.f ? (rm + log2f(rs)) * kLn2 : -INFINITY;
     } else {
@@ -363,7 +420,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) select_kernel(const __grid_con
       float mx2 = llse2;
       for (int s = 0; s < n; ++s) mx2 = fmaxf(mx2, S.lse2[s][row]);
       write_row(S, row, n, m_block, p.topk, p.indices.at(ph, qrow0 + i));
-      if (p.proxy_lse.ptr) {
+      if (!kFp8 && p.proxy_lse.ptr) {
         float sum = exp2f(llse2 - mx2);
         for (int s = 0; s < n; ++s) sum += exp2f(S.lse2[s][row] - mx2);
         *p.proxy_lse.at(ph, qrow0 + i) = (mx2 + log2f(sum)) * kLn2;
@@ -372,10 +429,10 @@ __global__ void __launch_bounds__(kCtaThreads, 1) select_kernel(const __grid_con
   }
 }
 
-template <class Element>
+template <class Element, bool kUnion>
 void launch(const Params<Element>& p, cudaStream_t stream) {
   using C = Config<Element>;
-  auto kernel = select_kernel<Element>;
+  auto kernel = select_kernel<Element, kUnion>;
   FLASHMSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            int(C::kSmemBytes)));
   dim3 grid(p.num_m_blocks, p.Hp, p.seqs.segments);
@@ -387,7 +444,7 @@ void launch(const Params<Element>& p, cudaStream_t stream) {
 // select.h's run: the TMA descriptor of kp from the plain arguments, then the launch (explicitly
 // instantiated once per dtype, one translation unit each).
 template <Dtype D>
-void run(const Args& a, cudaStream_t stream) {
+void run(const Args& a, cudaStream_t stream, const Fp8Scales& fp8) {
   using Element = typename ElementOf<D>::type;
   Params<Element> p;
   static_cast<Args&>(p) = a;
@@ -395,7 +452,10 @@ void run(const Args& a, cudaStream_t stream) {
                                                                                  a.seqs.batch, a.total);
   p.tma_kp = t.copy;
   p.tma_shape_kp = t.shape;
-  launch<Element>(p, stream);
+  p.fp8 = fp8;
+  if constexpr (kIsFp8<Element>) launch<Element, false>(p, stream);  // selection only
+  else if (a.lse_mode == kGivenLse) launch<Element, true>(p, stream);
+  else launch<Element, false>(p, stream);
 }
 
 }  // namespace flashmsa::cuda::selection
