@@ -41,7 +41,7 @@ INTRO = (
 
 def columns():
     def u(key, nd=2):
-        return lambda m, r: "-" if "error" in r else RB.fmt(r.get(key), nd)
+        return lambda m, r: RB.fmt(r.get(key), nd)  # (a row cut by an error keeps what came before it)
 
     def err(m, r):
         return r.get("error", "")
@@ -81,27 +81,23 @@ def columns():
     ]
 
 
-def set_recall(want, got):
-    """The share of each row's non-local selected blocks of `want` [Hp, T, K] that `got` holds too, averaged over
-    the rows that have any (the local block, always in both, is the last valid slot)."""
-    import torch
-    valid = want >= 0
-    n = valid.sum(-1, keepdim=True)
-    local = want.gather(-1, (n - 1).clamp(min=0))
-    counted = valid & (want != local)
-    hit = (want.unsqueeze(-1) == got.unsqueeze(-2)).any(-1) & counted
-    rows = counted.sum(-1)
-    has = rows > 0
-    return float((hit.sum(-1)[has].double() / rows[has].double()).mean()) if bool(has.any()) else float("nan")
+def lm_long_context():
+    """examples/lm_long_context.py as a module (its selection statistics), after user_path picked flashmsa."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("lm_long_context", os.path.join(RB.REPO, "examples",
+                                                                                  "lm_long_context.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
-def measure(cfg, T, pattern, iters, log, fp8=False):
-    """One row's numbers on the GPU (raises on out-of-memory; the caller records it)."""
+def measure(cfg, T, pattern, iters, log, r, fp8=False):
+    """One row's numbers on the GPU, into r as they come (raises on out-of-memory; the caller records it next to
+    what was measured before it)."""
     import torch
 
     import user_path
     flashmsa = user_path.import_flashmsa()
-    r = {}
     inputs = user_path.make_inputs(cfg, T, pattern, torch.device("cuda"))
     step, clear, dout = user_path.training_step(inputs, cfg["topk"])
     r["inputs_gb"] = sum(x.numel() * x.element_size() for x in list(inputs[:5]) + [dout]) / 1e9
@@ -122,7 +118,7 @@ def measure(cfg, T, pattern, iters, log, fp8=False):
         r["fp8_select_ms"] = user_path.median_ms(select8, lambda: None, iters, 1, reps=1)
         with torch.no_grad():
             want = flashmsa.msa_select(qp.detach(), kp.detach(), cfg["topk"], cu_seqlens=cu, max_seqlen=T)
-            r["fp8_set_recall"] = set_recall(want, select8())
+            r["fp8_set_recall"] = lm_long_context().set_recall(want, select8())
         del want
         torch.cuda.empty_cache()
     log("step")
@@ -139,7 +135,6 @@ def measure(cfg, T, pattern, iters, log, fp8=False):
     r["step_ms"] = user_path.median_ms(run, clear, iters, 0, reps=1)
     r["kl"] = last["kl"].item()
     clear()
-    return r
 
 
 def main(argv=None):
@@ -182,8 +177,8 @@ def main(argv=None):
                 if dense is None and longest:
                     row["cudnn_extrapolated_ms"] = longest[1] * (T / longest[0]) ** 2
                 try:
-                    row.update(measure(cfg, T, pattern, args.iters,
-                                       lambda what: RB.log(f"[long] {name} {T} {pattern}: {what}"), args.fp8))
+                    measure(cfg, T, pattern, args.iters, lambda what: RB.log(f"[long] {name} {T} {pattern}: {what}"),
+                            row, args.fp8)
                 except torch.cuda.OutOfMemoryError as e:
                     row["error"] = "out of memory: " + " ".join(str(e).split())[:240]
                     row["peak_gb"] = torch.cuda.max_memory_allocated() / 1e9

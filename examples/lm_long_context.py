@@ -182,6 +182,20 @@ def sampled_recall(q, k, idx, rows: torch.Tensor) -> float:
     return torch.stack(out).mean().item()
 
 
+def set_recall(want: torch.Tensor, got: torch.Tensor) -> float:
+    """Set recall of a selection `got` against `want` (both [Hp, total, K]): the share of each row's non-local
+    selected blocks of `want` that `got` holds too, averaged over the rows that have any (the local block, always
+    in both, is the last valid slot)."""
+    valid = want >= 0
+    n = valid.sum(-1, keepdim=True)
+    local = want.gather(-1, (n - 1).clamp(min=0))
+    counted = valid & (want != local)
+    hit = (want.unsqueeze(-1) == got.unsqueeze(-2)).any(-1) & counted
+    rows = counted.sum(-1)
+    has = rows > 0
+    return float((hit.sum(-1)[has].double() / rows[has].double()).mean()) if bool(has.any()) else float("nan")
+
+
 def union_stats(idx: torch.Tensor, B: int, S: int, topk: int) -> dict:
     """Union factor (distinct valid blocks of a 128-query tile / topk, mean over tiles and proxy
     heads) and blocks per tile of a selection idx [Hp, B*S, topk]."""

@@ -10,7 +10,8 @@ Megatron-Core GPTModel from the same initial weights, on the same batches in the
          mode equals DotProductAttention).
 It prints the validation loss of both runs, the final gap, the kl per layer, the selection's attention-mass recall
 (at each evaluation: flashmsa.msa_select on each layer's qp, kp, the share of the dense causal attention mass inside
-the selected blocks at sampled rows, mean over layers), the step times and their ratio, the peak memory and the
+the selected blocks at sampled rows, mean over layers; with it the fp8 selection's mass recall and set recall on the
+same projections), the step times and their ratio, the peak memory and the
 attention's share of the step (one layer's attention fwd + bwd at the training shape timed alone, times the layer
 count, over the step), and writes DIR/megatron_gpt.json and DIR/megatron_gpt.png (loss, kl, recall).
 
@@ -120,23 +121,29 @@ def loss_of(m, x, y, a):
 
 def recall_of(m, x, y, a):
     """The selection's attention-mass recall on one validation batch: each layer's flashmsa call is intercepted,
-    its proxy's selection recomputed by flashmsa.msa_select and scored by lm.sampled_recall (mean over layers)."""
+    its proxy's selection recomputed by flashmsa.msa_select and scored by lm.sampled_recall (mean over layers).
+    With it, the fp8 selection's (fp8_selection=True) on the same trained projections: its mass recall and its set
+    recall against the input dtype's selection. Returns (recall, fp8 recall, fp8 set recall)."""
     import flashmsa
     rec, orig = [], fm._ops.msa_attention
 
     def probe(q, k, v, qp=None, kp=None, topk=16, **kw):
         if qp is not None:
             B, S = x.shape
-            idx = flashmsa.msa_select(qp, kp, topk, cu_seqlens=kw["cu_seqlens"], max_seqlen=kw["max_seqlen"])
+            sel = dict(cu_seqlens=kw["cu_seqlens"], max_seqlen=kw["max_seqlen"])
+            idx = flashmsa.msa_select(qp, kp, topk, **sel)
+            idx8 = flashmsa.msa_select(qp, kp, topk, fp8_selection=True, **sel)
             rows = torch.linspace(lm.BLOCK, S - 1, a.recall_rows, device=q.device).long().unique()
-            rec.append(lm.sampled_recall(q.view(B, S, *q.shape[1:]), k.view(B, S, *k.shape[1:]), idx, rows))
+            qs, ks = q.view(B, S, *q.shape[1:]), k.view(B, S, *k.shape[1:])
+            rec.append((lm.sampled_recall(qs, ks, idx, rows), lm.sampled_recall(qs, ks, idx8, rows),
+                        lm.set_recall(idx, idx8)))
         return orig(q, k, v, qp, kp, topk, **kw)
     fm._ops.msa_attention = probe
     try:
         loss_of(m, x, y, a)
     finally:
         fm._ops.msa_attention = orig
-    return sum(rec) / len(rec) if rec else float("nan")
+    return tuple(sum(r[i] for r in rec) / len(rec) for i in range(3)) if rec else (float("nan"),) * 3
 
 
 def attention_times(a):
@@ -203,9 +210,9 @@ def train(kind, a, data, val, init, log):
             m.eval()
             with torch.no_grad():
                 vl = sum(loss_of(m, x, y, a).item() for x, y in val) / len(val)
-                rc = recall_of(m, *val[0], a) if kind.startswith("msa") else None
+                rc, rc8, set8 = recall_of(m, *val[0], a) if kind.startswith("msa") else (None,) * 3
             m.train()
-            hist.append(dict(step=step, val_loss=vl, recall=rc))
+            hist.append(dict(step=step, val_loss=vl, recall=rc, recall_fp8=rc8, set_recall_fp8=set8))
             ph = times["sparse"] or times["warmup"]
             log(f"[{kind:5s}] step {step:4d}  val loss {vl:.4f}" + (f"  recall {rc:.4f}" if rc is not None else "")
                 + (f"  step {median(ph):.3f} s" if ph else ""))
@@ -311,6 +318,8 @@ def main(argv=None):
                final_val_loss=fin, gap=gap, last_kl_per_layer=kls[-1] if kls else None,
                step_ratio_sparse=runs["dense"]["step_s_sparse"] / runs["msa"]["step_s_sparse"],
                last_recall=runs["msa"]["history"][-1]["recall"],
+               last_recall_fp8=runs["msa"]["history"][-1]["recall_fp8"],
+               last_set_recall_fp8=runs["msa"]["history"][-1]["set_recall_fp8"],
                device=torch.cuda.get_device_name() if a.device == "cuda" else "cpu")
     at = attention_times(a)
     res["attention_ms"] = at
@@ -324,7 +333,8 @@ def main(argv=None):
     log(f"final val loss: msa {fin['msa']:.4f}, dense {fin['dense']:.4f} (gap {100 * gap:+.2f}%); kl per layer "
         f"{res['last_kl_per_layer']}; step s (sparse phase): msa {runs['msa']['step_s_sparse']:.3f}, dense "
         f"{runs['dense']['step_s_sparse']:.3f} (dense / msa {res['step_ratio_sparse']:.2f}x); recall "
-        f"{res['last_recall']:.4f}")
+        f"{res['last_recall']:.4f} (fp8 selection: {res['last_recall_fp8']:.4f}, set recall "
+        f"{res['last_set_recall_fp8']:.4f})")
     log(f"attention fwd+bwd of one layer: msa {at['msa']:.2f} ms, dense {at['dense']:.2f} ms; share of the step: "
         f"msa {100 * res['attention_share']['msa']:.0f}%, dense {100 * res['attention_share']['dense']:.0f}%"
         + ("" if a.device != "cuda" else f"; peak memory GB: msa {runs['msa']['peak_gb']:.2f}, dense "
