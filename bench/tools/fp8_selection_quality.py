@@ -1,4 +1,4 @@
-"""What an fp8 (e4m3) proxy selection would change, measured on the CPU before any kernel exists.
+"""What the fp8 (e4m3) proxy selection changes, emulated in torch (any device; the scale groups can be varied).
 
 qp and kp are quantised as an fp8 selection kernel would read them (e4m3, one fp32 scale per token and head:
 amax / 448, DeepGEMM's fp8_mqa_logits convention), dequantised, and the selection of SPEC section 1 runs on
