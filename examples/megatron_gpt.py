@@ -132,11 +132,16 @@ def recall_of(m, x, y, a):
             B, S = x.shape
             sel = dict(cu_seqlens=kw["cu_seqlens"], max_seqlen=kw["max_seqlen"])
             idx = flashmsa.msa_select(qp, kp, topk, **sel)
-            idx8 = flashmsa.msa_select(qp, kp, topk, fp8_selection=True, **sel)
+            try:
+                idx8 = flashmsa.msa_select(qp, kp, topk, fp8_selection=True, **sel)
+            except flashmsa.NotSupportedError:  # CUDA without FLASHMSA_FP8_SELECTION_CUDA=1 (docs/errors.md)
+                idx8 = None
             rows = torch.linspace(lm.BLOCK, S - 1, a.recall_rows, device=q.device).long().unique()
             qs, ks = q.view(B, S, *q.shape[1:]), k.view(B, S, *k.shape[1:])
-            rec.append((lm.sampled_recall(qs, ks, idx, rows), lm.sampled_recall(qs, ks, idx8, rows),
-                        lm.set_recall(idx, idx8)))
+            nan = float("nan")
+            rec.append((lm.sampled_recall(qs, ks, idx, rows),
+                        nan if idx8 is None else lm.sampled_recall(qs, ks, idx8, rows),
+                        nan if idx8 is None else lm.set_recall(idx, idx8)))
         return orig(q, k, v, qp, kp, topk, **kw)
     fm._ops.msa_attention = probe
     try:

@@ -20,6 +20,13 @@
 namespace gputest {
 namespace {
 
+// An environment variable (a CUDA backend knob, docs/errors.md) set for a scope.
+struct ScopedEnv {
+  ScopedEnv(const char* name, const char* value) : name_(name) { setenv(name, value, 1); }
+  ~ScopedEnv() { unsetenv(name_); }
+  const char* name_;
+};
+
 uint64_t fresh_seed() {
   static std::random_device rd;
   return (uint64_t(rd()) << 32) ^ rd();
@@ -390,6 +397,7 @@ TEST(Sparse, SmallNanKpBlockRanksLast) {
 // sets is of the unquantised values (1e-4); out and lse as in every sparse case.
 void run_fp8_case(const Problem& pb0) {
   PoolScope scope;
+  ScopedEnv knob("FLASHMSA_FP8_SELECTION_CUDA", "1");
   std::mt19937_64 rng(fresh_seed());
   Problem pb = pb0;
   Inputs in = make_inputs(pb, rng);
@@ -428,6 +436,45 @@ TEST(Fp8Selection, FmsaVarlenFp16) { run_fp8_case(fmsa().with_topk(16).seqlens({
 TEST(Fp8Selection, M3Batched) { run_fp8_case(m3().with_topk(16).batched(2, 1300)); }
 TEST(Fp8Selection, SmallTopk40Hpk2) {  // topk 40: the shared-memory list
   run_fp8_case(Problem().heads(8, 2).proxy_heads(4, 2).with_topk(40).seqlens({6000, 300}));
+}
+// Without FLASHMSA_FP8_SELECTION_CUDA=1 the CUDA backend refuses the fp8 selection (NOT_SUPPORTED, nothing run),
+// in flashmsa_select and in the forward's workspace query.
+TEST(Fp8Selection, SmallRefusedWithoutTheKnob) {
+  PoolScope scope;
+  std::mt19937_64 rng(fresh_seed());
+  const Problem pb = Problem().heads(8, 2).proxy_heads(2, 1).with_topk(4).seqlens({300});
+  Inputs in = make_inputs(pb, rng);
+  flashmsa::SelectArgs s;
+  s.qp = dev_view(in.qp);
+  s.kp = dev_view(in.kp);
+  s.cu_seqlens = dev_view(in.cu);
+  s.max_seqlen = pb.max_len();
+  s.topk = pb.topk;
+  s.selection = FLASHMSA_SELECTION_FP8;
+  Tensor idx = output({pb.Hp, pb.total(), pb.topk}, FLASHMSA_DTYPE_INT32);
+  s.indices = dev_view(idx);
+  size_t bytes = 0;
+  EXPECT_EQ(flashmsa_select_workspace_size(&s, &bytes), FLASHMSA_ERROR_NOT_SUPPORTED);
+  EXPECT_NE(std::string(flashmsa_last_error()).find("FLASHMSA_FP8_SELECTION_CUDA"), std::string::npos)
+      << flashmsa_last_error();
+  {
+    ScopedEnv bad("FLASHMSA_FP8_SELECTION_CUDA", "yes");
+    EXPECT_EQ(flashmsa_select_workspace_size(&s, &bytes), FLASHMSA_ERROR_INVALID_ARGUMENT);
+  }
+  flashmsa::FwdArgs a;
+  a.q = dev_view(in.q);
+  a.k = dev_view(in.k);
+  a.v = dev_view(in.v);
+  a.qp = dev_view(in.qp);
+  a.kp = dev_view(in.kp);
+  a.cu_seqlens = dev_view(in.cu);
+  a.max_seqlen = pb.max_len();
+  a.topk = pb.topk;
+  a.selection = FLASHMSA_SELECTION_FP8;
+  Tensor out = output(token_shape(pb, pb.Hq, pb.D), pb.dtype), lse = output({pb.Hq, pb.total()}, FLASHMSA_DTYPE_FP32);
+  a.out = dev_view(out);
+  a.lse = dev_view(lse);
+  EXPECT_EQ(flashmsa_fwd_workspace_size(&a, &bytes), FLASHMSA_ERROR_NOT_SUPPORTED);
 }
 
 TEST(Dense, FmsaVarlen) {
@@ -818,11 +865,6 @@ TEST(Proxy, G64Given) {
 // walks lists of up to ~2,100 entries in 64-entry segments: dK, dV and dKp added per segment, the
 // CTA's teacher scratch rewritten each time, both pipelines' states carried across segments and
 // items. 184 items (46 key blocks x 4 proxy heads) over at most 132 CTAs: CTAs take several items.
-struct ScopedEnv {
-  ScopedEnv(const char* name, const char* value) : name_(name) { setenv(name, value, 1); }
-  ~ScopedEnv() { unsetenv(name_); }
-  const char* name_;
-};
 // The fused backward's dq paths (FLASHMSA_BWD_DQ; unset, the rule picks 'store' for the m3 heads at topk 16 and 'add'
 // for the fmsa heads, so the other Proxy tests run both): the first contribution to a row stores it into the poisoned
 // workspace's dq accumulator (no zeroing; GIVEN rows with no block at all convert to zeros through their words),
@@ -2659,6 +2701,7 @@ TEST(Segments, SmallSelectRowsEqualWholeCall) {
   for (auto [topk, sel] : {std::pair{4, FLASHMSA_SELECTION_INPUT}, std::pair{20, FLASHMSA_SELECTION_INPUT},
                            std::pair{4, FLASHMSA_SELECTION_FP8}, std::pair{20, FLASHMSA_SELECTION_FP8}}) {
     SCOPED_TRACE("topk " + std::to_string(topk) + (sel == FLASHMSA_SELECTION_FP8 ? ", fp8 selection" : ""));
+    ScopedEnv knob("FLASHMSA_FP8_SELECTION_CUDA", sel == FLASHMSA_SELECTION_FP8 ? "1" : "0");
     const flashmsa_tensor_t none = flashmsa::none();
     const SegSelect whole = cuda_select(qp, kp, cu_t, 700, topk, T, Hp, nullptr, nullptr, 0, none, FLASHMSA_SUCCESS, sel);
     const SegSelect part =
