@@ -42,6 +42,11 @@
 #   long       the long-context table (bench/long_context.py: the README's step at 128k-1M, cuDNN to --dense-max),
 #              LONG_ARGS (default "--configs m3 --seqlens 1048576,524288,262144,131072 --dense-max 262144"),
 #              under $OUT/long
+#   fp8        the fp8 selection's e4m3 kernel (FLASHMSA_FP8_SELECTION_CUDA=1): its GPU tests against the CPU reference
+#              (Fp8Selection.*, the fp8 cases of Segments.SmallSelectRowsEqualWholeCall) with the union walk's (Given.*,
+#              Proxy.GivenWithEmptyRows, Proxy.FmsaVarlenRecomputedLse), memcheck on the small ones, the Python
+#              tests (tests/python/test_fp8_selection.py), then its speed and set recall against the bf16 selection
+#              (bench/long_context.py --fp8, FP8_ARGS, default m3 at 128k and 1M), under $OUT/fp8
 #   megatron   Megatron-Core on the GPU: megatron-core's wheel (and packaging's) from .gpu_pack/ (pip download
 #              --no-deps --python-version 3.12 --only-binary=:all: megatron-core==0.16.1 packaging==24.2 -d .gpu_pack;
 #              the GPU machine has no index) installed into a folder on PYTHONPATH, the GPU tests of
@@ -253,6 +258,21 @@ if has long; then
     ${LONG_ARGS:---configs m3 --seqlens 1048576,524288,262144,131072 --dense-max 262144} > "$OUT/long/log.txt" 2>&1
   echo "long rc=$?"
   grep -E '^\| [0-9]{4}-' "$OUT/long/long_context.md" 2>/dev/null | tail -8 || tail -5 "$OUT/long/log.txt"
+fi
+if has fp8; then
+  stamp "fp8 selection"
+  mkdir -p "$OUT/fp8"
+  timeout ${FP8_TEST_S:-120} ./.gpu/flashmsa_gpu_tests --gtest_filter='Fp8Selection.*:Segments.SmallSelectRowsEqualWholeCall:Given.*:Proxy.GivenWithEmptyRows:Proxy.FmsaVarlenRecomputedLse' \
+    > "$OUT/fp8/gtest.log" 2>&1; echo "fp8 GPU tests rc=$?"
+  grep -E "^\[  (PASSED|FAILED)|FAILED  \]|slots where|proxy_lse" "$OUT/fp8/gtest.log" | tail -24
+  timeout ${FP8_MEMCHECK_S:-90} compute-sanitizer --tool memcheck --error-exitcode 1 ./.gpu/flashmsa_gpu_tests \
+    --gtest_filter='Fp8Selection.SmallTopk40Hpk2:Fp8Selection.SmallRefusedWithoutTheKnob:Given.SmallOdd:Segments.SmallSelectRowsEqualWholeCall' \
+    > "$OUT/fp8/memcheck.log" 2>&1; echo "memcheck (fp8, union walk) rc=$?"; tail -1 "$OUT/fp8/memcheck.log"
+  FLASHMSA_BUILD_DIR=.gpu timeout 60 python3 -m pytest -q tests/python/test_fp8_selection.py > "$OUT/fp8/pytest.log" 2>&1
+  echo "pytest (fp8) rc=$?"; tail -3 "$OUT/fp8/pytest.log"
+  FLASHMSA_BUILD_DIR=.gpu PYTHONUNBUFFERED=1 timeout ${FP8_BENCH_S:-240} python3 bench/long_context.py --out "$OUT/fp8" --fp8 \
+    ${FP8_ARGS:---configs m3 --seqlens 1048576,131072} > "$OUT/fp8/bench.txt" 2>&1; echo "long_context --fp8 rc=$?"
+  grep -E '^\| [0-9]{4}-' "$OUT/fp8/long_context.md" 2>/dev/null | tail -4
 fi
 if has megatron; then
   stamp "Megatron-Core"
