@@ -47,6 +47,7 @@
 #              Proxy.GivenWithEmptyRows, Proxy.FmsaVarlenRecomputedLse), memcheck on the small ones, the Python
 #              tests (tests/python/test_fp8_selection.py), then its speed and set recall against the bf16 selection
 #              (bench/long_context.py --fp8, FP8_ARGS, default m3 at 128k and 1M), under $OUT/fp8
+#   wgmma      the wgmma throughput probe (bench/tools/wgmma_probe.cu: SS and RS, N = 16 .. 256), $OUT/wgmma.txt
 #   megatron   Megatron-Core on the GPU: megatron-core's wheel (and packaging's) from .gpu_pack/ (pip download
 #              --no-deps --python-version 3.12 --only-binary=:all: megatron-core==0.16.1 packaging==24.2 -d .gpu_pack;
 #              the GPU machine has no index) installed into a folder on PYTHONPATH, the GPU tests of
@@ -273,6 +274,10 @@ if has fp8; then
   FLASHMSA_BUILD_DIR=.gpu PYTHONUNBUFFERED=1 timeout ${FP8_BENCH_S:-240} python3 bench/long_context.py --out "$OUT/fp8" --fp8 \
     ${FP8_ARGS:---configs m3 --seqlens 1048576,131072} > "$OUT/fp8/bench.txt" 2>&1; echo "long_context --fp8 rc=$?"
   grep -E '^\| [0-9]{4}-' "$OUT/fp8/long_context.md" 2>/dev/null | tail -4
+fi
+if has wgmma; then
+  stamp "wgmma probe"
+  timeout 120 ./.gpu/flashmsa_wgmma_probe | tee "$OUT/wgmma.txt"
 fi
 if has megatron; then
   stamp "Megatron-Core"

@@ -11,6 +11,7 @@ build=${FLASHMSA_BUILD_DIR:-build}
 if [ "${1:-}" = --from-build ]; then
   mkdir -p .gpu
   cp "$build/flashmsa_bench" "$build/tests/flashmsa_gpu_tests" "$build/flashmsa" "$build/libflashmsa.so" .gpu/
+  [ -f "$build/flashmsa_wgmma_probe" ] && cp "$build/flashmsa_wgmma_probe" .gpu/
 fi
 files=$(cd .gpu && find . -maxdepth 1 -type f ! -name '*.tar.xz' -printf '%f\n' | sort)
 [ -n "$files" ] || { echo "nothing in .gpu/ to pack" >&2; exit 2; }
