@@ -41,6 +41,19 @@ def test_causality_check_sees_a_leak():
         ex.F.scaled_dot_product_attention = sdpa
 
 
+def test_set_recall():
+    """lm_long_context.set_recall (the fp8 selection's set recall in megatron_gpt.py and bench/long_context.py): the
+    share of each row's non-local blocks of `want` that `got` holds, in any slot order, the local block (the last
+    valid slot) and -1 slots not counted, rows without non-local blocks skipped."""
+    ex = _example()
+    want = torch.tensor([[[3, 1, 5, 7], [0, 2, -1, -1], [4, -1, -1, -1]]], dtype=torch.int32)  # locals 7, 2, 4
+    same = torch.tensor([[[1, 3, 5, 7], [0, 2, -1, -1], [4, -1, -1, -1]]], dtype=torch.int32)
+    assert ex.set_recall(want, same) == 1.0
+    got = torch.tensor([[[3, 6, 6, 7], [1, 2, -1, -1], [4, -1, -1, -1]]], dtype=torch.int32)
+    assert ex.set_recall(want, got) == pytest.approx((1 / 3 + 0 / 1) / 2)  # row 3 has no non-local block
+    assert ex.set_recall(want[:, 2:], got[:, 2:]) != ex.set_recall(want[:, 2:], got[:, 2:])  # no row counted: nan
+
+
 def test_cpu_preset_trains_both_models(tmp_path):
     ex = _example()
     r = ex.main(["--out", str(tmp_path)])
