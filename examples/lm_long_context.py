@@ -185,7 +185,8 @@ def sampled_recall(q, k, idx, rows: torch.Tensor) -> float:
 def set_recall(want: torch.Tensor, got: torch.Tensor) -> float:
     """Set recall of a selection `got` against `want` (both [Hp, total, K]): the share of each row's non-local
     selected blocks of `want` that `got` holds too, averaged over the rows that have any (the local block, always
-    in both, is the last valid slot)."""
+    in both, is the last valid slot). bench/tools/fp8_selection_quality.py's set recall pools the blocks of all
+    rows instead (the two differ only where rows hold different numbers of blocks)."""
     valid = want >= 0
     n = valid.sum(-1, keepdim=True)
     local = want.gather(-1, (n - 1).clamp(min=0))

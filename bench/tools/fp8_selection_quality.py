@@ -84,7 +84,8 @@ def select(qp: torch.Tensor, kp: torch.Tensor, topk: int, chunk: int = 1024) -> 
 
 
 def set_recall(a: torch.Tensor, b: torch.Tensor) -> dict:
-    """b is the bf16 reference. Local blocks excluded (the last valid slot is the row's own block)."""
+    """b is the bf16 reference. Local blocks excluded (the last valid slot is the row's own block). Pooled over all
+    rows' blocks (examples/lm_long_context.set_recall, which the GPU reports use, averages per row)."""
     hit = tot = same = rows = 0
     Hp, T, _ = a.shape
     for p in range(Hp):

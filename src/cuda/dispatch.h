@@ -254,8 +254,10 @@ void run_select(const flashmsa_tensor_t& qp, const flashmsa_tensor_t& kp, const 
                 const Geometry& g, int32_t* indices, int64_t idx_head, int64_t idx_tok, HeadTensor<float> proxy_lse,
                 cudaStream_t st, int lse_mode = selection::kSelect, HeadTensor<const int32_t> given = {},
                 const Guard* segments = nullptr, void* fp8_ws = nullptr);
-// The fp8 selection's workspace (g.fp8_selection: the e4m3 copies and scales, fp8_quant.h), else 0.
+// The fp8 selection's workspace (g.fp8_selection: the e4m3 copies and scales, fp8_quant.h), else 0; in the
+// select call's workspace it starts at select_fp8_offset (after the guard's).
 size_t fp8_selection_bytes(const Geometry& g);
+size_t select_fp8_offset(const Geometry& g);
 
 // ---- proxy_side.cpp ----
 // What the backward's kernels and the forward's kl share: q, k, the padded lse2, the sequences,

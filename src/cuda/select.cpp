@@ -78,7 +78,7 @@ void select(const flashmsa_select_args_t& a, const Geometry& g, void* ws, size_t
   if (g.total == 0) return;
   run_select(a.qp, a.kp, gd.cu, g, static_cast<int32_t*>(a.indices.data), a.indices.strides[0], a.indices.strides[1],
              head_tensor<float>(a.proxy_lse), st, selection::kSelect, {}, g.segmented ? &gd : nullptr,
-             static_cast<char*>(ws) + align_up(guard_bytes(g)));
+             static_cast<char*>(ws) + select_fp8_offset(g));
   poison(gd, a.indices);
   poison(gd, a.proxy_lse);
   finish_guard(gd, st);

@@ -221,8 +221,10 @@ FwdLayout fwd_layout(const flashmsa_fwd_args_t& a, const Geometry& g) {
   return l;
 }
 
+size_t select_fp8_offset(const Geometry& g) { return align_up(guard_bytes(g)); }
+
 size_t select_workspace(const flashmsa_select_args_t&, const Geometry& g) {
-  return g.fp8_selection && g.total > 0 ? align_up(guard_bytes(g)) + fp8_selection_bytes(g) : guard_bytes(g);
+  return g.fp8_selection && g.total > 0 ? select_fp8_offset(g) + fp8_selection_bytes(g) : guard_bytes(g);
 }
 
 size_t fwd_workspace(const flashmsa_fwd_args_t& a, const Geometry& g) {

@@ -1,9 +1,11 @@
-// The fp8 selection's quantisation (fp8_quant.h): one warp per group. qp: a group is one row of one
-// proxy head (128 values, 4 a lane); kp: a group is a key block of one proxy key head (up to 128 rows
-// x 128 values; a warp per 8-row slab reduces the amax, the block's CTA combines them).
+// The fp8 selection's quantisation (fp8_quant.h). qp: a group is one row of one proxy head (128 values), one warp
+// (4 values a lane); kp: a group is a key block of one proxy key head (up to 128 rows x 128 values), one CTA of 8
+// warps, 16 rows each, whose amaxes the CTA combines.
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
+
+#include <type_traits>
 
 #include "cuda/common/error.cuh"
 #include "cuda/select/fp8_quant.h"
@@ -14,20 +16,15 @@ namespace {
 
 constexpr int kDim = 128, kBlock = 128;
 
+__device__ __forceinline__ float2 to_float2(__nv_bfloat162 x) { return __bfloat1622float2(x); }
+__device__ __forceinline__ float2 to_float2(__half2 x) { return __half22float2(x); }
+
+// four consecutive 16-bit values (8-byte aligned) as floats
 template <class T>
-__device__ __forceinline__ float4 load4(const T* p);
-template <>
-__device__ __forceinline__ float4 load4(const __nv_bfloat16* p) {
+__device__ __forceinline__ float4 load4(const T* p) {
+  using T2 = std::conditional_t<std::is_same_v<T, __half>, __half2, __nv_bfloat162>;
   const uint2 u = *reinterpret_cast<const uint2*>(p);
-  const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.x));
-  const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.y));
-  return make_float4(a.x, a.y, b.x, b.y);
-}
-template <>
-__device__ __forceinline__ float4 load4(const __half* p) {
-  const uint2 u = *reinterpret_cast<const uint2*>(p);
-  const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&u.x));
-  const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&u.y));
+  const float2 a = to_float2(*reinterpret_cast<const T2*>(&u.x)), b = to_float2(*reinterpret_cast<const T2*>(&u.y));
   return make_float4(a.x, a.y, b.x, b.y);
 }
 
