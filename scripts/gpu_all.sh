@@ -46,7 +46,7 @@
 #              (Fp8Selection.*, the fp8 cases of Segments.SmallSelectRowsEqualWholeCall) with the union walk's (Given.*,
 #              Proxy.GivenWithEmptyRows, Proxy.FmsaVarlenRecomputedLse), memcheck on the small ones, the Python
 #              tests (tests/python/test_fp8_selection.py), then its speed and set recall against the bf16 selection
-#              (bench/long_context.py --fp8, FP8_ARGS, default m3 at 128k and 1M), under $OUT/fp8
+#              (bench/long_context.py --fp8, FP8_ARGS, default m3 at 128k and 1M; FP8_BENCH_S=0 skips it), under $OUT/fp8
 #   wgmma      the wgmma throughput probe (bench/tools/wgmma_probe.cu: SS and RS, N = 16 .. 256), $OUT/wgmma.txt
 #   megatron   Megatron-Core on the GPU: megatron-core's wheel (and packaging's) from .gpu_pack/ (pip download
 #              --no-deps --python-version 3.12 --only-binary=:all: megatron-core==0.16.1 packaging==24.2 -d .gpu_pack;
@@ -271,9 +271,11 @@ if has fp8; then
     > "$OUT/fp8/memcheck.log" 2>&1; echo "memcheck (fp8, union walk) rc=$?"; tail -1 "$OUT/fp8/memcheck.log"
   FLASHMSA_BUILD_DIR=.gpu timeout 60 python3 -m pytest -q tests/python/test_fp8_selection.py > "$OUT/fp8/pytest.log" 2>&1
   echo "pytest (fp8) rc=$?"; tail -3 "$OUT/fp8/pytest.log"
-  FLASHMSA_BUILD_DIR=.gpu PYTHONUNBUFFERED=1 timeout ${FP8_BENCH_S:-240} python3 bench/long_context.py --out "$OUT/fp8" --fp8 \
-    ${FP8_ARGS:---configs m3 --seqlens 1048576,131072} > "$OUT/fp8/bench.txt" 2>&1; echo "long_context --fp8 rc=$?"
-  grep -E '^\| [0-9]{4}-' "$OUT/fp8/long_context.md" 2>/dev/null | tail -4
+  if [ "${FP8_BENCH_S:-240}" != 0 ]; then  # 0: no bench here (e.g. the long step runs with --fp8)
+    FLASHMSA_BUILD_DIR=.gpu PYTHONUNBUFFERED=1 timeout ${FP8_BENCH_S:-240} python3 bench/long_context.py --out "$OUT/fp8" --fp8 \
+      ${FP8_ARGS:---configs m3 --seqlens 1048576,131072} > "$OUT/fp8/bench.txt" 2>&1; echo "long_context --fp8 rc=$?"
+    grep -E '^\| [0-9]{4}-' "$OUT/fp8/long_context.md" 2>/dev/null | tail -4
+  fi
 fi
 if has wgmma; then
   stamp "wgmma probe"
