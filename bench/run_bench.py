@@ -692,6 +692,13 @@ def parse_args(argv=None, command=None):
     except ValueError as e:
         ap.error(f"lengths are comma-separated integers: {e}")
     args.pattern_list = args.patterns.split(",")
+    import user_path
+    bad = [p for p in args.pattern_list if p not in user_path.PATTERNS]
+    if bad:
+        ap.error(f"unknown pattern(s) {','.join(bad)} (choose from {','.join(user_path.PATTERNS)})")
+    if "trained" in args.pattern_list and not args.user_only:
+        ap.error("the trained pattern is drawn in torch for the user's path: use --user-only (flashmsa_bench draws "
+                 "clustered and random)")
     return args
 
 

@@ -24,6 +24,14 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 D = 128
 # the clustered pattern (tools/patterns.hpp)
 TOPICS, KEY_SPAN, QUERY_SPAN, TOPICS_PER_QUERY, TOPIC_NOISE = 64, 512, 128, 3, 0.5
+PATTERNS = ("clustered", "random", "trained")
+# The trained-like pattern (trained_like_proxy): how many target blocks a query row's proxy draws at each time scale
+# (every proxy head of a 64-token span, one head's 64-token span, one head's 8-token span, one token), the
+# distance law (block distance = U^gamma x the query's block), the share of target blocks that bring their left
+# neighbour, the per-token weight and the noise. Fitted to the statistics of a trained indexer's selection
+# (bench/tools/trained_pattern.py checks them; docs/performance.md).
+TRAINED = dict(span=64, n_shared=1, n_span=1, sub=8, n_sub=2, n_tok=12, gamma=2.4, p_pair=0.6, w_tok=1.2,
+               key_noise=0.1, query_noise=0.1)
 
 
 @functools.lru_cache(maxsize=None)  # once: user_call runs it inside the timed region
@@ -54,7 +62,10 @@ def make_inputs(cfg, T, pattern, device, dtype=torch.bfloat16, seed=0):
         return x.to(dtype).requires_grad_()
 
     q, k, v = (leaf(normal(T, cfg[h], D)) for h in ("Hq", "Hkv", "Hkv"))
-    if pattern == "random":
+    if pattern == "trained":
+        qp, kp = trained_like_proxy(T, cfg["Hp"], cfg["Hpk"], g, device)
+        qp, kp = leaf(qp), leaf(kp)
+    elif pattern == "random":
         qp, kp = leaf(normal(T, cfg["Hp"], D)), leaf(normal(T, cfg["Hpk"], D))
     elif pattern == "clustered":
         topics = normal(TOPICS, D)
@@ -66,9 +77,50 @@ def make_inputs(cfg, T, pattern, device, dtype=torch.bfloat16, seed=0):
         qp = leaf(query_mean + TOPIC_NOISE * normal(T, cfg["Hp"], D))
         kp = leaf(key_mean + TOPIC_NOISE * normal(T, cfg["Hpk"], D))
     else:
-        raise ValueError(f"unknown pattern {pattern!r} (clustered, random)")
+        raise ValueError(f"unknown pattern {pattern!r} ({', '.join(PATTERNS)})")
     cu = torch.tensor([0, T], dtype=torch.int32, device=device)
     return q, k, v, qp, kp, cu
+
+
+def trained_like_proxy(T, Hp, Hpk, g, device, p=TRAINED):
+    """(qp [T, Hp, D], kp [T, Hpk, D]) fp32 whose selection has a trained indexer's statistics (BENCHMARKS.md's
+    trained-like pattern). Every key block j of proxy key head h gets a random direction c[h, j] and its keys are
+    c[h, j] plus noise. Each query row's proxy is the sum of the directions of the blocks it should select, drawn at
+    four time scales: blocks every proxy head of a 64-token span shares, blocks of one head's 64-token span, of its
+    8-token span, and of the token alone (consecutive tokens share about half their blocks, as trained selections
+    do). A block lies U^gamma x (the query's block) blocks before the query's block (trained selections favour recent
+    blocks: median distance ~0.3 of the way back), at least one; with probability p_pair it brings its left neighbour
+    (runs of adjacent blocks). The selection then picks those blocks, the local block and the noise's winners."""
+    import torch.nn.functional as F
+    nb = -(-T // 128)
+
+    def normal(*shape):
+        return torch.randn(shape, generator=g, device=device, dtype=torch.float32)
+
+    def draw(qb, n):  # [len(qb), 2n] blocks: n targets before each query block qb, then each one's pair partner
+        u = torch.rand((qb.shape[0], n), generator=g, device=device) ** p["gamma"]
+        b = (qb[:, None] - (u * qb[:, None]).round().clamp(min=1)).clamp(min=0).long()
+        pair = torch.rand((qb.shape[0], n), generator=g, device=device) < p["p_pair"]
+        return torch.cat([b, torch.where(pair, (b - 1).clamp(min=0), b)], dim=1)
+
+    c = normal(Hpk, nb, D)
+    tok = torch.arange(T, device=device)
+    kp = c[:, tok // 128].transpose(0, 1) + p["key_noise"] * normal(T, Hpk, D)
+
+    def first_blocks(span):  # the query block of each span's first token, and each token's span
+        return (torch.arange(-(-T // span), device=device) * span) // 128, tok // span
+
+    span_qb, span_of = first_blocks(p["span"])
+    sub_qb, sub_of = first_blocks(p["sub"])
+    shared = draw(span_qb, p["n_shared"])
+    qp = torch.empty(T, Hp, D, device=device)
+    for h in range(Hp):
+        ch = c[h * Hpk // Hp]
+        span_vec = F.embedding_bag(torch.cat([shared, draw(span_qb, p["n_span"])], 1), ch, mode="sum")
+        sub_vec = F.embedding_bag(draw(sub_qb, p["n_sub"]), ch, mode="sum")
+        tok_vec = F.embedding_bag(draw(tok // 128, p["n_tok"]), ch, mode="sum")
+        qp[:, h] = span_vec[span_of] + sub_vec[sub_of] + p["w_tok"] * tok_vec + p["query_noise"] * normal(T, D)
+    return qp, kp
 
 
 def selection(cfg, T, pattern, device, seed=0):
