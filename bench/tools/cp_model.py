@@ -17,6 +17,11 @@ moves the key heads of one group only (1/H of the above) across the P/H groups. 
 (zigzag shards) and the one-GPU step to be what the ranks' kernels do on 1/P of the queries (selection, forward and
 backward scale with the queries against a fixed key set).
 
+What overlapping the exchanges with compute could gain, two bounds per row:
+    fwd overlap   the forward's gather (k, v, kp in bf16: a third of the key bytes) hidden under the selection,
+                  which needs only kp (select_ms / P of the rank's step): the step less min(gather, selection)
+    ideal         every byte hidden: max(compute, exchange)
+
     python3 bench/tools/cp_model.py bench/results/long_context.latest.json [--nvlink 370] [--ib 45]
 """
 import argparse
@@ -41,14 +46,19 @@ def head_bytes(T, P, heads_size, c=M3):
     return 2 * (T / P) * (heads_size - 1) / heads_size * per_tok
 
 
-def model(step1_ms, T, P, nvlink_gbs, ib_gbs, scheme="tokens", heads_size=1, ranks_per_node=8, kl_fwd=0.0):
-    """(step_P ms, efficiency) on NVLink inside nodes of ranks_per_node GPUs, InfiniBand across them."""
+def model(step1_ms, T, P, nvlink_gbs, ib_gbs, scheme="tokens", heads_size=1, ranks_per_node=8, kl_fwd=0.0,
+          select_ms=0.0):
+    """(step_P ms, efficiency, step with the forward's gather under the selection, step with every byte hidden) on
+    NVLink inside nodes of ranks_per_node GPUs, InfiniBand across them; select_ms: the one-GPU selection."""
     kb = key_bytes(T, P, heads_size=heads_size if scheme == "hybrid" else 1)
     hb = head_bytes(T, P, heads_size) if scheme == "hybrid" else 0.0
     across = P > ranks_per_node  # the tokens exchanges span nodes
-    t_comm = kb / ((ib_gbs if across else nvlink_gbs) * 1e9) + hb / (nvlink_gbs * 1e9)
-    step = step1_ms * (1 + kl_fwd) / P + 1e3 * t_comm
-    return step, step1_ms / (P * step)
+    t_key = 1e3 * kb / ((ib_gbs if across else nvlink_gbs) * 1e9)
+    t_comm = t_key + 1e3 * hb / (nvlink_gbs * 1e9)
+    compute = step1_ms * (1 + kl_fwd) / P
+    step = compute + t_comm
+    fwd_overlap = step - min(t_key / 3, select_ms / P)
+    return step, step1_ms / (P * step), fwd_overlap, max(compute, t_comm)
 
 
 def main(argv=None):
@@ -62,9 +72,10 @@ def main(argv=None):
     rows = json.load(open(a.latest))["rows"]
     gpu = json.load(open(a.latest)).get("gpu", {}).get("name", "?")
     print(f"one-GPU steps from {a.latest} ({gpu}); NVLink {a.nvlink:g} GB/s inside 8-GPU nodes, InfiniBand {a.ib:g} "
-          f"GB/s across; no overlap; forward kl pass {100 * a.kl_fwd:.0f}% of the step")
-    print("| T | pattern | 1 GPU ms | P | scheme | key bytes/rank GiB | step ms | efficiency |")
-    print("|---|---|---|---|---|---|---|---|")
+          f"GB/s across; forward kl pass {100 * a.kl_fwd:.0f}% of the step; efficiency without overlap, with the "
+          "forward's gather under the selection, with every byte hidden")
+    print("| T | pattern | 1 GPU ms | P | scheme | key bytes/rank GiB | step ms | efficiency | fwd overlap | ideal |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r or not r.get("step_ms"):
             continue
@@ -73,11 +84,13 @@ def main(argv=None):
             for scheme, hs in (("tokens", 1), ("hybrid", 4)):
                 if scheme == "hybrid" and P % hs:
                     continue
-                step, eff = model(r["step_ms"], T, P, a.nvlink, a.ib, scheme, hs, kl_fwd=a.kl_fwd)
+                step, eff, fwd_ov, ideal = model(r["step_ms"], T, P, a.nvlink, a.ib, scheme, hs, kl_fwd=a.kl_fwd,
+                                                 select_ms=r.get("select_ms") or 0.0)
                 kb = key_bytes(T, P, heads_size=hs if scheme == "hybrid" else 1) / 2**30
                 name = scheme if scheme == "tokens" else f"hybrid {hs} x {P // hs}"
+                pct = lambda t: f"{100 * r['step_ms'] / (P * t):.0f}%"  # noqa: E731
                 print(f"| {T} | {r['pattern']} | {r['step_ms']:.0f} | {P} | {name} | {kb:.2f} | {step:.0f} | "
-                      f"{100 * eff:.0f}% |")
+                      f"{100 * eff:.0f}% | {pct(fwd_ov)} | {pct(ideal)} |")
     return 0
 
 

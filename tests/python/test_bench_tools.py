@@ -53,3 +53,19 @@ def test_long_context_table_rows(tmp_path):
     assert cells[1][at["cuDNN fwd+bwd ms"]] == "~3200" and cells[1][at["step vs cuDNN"]] == "~12.80x"
     assert cells[2][at["**step** ms"]] == "-" and "out of memory" in cells[2][at["error"]]
     assert cells[2][at["peak GB"]] == "140.00"
+
+
+def test_cp_model_overlap_bounds():
+    import cp_model as C
+    T, P, step1 = 524288, 8, 1000.0
+    # no exchange cost: every bound is the even split
+    step, eff, fwd_ov, ideal = C.model(step1, T, P, 1e12, 1e12, select_ms=300.0)
+    assert abs(step - step1 / P) < 1e-6 and abs(eff - 1) < 1e-6 and abs(fwd_ov - step) < 1e-6 and ideal == step1 / P
+    # NVLink: the forward's gather (a third of the key bytes) hides under a long enough selection
+    step, eff, fwd_ov, ideal = C.model(step1, T, P, 370.0, 45.0, select_ms=1e6)
+    t_key = 1e3 * C.key_bytes(T, P) / 370e9
+    assert abs(step - (step1 / P + t_key)) < 1e-9 and abs(step - fwd_ov - t_key / 3) < 1e-9
+    assert ideal == max(step1 / P, t_key) and eff < 1
+    # a short selection hides only its own time
+    _, _, fwd_ov2, _ = C.model(step1, T, P, 370.0, 45.0, select_ms=8.0)
+    assert abs(step - fwd_ov2 - 1.0) < 1e-9
