@@ -19,6 +19,7 @@ import sys
 _EXPORTS = {
     "msa_attention": ("ops", "msa_attention"),
     "msa_select": ("ops", "msa_select"),
+    "proxy_attention": ("ops", "proxy_attention"),
     "nn": ("nn", None),
     "reference": ("reference", None),
     "HAS_CUSTOM_OP": ("_autograd", "HAS_CUSTOM_OP"),

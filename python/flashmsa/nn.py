@@ -95,6 +95,12 @@ class MSAttention(nn.Module):
     projections x.detach(), so the kl term trains the proxy alone (as DeepSeek's indexer does).
     backend: "flashmsa" (libflashmsa) or "reference" (flashmsa.reference, eager torch).
     precise_dpsum: msa_attention's option (keep the output's low part for the backward's dpsum).
+
+    proxy_output=True: the jointly trained indexer (docs/semantics.md, "Joint indexer"): proxy values vp_proj
+    (num_proxy_kv_heads x proxy_head_dim) and the proxy attention's output over the main attention's blocks
+    (flashmsa.proxy_attention), added to y through its own output projection po_proj (zero-initialised, so the
+    layer starts as the kl-only one). The language-model loss then trains the proxy too; kl_coef = 0 leaves it
+    to that loss alone.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: Optional[int] = None,
@@ -103,7 +109,7 @@ class MSAttention(nn.Module):
                  topk: int = 16, kl_coef: float = 1.0, warmup: bool = False, rotary: bool = True,
                  rotary_proxy: bool = True, rope_base: float = 10000.0, bias: bool = False,
                  detach_proxy_input: bool = True, backend: str = "flashmsa",
-                 precise_dpsum: bool = False, device=None, dtype=None):
+                 precise_dpsum: bool = False, proxy_output: bool = False, device=None, dtype=None):
         super().__init__()
         # Every argument checked here (only None means a default; 0 is an error, never a default)
         embed_dim = _count("embed_dim", embed_dim)
@@ -128,7 +134,8 @@ class MSAttention(nn.Module):
         kl_coef = _real("kl_coef", kl_coef)
         rope_base = _real("rope_base", rope_base, positive=True)
         for name, x in (("warmup", warmup), ("rotary", rotary), ("rotary_proxy", rotary_proxy), ("bias", bias),
-                        ("detach_proxy_input", detach_proxy_input), ("precise_dpsum", precise_dpsum)):
+                        ("detach_proxy_input", detach_proxy_input), ("precise_dpsum", precise_dpsum),
+                        ("proxy_output", proxy_output)):
             _bool(name, x)
         self.embed_dim = embed_dim
         self.topk, self.kl_coef, self.warmup = topk, kl_coef, warmup
@@ -143,6 +150,11 @@ class MSAttention(nn.Module):
         self.qp_proj = nn.Linear(embed_dim, self.num_proxy_heads * Dp, **kw)
         self.kp_proj = nn.Linear(embed_dim, num_proxy_kv_heads * Dp, **kw)
         self.o_proj = nn.Linear(num_heads * D, embed_dim, **kw)
+        self.proxy_output = proxy_output
+        if proxy_output:
+            self.vp_proj = nn.Linear(embed_dim, num_proxy_kv_heads * Dp, **kw)
+            self.po_proj = nn.Linear(self.num_proxy_heads * Dp, embed_dim, **kw)
+            nn.init.zeros_(self.po_proj.weight)
         self.last_indices: Optional[Tensor] = None  # set when record_indices is True
         self.last_kl: Optional[Tensor] = None  # the last forward's kl (filled in by its backward)
         self.record_indices = False
@@ -151,7 +163,8 @@ class MSAttention(nn.Module):
         return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, proxy_heads={self.num_proxy_heads}, "
                 f"proxy_kv_heads={self.num_proxy_kv_heads}, head_dim={self.head_dim}, "
                 f"proxy_head_dim={self.proxy_head_dim}, topk={self.topk}, kl_coef={self.kl_coef}, "
-                f"warmup={self.warmup}, rotary={self.rotary}, backend={self.backend}")
+                f"warmup={self.warmup}, rotary={self.rotary}, backend={self.backend}"
+                + (", proxy_output=True" if self.proxy_output else ""))
 
     def project(self, x: Tensor, cu_seqlens: Optional[Tensor] = None):
         """(q, k, v, qp, kp) in msa_attention's layouts, rotary applied."""
@@ -188,19 +201,35 @@ class MSAttention(nn.Module):
             raise ValueError(f"{_M}: x: expected the last dimension E = embed_dim = {self.embed_dim}, "
                              f"got {list(x.shape)}")
         q, k, v, qp, kp = self.project(x, cu_seqlens)
+        want_idx = self.record_indices or (self.proxy_output and not self.warmup)
         if self.backend == "flashmsa":
             res = ops.msa_attention(q, k, v, qp, kp, self.topk, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
-                                    warmup=self.warmup, return_indices=self.record_indices,
-                                    precise_dpsum=self.precise_dpsum)
+                                    warmup=self.warmup, return_indices=want_idx, precise_dpsum=self.precise_dpsum)
         else:
             res = reference.msa_attention(q, k, v, qp, kp, self.topk, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
-                                          warmup=self.warmup, return_indices=self.record_indices)
+                                          warmup=self.warmup, return_indices=want_idx)
         out, kl = res[0], res[1]
         if self.record_indices:
             self.last_indices = res[2]
         y = self.o_proj(out.reshape(*x.shape[:-1], -1))
+        if self.proxy_output:
+            y = y + self.po_proj(self._proxy_out(x, qp, kp, res[2] if want_idx else None, cu_seqlens, max_seqlen)
+                                 .reshape(*x.shape[:-1], -1))
         self.last_kl = kl.detach()
         return y, kl if self.kl_coef == 1.0 else _ScaleGrad.apply(kl, self.kl_coef)
+
+
+    def _proxy_out(self, x, qp, kp, indices, cu_seqlens, max_seqlen) -> Tensor:
+        """The proxy attention's output (proxy_output=True) over the main attention's keys: the selected blocks,
+        or every causal key in warmup."""
+        xp = x.detach() if self.detach_proxy_input else x
+        vp = self.vp_proj(xp).view(*kp.shape)
+        if self.backend == "flashmsa":
+            return ops.proxy_attention(qp, kp, vp, indices, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                                       warmup=self.warmup)
+        return reference.msa_attention(qp, kp, vp, None, None, self.topk if indices is None else indices.shape[-1],
+                                       cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, warmup=self.warmup,
+                                       indices=indices)[0]
 
 
 def last_kl(model: nn.Module, reduce: str = "mean") -> Tensor:

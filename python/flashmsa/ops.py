@@ -381,3 +381,48 @@ def msa_select(qp: Tensor, kp: Tensor, topk: int = 16, *, cu_seqlens: Optional[T
                                            cu_seqlens_q=cu_seqlens_q, q_origin=q_origin, max_seqlen_q=max_seqlen_q,
                                            selection=L.SELECTION_FP8 if fp8_selection else L.SELECTION_INPUT))
     return (idx, plse) if return_proxy_lse else idx
+
+
+def proxy_attention(qp: Tensor, kp: Tensor, vp: Tensor, indices: Optional[Tensor] = None, *,
+                    cu_seqlens: Optional[Tensor] = None, max_seqlen: Optional[int] = None, warmup: bool = False,
+                    proxy_scale: Optional[float] = None, numerics: Optional[str] = None, validate: bool = False):
+    """The proxy (index branch) attention's own output, for the jointly trained indexer (docs/semantics.md,
+    "Joint indexer"): O_idx = softmax(proxy_scale * qp kp^T) vp over the keys the main attention reads, causal.
+
+    qp [total, Hp, Dp], kp and vp [total, Hpk, Dp] (vp: the proxy values, one head per proxy key head), varlen
+    with cu_seqlens or batched [B, S, H, Dp] as in msa_attention. The keys: the blocks of `indices` [Hp, total,
+    topk] (msa_attention(..., return_indices=True)'s selection, the main attention's blocks) or, with
+    warmup=True, every causal key. proxy_scale: the selection's scale (default Dp^-0.5).
+
+    Returns O_idx [total, Hp, Dp] (batched: [B, S, Hp, Dp]) in qp's dtype, differentiable in qp, kp and vp: the
+    language-model loss through O_idx trains the proxy jointly with (or instead of) the kl term. It runs the
+    library's attention on the proxy's heads (given or dense mode, no proxy of its own), on every backend.
+    """
+    if indices is None and not warmup:
+        raise ValueError("flashmsa.proxy_attention: indices: the selection to attend over is required "
+                         "(msa_attention(..., return_indices=True)), or warmup=True for every causal key")
+    fn = "flashmsa.proxy_attention"
+    for name, t in (("qp", qp), ("kp", kp), ("vp", vp)):
+        _tensor(name, t)
+    if vp.shape != kp.shape:
+        raise ValueError(f"{fn}: vp: expected kp's shape {list(kp.shape)} (one value head per proxy key head), "
+                         f"got {list(vp.shape)}")
+    if vp.dtype != kp.dtype or vp.device != kp.device:
+        raise TypeError(f"{fn}: vp: expected kp's dtype and device ({kp.dtype}, {kp.device}), got "
+                        f"({vp.dtype}, {vp.device})")
+    topk = 16
+    if indices is not None:
+        _tensor("indices", indices)
+        if indices.dim() != 3 or qp.dim() < 2 or indices.shape[0] != qp.shape[-2]:
+            raise ValueError(f"{fn}: indices: expected [Hp, total, topk] with Hp = qp's {qp.shape[-2]} heads (one "
+                             f"selection per proxy head), got {list(indices.shape)}")
+        topk = indices.shape[-1]
+    try:
+        out, _ = _attention(qp, kp, vp, None, None, topk, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                            warmup=warmup, indices=indices, softmax_scale=proxy_scale, proxy_scale=None,
+                            compute_kl=False, return_lse=False, return_indices=False, numerics=numerics,
+                            precise_dpsum=False, validate=validate, kl_from_backward=True)
+    except (ValueError, TypeError) as e:  # name the caller's tensors: qp, kp, vp run as q, k, v
+        raise type(e)(f"{fn} (qp, kp, vp and proxy_scale run as the attention's q, k, v and softmax_scale): "
+                      f"{e}") from None
+    return out
