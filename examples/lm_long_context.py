@@ -101,6 +101,8 @@ def windows(data: torch.Tensor, B: int, S: int, gen: torch.Generator):
 
 
 # ---- the models ------------------------------------------------------------------------------
+MSA_KINDS = ("msa", "joint")
+
 class DenseAttention(nn.Module):
     """The baseline: MSAttention's main path (same projections, rotary, GQA) with dense causal
     SDPA; the same parameter names, so it starts from the MSA model's weights."""
@@ -128,8 +130,9 @@ class Block(nn.Module):
     def __init__(self, a, kind):
         super().__init__()
         self.ln1, self.ln2 = nn.LayerNorm(a.dim), nn.LayerNorm(a.dim)
-        if kind == "msa":
-            self.attn = MSAttention(a.dim, a.heads, a.kv_heads, a.proxy_heads, 1, head_dim=a.head_dim, topk=a.topk)
+        if kind in MSA_KINDS:  # "joint": the jointly trained indexer (the proxy's own output added to y)
+            self.attn = MSAttention(a.dim, a.heads, a.kv_heads, a.proxy_heads, 1, head_dim=a.head_dim, topk=a.topk,
+                                    proxy_output=kind == "joint")
         else:
             self.attn = DenseAttention(a)
         self.mlp = nn.Sequential(nn.Linear(a.dim, 4 * a.dim), nn.GELU(), nn.Linear(4 * a.dim, a.dim))
@@ -264,7 +267,7 @@ def evaluate(model, batches, a, device, want_selection=False):
     losses, kls, other_kls, recalls, sel, proj = [], [], [], [], None, None
     inputs = []
     hooks = []
-    if model.kind == "msa":
+    if model.kind in MSA_KINDS:
         hooks = [b.attn.register_forward_pre_hook(lambda m, args: inputs.append(args[0])) for b in model.blocks]
     rows = torch.linspace(BLOCK, a.seqlen - 1, a.recall_rows, device=device).long().unique()
     for x, y in batches:
@@ -272,7 +275,7 @@ def evaluate(model, batches, a, device, want_selection=False):
         with torch.autocast(device.type, dtype=compute_dtype(a), enabled=a.dtype != "float32"):
             logits, kl = model(x)
             losses.append(F.cross_entropy(logits.flatten(0, 1).float(), y.flatten()).item())
-            if model.kind == "msa":
+            if model.kind in MSA_KINDS:
                 kls.append(float(kl))
                 for li, (blk, h) in enumerate(zip(model.blocks, inputs)):
                     # the kl of the other set too (same layer input): over the causal set (warmup
@@ -292,7 +295,7 @@ def evaluate(model, batches, a, device, want_selection=False):
     for h in hooks:
         h.remove()
     r = dict(val_loss=sum(losses) / len(losses))
-    if model.kind == "msa":
+    if model.kind in MSA_KINDS:
         kl, other = sum(kls) / len(kls), sum(other_kls) / len(other_kls)
         warm = model.blocks[0].attn.warmup
         r.update(kl=kl, recall=sum(recalls) / len(recalls), kl_causal_set=kl if warm else other,
@@ -327,9 +330,10 @@ def train(kind, a, train_data, val_batches, init, device, log):
     torch.manual_seed(a.seed)
     model = LM(a, kind).to(device)
     own = model.state_dict()
-    differ = set(own) ^ set(init)  # the dense model has no proxy projections
-    assert all(".qp_proj." in n or ".kp_proj." in n for n in differ), differ
-    model.load_state_dict({n: init[n] for n in own}, strict=True)
+    differ = set(own) ^ set(init)  # the dense model has no proxy projections, the joint one two more
+    assert all(any(f".{p}_proj." in n for p in ("qp", "kp", "vp", "po")) for n in differ), differ
+    missing, _ = model.load_state_dict({n: init[n] for n in own if n in init}, strict=False)
+    assert all(".vp_proj." in n or ".po_proj." in n for n in missing), missing  # the joint run's own (po_proj: 0)
     opt = torch.optim.AdamW(proxy_param_groups(model, a.lr * a.proxy_lr_mult), lr=a.lr, betas=(0.9, 0.95),
                             weight_decay=0.1)
     warm = max(1, a.steps // 20)
@@ -342,19 +346,19 @@ def train(kind, a, train_data, val_batches, init, device, log):
     phase_s = {"warmup": 0.0, "sparse": 0.0}  # by step index, for both runs: like against like
     for step in range(a.steps + 1):
         sparse = step >= a.warmup_steps
-        if kind == "msa":
+        if kind in MSA_KINDS:
             set_warmup(model, not sparse)
         if step % a.eval_every == 0 or step == a.steps:
             model.eval()
             r = evaluate(model, val_batches, a, device)
             model.train()
-            r.update(step=step, mode=("sparse" if sparse else "dense") if kind == "msa" else "dense-sdpa",
+            r.update(step=step, mode=("sparse" if sparse else "dense") if kind in MSA_KINDS else "dense-sdpa",
                      train_kl=(sum(train_kl) / len(train_kl)) if train_kl else None,
                      train_s=train_s)
             train_kl = []
             hist.append(r)
             extra = (f"  kl {r['kl']:.4f} (causal set {r['kl_causal_set']:.4f}, selected set "
-                     f"{r['kl_selected_set']:.4f})  recall {r['recall']:.4f}" if kind == "msa" else "")
+                     f"{r['kl_selected_set']:.4f})  recall {r['recall']:.4f}" if kind in MSA_KINDS else "")
             log(f"[{kind:5s}] step {step:5d} {r['mode']:>10}  val loss {r['val_loss']:.4f}{extra}  "
                 f"({train_s:.1f} s training)")
         if step == a.steps:
@@ -374,7 +378,7 @@ def train(kind, a, train_data, val_batches, init, device, log):
         dt = time.perf_counter() - t0
         train_s += dt
         phase_s["sparse" if sparse else "warmup"] += dt
-        if kind == "msa":
+        if kind in MSA_KINDS:
             train_kl.append(last_kl(model).item())  # the backward filled it in
     return model, hist, train_s, phase_s
 
@@ -402,6 +406,13 @@ def plot(runs, a, path: pathlib.Path, kl_title: str = "proxy kl (validation)") -
     ax[1].plot([h["step"] for h in msa], [h["kl"] for h in msa], marker=".")
     ax[1].set_title(kl_title, fontsize=10)
     ax[2].plot([h["step"] for h in msa], [h["recall"] for h in msa], marker=".")
+    if "joint" in runs:  # the jointly trained indexer, green
+        jc = runs["joint"]["curve"]
+        steps = [h["step"] for h in jc]
+        ax[0].plot(steps, [h["val_loss"] for h in jc], marker=".", label="MSA, joint indexer")
+        ax[0].legend()
+        ax[1].plot(steps, [h["kl"] for h in jc], marker=".", color="C2")
+        ax[2].plot(steps, [h["recall"] for h in jc], marker=".", color="C2")
     ax[2].set_title("attention-mass recall of the selection", fontsize=10)
     ax[2].set_ylim(0, 1.02)
     for x in ax:
@@ -426,6 +437,9 @@ def main(argv=None):
     p.add_argument("--lr-schedule", choices=["cosine", "constant"], default="cosine",
                    help="after a linear warmup over 5%% of the steps: cosine decay to 0.1x, or constant")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--joint", action="store_true",
+                   help="a third run: MSA with the jointly trained indexer (MSAttention(proxy_output=True)), same "
+                        "initial weights and batches")
     p.add_argument("--out", default=None, help="directory for the JSON, CSV, PNG and the saved selection")
     a = p.parse_args(argv)
     for k, v in PRESETS[a.preset].items():
@@ -458,7 +472,8 @@ def main(argv=None):
     init = {k: v.clone() for k, v in LM(a, "msa").state_dict().items()}
 
     runs = {}
-    for kind in ("msa", "dense"):
+    kinds = ("msa", "dense") + (("joint",) if a.joint else ())
+    for kind in kinds:
         model, curve, train_s, phase_s = train(kind, a, train_data, val_batches, init, device, log)
         step_s = train_s / a.steps
         n_sparse = a.steps - a.warmup_steps
@@ -493,6 +508,15 @@ def main(argv=None):
         kl_first_sparse=sparse_kl[0] if sparse_kl else None, kl_last=sparse_kl[-1] if sparse_kl else None,
         recall_last=msa["curve"][-1]["recall"], trained_selection=msa["trained_selection"],
         synthetic_patterns=synthetic_union(a, device))
+    if "joint" in runs:  # the jointly trained indexer against the kl-only MSA run and dense
+        jc = runs["joint"]["curve"]
+        summary.update(final_val_loss_joint=jc[-1]["val_loss"], gap_joint=jc[-1]["val_loss"] / dense["curve"][-1]["val_loss"] - 1,
+                       joint_vs_msa=jc[-1]["val_loss"] / msa["curve"][-1]["val_loss"] - 1, kl_last_joint=jc[-1]["kl"],
+                       recall_last_joint=jc[-1]["recall"],
+                       step_time_ratio_joint_over_msa=runs["joint"]["step_ms"] / msa["step_ms"])
+        log(f"joint indexer: final validation loss {summary['final_val_loss_joint']:.4f} ({summary['joint_vs_msa']:+.2%} "
+            f"vs MSA, {summary['gap_joint']:+.2%} vs dense), kl {jc[-1]['kl']:.4f}, recall {jc[-1]['recall']:.4f}, "
+            f"step {summary['step_time_ratio_joint_over_msa']:.2f}x MSA's")
     log(f"final validation loss: MSA {summary['final_val_loss_msa']:.4f}, dense {summary['final_val_loss_dense']:.4f} "
         f"(gap {gap:+.2%}); MSA step / dense step {summary['step_time_ratio_msa_over_dense']:.2f} (sparse phase "
         f"{summary['step_time_ratio_sparse_phase'] or float('nan'):.2f}); kl after the "
@@ -510,7 +534,7 @@ def main(argv=None):
         (out / "lm_long_context.json").write_text(json.dumps(result, indent=1))
         with open(out / "lm_long_context.csv", "w") as f:
             f.write("run,step,mode,val_loss,kl,kl_causal_set,kl_selected_set,recall,train_kl\n")
-            for kind in ("msa", "dense"):
+            for kind in kinds:
                 for h in runs[kind]["curve"]:
                     f.write(f"{kind},{h['step']},{h['mode']},{h['val_loss']},{h.get('kl', '')},"
                             f"{h.get('kl_causal_set', '')},{h.get('kl_selected_set', '')},{h.get('recall', '')},"

@@ -95,3 +95,19 @@ def test_cpu_preset_trains_both_models(tmp_path):
     proj = torch.load(tmp_path / "proxy_inputs_layer0_seq0.pt")  # (bench/tools/fp8_selection_quality.py --trained)
     assert proj["topk"] == 2 and proj["qp"].shape == (1024, 2, 16) and proj["kp"].shape == (1024, 1, 16)
     assert proj["q"].shape == (1024, 4, 16) and proj["k"].shape == (1024, 2, 16)
+
+
+def test_joint_indexer_run(tmp_path):
+    """--joint: a third run with MSAttention(proxy_output=True) from the same weights and batches; it starts as the
+    kl-only model (po_proj zero) and learns."""
+    ex = _example()
+    r = ex.main(["--joint", "--steps", "10", "--warmup-steps", "5", "--eval-every", "5", "--eval-batches", "1",
+                 "--out", str(tmp_path)])
+    msa, joint = r["runs"]["msa"]["curve"], r["runs"]["joint"]["curve"]
+    assert joint[0]["val_loss"] == msa[0]["val_loss"] and joint[0]["kl"] == msa[0]["kl"]
+    assert joint[-1]["val_loss"] < joint[0]["val_loss"] - 1.0 and joint[-1]["mode"] == "sparse"
+    assert joint[-1]["val_loss"] != msa[-1]["val_loss"]  # the proxy's output reaches the loss
+    s = r["summary"]
+    assert s["final_val_loss_joint"] == joint[-1]["val_loss"] and 0 < s["recall_last_joint"] <= 1
+    csv = (tmp_path / "lm_long_context.csv").read_text().splitlines()
+    assert sum(line.startswith("joint,") for line in csv) == len(joint)
