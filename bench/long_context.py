@@ -147,13 +147,10 @@ def main(argv=None):
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(RB.REPO, "bench", "results"))
     ap.add_argument("--results-dir", default=os.path.join(RB.REPO, "bench", "results"))
     ap.add_argument("--commit", default=None)
-    ap.add_argument("--fp8", action="store_true", help="also the fp8 selection alone: time, speed-up, set recall "
-                    "(sets FLASHMSA_FP8_SELECTION_CUDA=1)")
+    ap.add_argument("--fp8", action="store_true", help="also the fp8 selection alone: time, speed-up, set recall")
     full = [sys.argv[0]] + list(sys.argv[1:] if argv is None else argv)
     args = ap.parse_args(full[1:])
     args.argv = full
-    if args.fp8:  # the e4m3 kernel runs only under this knob until it has been verified on a GPU (docs/errors.md)
-        os.environ["FLASHMSA_FP8_SELECTION_CUDA"] = "1"
     import torch
 
     info = RB.gpu_info()

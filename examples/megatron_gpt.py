@@ -134,7 +134,7 @@ def recall_of(m, x, y, a):
             idx = flashmsa.msa_select(qp, kp, topk, **sel)
             try:
                 idx8 = flashmsa.msa_select(qp, kp, topk, fp8_selection=True, **sel)
-            except flashmsa.NotSupportedError:  # CUDA without FLASHMSA_FP8_SELECTION_CUDA=1 (docs/errors.md)
+            except flashmsa.NotSupportedError:  # a shape the CUDA fp8 selection does not serve (docs/errors.md)
                 idx8 = None
             rows = torch.linspace(lm.BLOCK, S - 1, a.recall_rows, device=q.device).long().unique()
             qs, ks = q.view(B, S, *q.shape[1:]), k.view(B, S, *k.shape[1:])

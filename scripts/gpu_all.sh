@@ -42,7 +42,7 @@
 #   long       the long-context table (bench/long_context.py: the README's step at 128k-1M, cuDNN to --dense-max),
 #              LONG_ARGS (default "--configs m3 --seqlens 1048576,524288,262144,131072 --dense-max 262144"),
 #              under $OUT/long
-#   fp8        the fp8 selection's e4m3 kernel (FLASHMSA_FP8_SELECTION_CUDA=1): its GPU tests against the CPU reference
+#   fp8        the fp8 selection's e4m3 kernel: its GPU tests against the CPU reference
 #              (Fp8Selection.*, the fp8 cases of Segments.SmallSelectRowsEqualWholeCall) with the union walk's (Given.*,
 #              Proxy.GivenWithEmptyRows, Proxy.FmsaVarlenRecomputedLse), memcheck on the small ones, the Python
 #              tests (tests/python/test_fp8_selection.py), then its speed and set recall against the bf16 selection
@@ -267,7 +267,7 @@ if has fp8; then
     > "$OUT/fp8/gtest.log" 2>&1; echo "fp8 GPU tests rc=$?"
   grep -E "^\[  (PASSED|FAILED)|FAILED  \]|slots where|proxy_lse" "$OUT/fp8/gtest.log" | tail -24
   timeout ${FP8_MEMCHECK_S:-90} compute-sanitizer --tool memcheck --error-exitcode 1 ./.gpu/flashmsa_gpu_tests \
-    --gtest_filter='Fp8Selection.SmallTopk40Hpk2:Fp8Selection.SmallRefusedWithoutTheKnob:Given.SmallOdd:Segments.SmallSelectRowsEqualWholeCall' \
+    --gtest_filter='Fp8Selection.SmallTopk40Hpk2:Given.SmallOdd:Segments.SmallSelectRowsEqualWholeCall' \
     > "$OUT/fp8/memcheck.log" 2>&1; echo "memcheck (fp8, union walk) rc=$?"; tail -1 "$OUT/fp8/memcheck.log"
   FLASHMSA_BUILD_DIR=.gpu timeout 60 python3 -m pytest -q tests/python/test_fp8_selection.py > "$OUT/fp8/pytest.log" 2>&1
   echo "pytest (fp8) rc=$?"; tail -3 "$OUT/fp8/pytest.log"

@@ -294,8 +294,8 @@ def msa_attention(q: Tensor, k: Tensor, v: Tensor, qp: Optional[Tensor] = None,
 
     fp8_selection: the sparse mode ranks the blocks on e4m3 copies of qp (one scale per token and
     head) and kp (one per 128-token block and head); the proxy lse, the kl and every gradient still
-    use qp, kp as given (C header, flashmsa_selection_t). CPU backend only so far (the reference of
-    the coming CUDA kernel); ignored in the warmup and given modes.
+    use qp, kp as given (C header, flashmsa_selection_t). Both backends; ignored in the warmup and given
+    modes.
 
     Returns (out, kl), then lse [Hq, total] fp32 if return_lse (differentiable), then indices
     [Hp, total, topk] int32 if return_indices (None in warmup mode).

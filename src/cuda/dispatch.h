@@ -164,9 +164,6 @@ struct FwdRings {
   bool persistent = true;
 };
 FwdRings fwd_rings_policy();
-// FLASHMSA_FP8_SELECTION_CUDA: "1" runs the fp8 selection's e4m3 kernel (select_e4m3.cu), which has not yet run on a
-// GPU against the reference; unset, empty or "0": the CUDA backend answers NOT_SUPPORTED for it (docs/errors.md).
-bool fp8_selection_cuda();
 // (cuq, origin: the query segments' safe copies, or null)
 attn_bwd::InversionArgs inversion_args(const int32_t* idx, int64_t idx_head, int64_t idx_tok,
                                        const flashmsa_tensor_t& cu, const Geometry& g, const int32_t* cuq = nullptr,

@@ -71,10 +71,6 @@ void check_supported(const Geometry& g, const char* fn) {
     unsupported(fn, "at most " + std::to_string(tiles::kMaxGridYZ) + " heads of each kind");
   if (g.max_seqlen > tiles::kMaxSeqlen)
     unsupported(fn, "max_seqlen " + std::to_string(g.max_seqlen) + " exceeds " + std::to_string(tiles::kMaxSeqlen));
-  if (g.fp8_selection && !fp8_selection_cuda())
-    unsupported(fn, "selection = FLASHMSA_SELECTION_FP8: the CUDA e4m3 kernel is built but has not yet been verified "
-                    "on a GPU; FLASHMSA_FP8_SELECTION_CUDA=1 runs it (tests, benchmarks), the CPU backend runs the "
-                    "reference (docs/kernels/select.md)");
 }
 
 // What the CUDA kernels support beyond the spec's validation; called by the workspace queries

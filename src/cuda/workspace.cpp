@@ -76,10 +76,6 @@ BwdDqPath bwd_dq_path() {
        "or 'store-wait' (tests: 'store', every later contribution through the writer's wait), got '" + v + "'");
 }
 
-bool fp8_selection_cuda() {
-  return onoff_knob("FLASHMSA_FP8_SELECTION_CUDA", "run the e4m3 selection kernel, not yet verified on a GPU", false);
-}
-
 FwdRings fwd_rings_policy() {
   FwdRings r;
   r.regroup = onoff_knob("FLASHMSA_FWD_REGROUP", "tokens regrouped by selection", true);

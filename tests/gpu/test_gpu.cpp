@@ -397,7 +397,6 @@ TEST(Sparse, SmallNanKpBlockRanksLast) {
 // sets is of the unquantised values (1e-4); out and lse as in every sparse case.
 void run_fp8_case(const Problem& pb0) {
   PoolScope scope;
-  ScopedEnv knob("FLASHMSA_FP8_SELECTION_CUDA", "1");
   std::mt19937_64 rng(fresh_seed());
   Problem pb = pb0;
   Inputs in = make_inputs(pb, rng);
@@ -437,33 +436,6 @@ TEST(Fp8Selection, M3Batched) { run_fp8_case(m3().with_topk(16).batched(2, 1300)
 TEST(Fp8Selection, SmallTopk40Hpk2) {  // topk 40: the shared-memory list
   run_fp8_case(Problem().heads(8, 2).proxy_heads(4, 2).with_topk(40).seqlens({6000, 300}));
 }
-// Without FLASHMSA_FP8_SELECTION_CUDA=1 the CUDA backend refuses the fp8 selection (NOT_SUPPORTED, naming the
-// variable) in the workspace query, before anything runs (the forward's query shares the check: support.cpp); a bad
-// value of the variable is INVALID_ARGUMENT.
-TEST(Fp8Selection, SmallRefusedWithoutTheKnob) {
-  PoolScope scope;
-  std::mt19937_64 rng(fresh_seed());
-  const Problem pb = Problem().heads(8, 2).proxy_heads(2, 1).with_topk(4).seqlens({300});
-  Inputs in = make_inputs(pb, rng);
-  flashmsa::SelectArgs s;
-  s.qp = dev_view(in.qp);
-  s.kp = dev_view(in.kp);
-  s.cu_seqlens = dev_view(in.cu);
-  s.max_seqlen = pb.max_len();
-  s.topk = pb.topk;
-  s.selection = FLASHMSA_SELECTION_FP8;
-  Tensor idx = output({pb.Hp, pb.total(), pb.topk}, FLASHMSA_DTYPE_INT32);
-  s.indices = dev_view(idx);
-  size_t bytes = 0;
-  EXPECT_EQ(flashmsa_select_workspace_size(&s, &bytes), FLASHMSA_ERROR_NOT_SUPPORTED);
-  EXPECT_NE(std::string(flashmsa_last_error()).find("FLASHMSA_FP8_SELECTION_CUDA"), std::string::npos)
-      << flashmsa_last_error();
-  {
-    ScopedEnv bad("FLASHMSA_FP8_SELECTION_CUDA", "yes");
-    EXPECT_EQ(flashmsa_select_workspace_size(&s, &bytes), FLASHMSA_ERROR_INVALID_ARGUMENT);
-  }
-}
-
 TEST(Dense, FmsaVarlen) {
   PoolScope scope;
   std::mt19937_64 rng(fresh_seed());
@@ -2688,7 +2660,6 @@ TEST(Segments, SmallSelectRowsEqualWholeCall) {
   for (auto [topk, sel] : {std::pair{4, FLASHMSA_SELECTION_INPUT}, std::pair{20, FLASHMSA_SELECTION_INPUT},
                            std::pair{4, FLASHMSA_SELECTION_FP8}, std::pair{20, FLASHMSA_SELECTION_FP8}}) {
     SCOPED_TRACE("topk " + std::to_string(topk) + (sel == FLASHMSA_SELECTION_FP8 ? ", fp8 selection" : ""));
-    ScopedEnv knob("FLASHMSA_FP8_SELECTION_CUDA", sel == FLASHMSA_SELECTION_FP8 ? "1" : "0");
     const flashmsa_tensor_t none = flashmsa::none();
     const SegSelect whole = cuda_select(qp, kp, cu_t, 700, topk, T, Hp, nullptr, nullptr, 0, none, FLASHMSA_SUCCESS, sel);
     const SegSelect part =

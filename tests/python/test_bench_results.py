@@ -323,7 +323,9 @@ def fake_run(tmp_path, monkeypatch):
     import types
     pytest.importorskip("torch")
     calls = dict(selection=[], bsa=[], flex=[], sdpa=[])
+    import user_path
     fake_up = types.SimpleNamespace(
+        PATTERNS=user_path.PATTERNS,
         selection=lambda cfg, T, pat, dev: (calls["selection"].append((T, pat)),
                                             np.tile((np.arange(T) // 128)[None, :, None], (cfg["Hp"], 1, cfg["topk"]))
                                             .astype(np.int32))[1],
@@ -483,3 +485,15 @@ def test_cudnn_bsa_peer_plumbing_on_the_cpu(shift, ok):
     assert r["fwd_ms"] == 2.0 and r["step_ms"] == 2.0 and r["peak_gb"] is None
     assert r["union_factor_128"] == pytest.approx(rb.union_factor(rb.tile_union(idx)[1], 2))
     assert (r["max_rel_err"] < rb.BSA_TOLERANCE) == ok
+
+
+def test_patterns_argument(capsys):
+    """--patterns: the trained-like pattern only on the user's path (flashmsa_bench draws clustered and random);
+    unknown names refused."""
+    assert rb.parse_args(["--user-only", "--patterns", "clustered,random,trained"]).pattern_list == \
+        ["clustered", "random", "trained"]
+    for argv, text in ((["--patterns", "trained"], "use --user-only"),
+                       (["--user-only", "--patterns", "zipf"], "unknown pattern(s) zipf")):
+        with pytest.raises(SystemExit):
+            rb.parse_args(argv)
+        assert text in capsys.readouterr().err

@@ -120,18 +120,13 @@ def block_scores(q8, k8, cu, Hp, p, t, blocks):
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not flashmsa.cuda_available(), reason="needs the CUDA backend")
 @pytest.mark.parametrize("lengths,topk", [([2000, 129, 1, 900], 4), ([3000, 300], 20)])
-def test_cuda_equals_the_cpu_backend(lengths, topk, monkeypatch):
+def test_cuda_equals_the_cpu_backend(lengths, topk):
     """The CUDA e4m3 kernel against the CPU backend on the same bf16 values (scales over many orders of magnitude, a
     zero row, a zero key block): the rows equal up to swaps of blocks whose scores on the dequantised copies agree
     to 1e-2 (the fp8 tensor cores accumulate with fewer bits than fp32), the kernel follows the fp8 ranking where it
-    differs from the input dtype's, and the proxy lse is the unquantised one (rows with the same blocks). The kernel
-    runs under FLASHMSA_FP8_SELECTION_CUDA=1 (not yet verified on a GPU); without it the call is refused."""
+    differs from the input dtype's, and the proxy lse is the unquantised one (rows with the same blocks)."""
     qp, kp, cu = inputs(lengths, Dp=128)
     qp, kp = qp.bfloat16(), kp.bfloat16()
-    monkeypatch.delenv("FLASHMSA_FP8_SELECTION_CUDA", raising=False)
-    with pytest.raises(NotImplementedError, match="FLASHMSA_FP8_SELECTION_CUDA"):
-        flashmsa.msa_select(qp.cuda(), kp.cuda(), topk, cu_seqlens=cu.cuda(), fp8_selection=True)
-    monkeypatch.setenv("FLASHMSA_FP8_SELECTION_CUDA", "1")
     want, wlse = flashmsa.msa_select(qp.double(), kp.double(), topk, cu_seqlens=cu, fp8_selection=True,
                                      return_proxy_lse=True)
     plain = flashmsa.msa_select(qp.double(), kp.double(), topk, cu_seqlens=cu)

@@ -186,6 +186,7 @@ def mcore():
      "msa_cp_scheme 'heads': the heads of a TP rank do not split over context_parallel_size = 2"),
     (dict(msa_kl_coeff=float("nan")), "msa_kl_coeff: expected a finite value >= 0"),
     (dict(msa_index_share=0), "msa_index_share: expected an int >= 1"),
+    (dict(msa_detach_proxy_input=1), "msa_detach_proxy_input: expected a bool"),
 ])
 def test_bad_configurations(mcore, kw, text):
     with pytest.raises(ValueError, match=None) as e:
@@ -224,6 +225,31 @@ def test_warmup_equals_megatron_dense_attention(mcore):
     with torch.no_grad():
         c = msa(ids, None, None)
     assert float((c - b).abs().max()) > 1e-3
+
+
+@pytest.mark.parametrize("warmup", [True, False])
+def test_kl_trains_the_proxy_alone(mcore, warmup):
+    """msa_detach_proxy_input (default True): a step's gradients of every parameter but linear_qp and linear_kp are
+    the same with the kl in the loss as without it (the paper's stop-gradient: the dense warmup then trains the model
+    as dense attention does), while the proxy projections get the kl's; False lets the kl reach the rest too."""
+    from flashmsa.integrations import megatron as fm
+
+    def grads(**kw):
+        m = mcore.model(mcore.config(**kw))
+        fm.set_warmup(m, warmup)
+        ids, labels = mcore.tokens()
+        m(ids, None, None, labels=labels).float().mean().backward()
+        fm.kl_metrics(reduce=False)
+        return {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+    base, kl, leak = grads(msa_kl_coeff=0.0), grads(msa_kl_coeff=1.0), grads(msa_kl_coeff=1.0,
+                                                                             msa_detach_proxy_input=False)
+    proxy = [n for n in kl if "linear_qp" in n or "linear_kp" in n]
+    assert proxy and all(float(kl[n].abs().max()) > 0 for n in proxy)
+    for n in base:
+        if n not in proxy:
+            torch.testing.assert_close(kl[n], base[n], rtol=0, atol=0, msg=n)
+    assert any(not torch.equal(leak[n], base[n]) for n in base if n not in proxy)
 
 
 def test_example_cpu_preset(tmp_path):

@@ -38,8 +38,8 @@ def dense_proxy_attention(qp, kp, vp, indices, cu, scale):
     return out
 
 
-def inputs(seed, lengths=(300, 1, 0, 129, 257), Hp=4, Hpk=2, dtype=torch.float64, device="cpu"):
-    x = make_inputs(lengths=list(lengths), Hq=8, Hkv=2, Hp=Hp, Hpk=Hpk, D=16, Dp=16, dtype=dtype, seed=seed,
+def inputs(seed, lengths=(300, 1, 0, 129, 257), Hp=4, Hpk=2, dtype=torch.float64, device="cpu", D=16):
+    x = make_inputs(lengths=list(lengths), Hq=8, Hkv=2, Hp=Hp, Hpk=Hpk, D=D, Dp=D, dtype=dtype, seed=seed,
                     requires_grad=True, device=device)
     g = torch.Generator().manual_seed(seed + 100)
     vp = torch.randn(x["kp"].shape, generator=g, dtype=torch.float64).to(dtype=dtype, device=device)
@@ -85,7 +85,7 @@ def test_bad_input():
 
 @pytest.mark.skipif(not flashmsa.cuda_available(), reason="no CUDA device")
 def test_cuda_equals_the_cpu_backend():
-    x, vp = inputs(seed=5, lengths=(1000, 0, 517, 129), Hp=4, Hpk=1, dtype=torch.bfloat16)
+    x, vp = inputs(seed=5, lengths=(1000, 0, 517, 129), Hp=4, Hpk=1, dtype=torch.bfloat16, D=128)  # CUDA: D = 128
     cu = x["cu_seqlens"]
     _, _, idx = flashmsa.msa_attention(x["q"], x["k"], x["v"], x["qp"], x["kp"], topk=4, cu_seqlens=cu,
                                        max_seqlen=x["max_seqlen"], return_indices=True)
@@ -93,6 +93,11 @@ def test_cuda_equals_the_cpu_backend():
     dev = [t.detach().cuda().requires_grad_() for t in (x["qp"], x["kp"], vp)]
     out = flashmsa.proxy_attention(*dev, idx.cuda(), cu_seqlens=cu.cuda(), max_seqlen=x["max_seqlen"])
     assert rel_l2(out.cpu().double(), ref.double()) <= 2e-2
+    g = torch.randn(ref.shape, generator=torch.Generator().manual_seed(6)).to(ref.dtype)
+    want = torch.autograd.grad(ref, (x["qp"], x["kp"], vp), g)
+    got = torch.autograd.grad(out, dev, g.cuda())
+    for name, a, b in zip(("dqp", "dkp", "dvp"), got, want):
+        assert rel_l2(a.cpu().double(), b.double()) <= 3e-2, name
 
 
 @pytest.mark.parametrize("warmup", [False, True])

@@ -68,6 +68,10 @@ class MSAConfig(TransformerConfig):
     """Dp: the proxy heads' dim. None: kv_channels."""
     msa_kl_coeff: float = 1.0
     """Weight of the kl auxiliary loss (the proxy learns only from it; 0: no proxy gradient, no logging)."""
+    msa_detach_proxy_input: bool = True
+    """Feed the proxy projections the layer's input detached (the MSA paper's stop-gradient, flashmsa.nn's default):
+    the kl trains linear_qp and linear_kp alone and sends nothing into the rest of the model, so the dense warmup
+    trains the model exactly as dense attention does. False: the kl's gradient also reaches the layer's input."""
     msa_rope_on_proxy: bool = True
     """Rotate qp and kp with the model's rotary embedding (needs Dp = the rotary dim)."""
     msa_warmup: bool = False
@@ -127,6 +131,8 @@ class MSAConfig(TransformerConfig):
                     f"start sparse (msa_warmup=False)")
         if not self.msa_kl_coeff >= 0 or math.isinf(self.msa_kl_coeff):
             bad(f"msa_kl_coeff: expected a finite value >= 0, got {self.msa_kl_coeff!r}")
+        if not isinstance(self.msa_detach_proxy_input, bool):
+            bad(f"msa_detach_proxy_input: expected a bool, got {self.msa_detach_proxy_input!r}")
         if not isinstance(self.msa_index_share, int) or self.msa_index_share < 1:
             bad(f"msa_index_share: expected an int >= 1 (layers per shared selection), got {self.msa_index_share!r}")
         if self.msa_proxy_head_dim is not None and self.msa_proxy_head_dim < 1:
@@ -427,8 +433,9 @@ class MSASelfAttention(SelfAttention):
         if not self.has_proxy:  # (an IndexShare follower)
             return self._attend(query, key, value, None, None, attention_mask, rotary_pos_emb, attention_bias,
                                 packed_seq_params, thd)
-        qp, _ = self.linear_qp(hidden_states)
-        kp, _ = self.linear_kp(hidden_states)
+        proxy_in = hidden_states.detach() if self.config.msa_detach_proxy_input else hidden_states
+        qp, _ = self.linear_qp(proxy_in)
+        kp, _ = self.linear_kp(proxy_in)
         qp = qp.view(*qp.shape[:2], self.Hp_local, self.Dp)
         kp = kp.view(*kp.shape[:2], self.Hpk_local, self.Dp)
         return self._attend(query, key, value, qp, kp, attention_mask, rotary_pos_emb, attention_bias,
