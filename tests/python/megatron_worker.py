@@ -156,9 +156,9 @@ def distopt(use_distributed_optimizer, steps=30):
     proxy = {n: p for n, p in ddp.named_parameters() if "linear_qp" in n or "linear_kp" in n}
     before = {n: p.detach().float().cpu().clone() for n, p in proxy.items()}
     g = torch.Generator().manual_seed(5)
-    losses = []
+    losses, grad_norms = [], {}
     from megatron.core.packed_seq_params import PackedSeqParams
-    for _ in range(steps):
+    for it in range(steps):
         ids, labels = (t.cuda() for t in counting_batch(g))
         cu = torch.arange(3, dtype=torch.int32, device="cuda") * SEQ
         psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=SEQ, max_seqlen_kv=SEQ)
@@ -168,13 +168,16 @@ def distopt(use_distributed_optimizer, steps=30):
         loss = ddp(ids.reshape(1, -1), None, None, labels=labels.reshape(1, -1), packed_seq_params=psp).float().mean()
         loss.backward()
         ddp.finish_grad_sync()
+        if it == 0:  # where the first step's gradients arrive (DDP's main_grad buffers, which the optimizer reads)
+            grad_norms = {n: float(getattr(p, "main_grad", p.grad).float().norm())
+                          if getattr(p, "main_grad", p.grad) is not None else None for n, p in ddp.named_parameters()}
         ok, _, _ = opt.step()
         assert ok, "optimizer step skipped"
         losses.append(float(loss))
         fm.kl_metrics(reduce=False)
     after = {n: p.detach().float().cpu().clone() for n, p in proxy.items()}
     inner = [type(o).__name__ for o in getattr(opt, "chained_optimizers", [opt])]  # (get_megatron_optimizer chains)
-    return dict(losses=losses, before=before, after=after, optimizers=inner)
+    return dict(losses=losses, before=before, after=after, optimizers=inner, grad_norms=grad_norms)
 
 
 def run(case, rank, P, tp, cp, out_dir):

@@ -304,6 +304,8 @@ def test_distributed_optimizer_cuda(tmp_path):
         (on["optimizers"], off["optimizers"])
     a, b = on["losses"], off["losses"]
     print(f"distributed optimizer: loss {a[0]:.4f} -> {a[-1]:.4f}; bf16 optimizer {b[0]:.4f} -> {b[-1]:.4f}")
+    for n, v in on["grad_norms"].items():  # where the first step's gradients arrive (a diagnosis when the loss stalls)
+        print(f"  first-step gradient norm {n}: {v}")
     assert a[-1] < a[0] - 0.5, (a[0], a[-1])
     worst = max(abs(x - y) / abs(y) for x, y in zip(a, b))
     assert worst < 2e-2, f"curves {worst:.2e} apart"
