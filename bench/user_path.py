@@ -49,7 +49,7 @@ def import_flashmsa():
 
 def make_inputs(cfg, T, pattern, device, dtype=torch.bfloat16, seed=0):
     """(q, k, v, qp, kp, cu): batch-1 varlen inputs [T, H, 128] of a benchmark selection pattern
-    ("clustered" or "random"), drawn in fp32 on `device` and cast to `dtype`; q, k, v, qp, kp are
+    (PATTERNS: "clustered", "random", or "trained", trained_like_proxy's), drawn in fp32 on `device` and cast to `dtype`; q, k, v, qp, kp are
     leaves that require grad, cu = [0, T] int32. The clustered draw is tools/patterns.cpp's (one
     topic per 512-token span of keys and proxy key head, 3 distinct topics per 128-token span of
     queries and proxy head) with torch's generator: the C++ bench's distribution, other numbers."""
@@ -83,21 +83,23 @@ def make_inputs(cfg, T, pattern, device, dtype=torch.bfloat16, seed=0):
 
 
 def trained_like_proxy(T, Hp, Hpk, g, device, p=TRAINED):
-    """(qp [T, Hp, D], kp [T, Hpk, D]) fp32 whose selection has a trained indexer's statistics (BENCHMARKS.md's
-    trained-like pattern). Every key block j of proxy key head h gets a random direction c[h, j] and its keys are
+    """(qp [T, Hp, D], kp [T, Hpk, D]) fp32 whose selection has a trained indexer's statistics (the trained-like
+    pattern of docs/performance.md, "Trained selections"). Every key block j of proxy key head h gets a random direction c[h, j] and its keys are
     c[h, j] plus noise. Each query row's proxy is the sum of the directions of the blocks it should select, drawn at
     four time scales: blocks every proxy head of a 64-token span shares, blocks of one head's 64-token span, of its
     8-token span, and of the token alone (consecutive tokens share about half their blocks, as trained selections
     do). A block lies U^gamma x (the query's block) blocks before the query's block (trained selections favour recent
     blocks: median distance ~0.3 of the way back), at least one; with probability p_pair it brings its left neighbour
-    (runs of adjacent blocks). The selection then picks those blocks, the local block and the noise's winners."""
+    (runs of adjacent blocks), else its own direction counts twice (the parameters were fitted that way). The
+    selection then picks those blocks, the local block and the noise's winners."""
     import torch.nn.functional as F
     nb = -(-T // 128)
 
     def normal(*shape):
         return torch.randn(shape, generator=g, device=device, dtype=torch.float32)
 
-    def draw(qb, n):  # [len(qb), 2n] blocks: n targets before each query block qb, then each one's pair partner
+    def draw(qb, n):  # [len(qb), 2n] blocks: n targets before each query block qb, then each one's partner (itself
+        # when unpaired)
         u = torch.rand((qb.shape[0], n), generator=g, device=device) ** p["gamma"]
         b = (qb[:, None] - (u * qb[:, None]).round().clamp(min=1)).clamp(min=0).long()
         pair = torch.rand((qb.shape[0], n), generator=g, device=device) < p["p_pair"]

@@ -18,8 +18,9 @@ moves the key heads of one group only (1/H of the above) across the P/H groups. 
 backward scale with the queries against a fixed key set).
 
 What overlapping the exchanges with compute could gain, two bounds per row:
-    fwd overlap   the forward's gather (k, v, kp in bf16: a third of the key bytes) hidden under the selection,
-                  which needs only kp (select_ms / P of the rank's step): the step less min(gather, selection)
+    fwd overlap   the forward's gather of k and v (bf16; with kp's, a third of the key bytes) hidden under the
+                  selection, which needs only the gathered kp (select_ms / P of the rank's step): the step less
+                  min(k and v's gather, selection)
     ideal         every byte hidden: max(compute, exchange)
 
     python3 bench/tools/cp_model.py bench/results/long_context.latest.json [--nvlink 370] [--ib 45]
@@ -57,7 +58,8 @@ def model(step1_ms, T, P, nvlink_gbs, ib_gbs, scheme="tokens", heads_size=1, ran
     t_comm = t_key + 1e3 * hb / (nvlink_gbs * 1e9)
     compute = step1_ms * (1 + kl_fwd) / P
     step = compute + t_comm
-    fwd_overlap = step - min(t_key / 3, select_ms / P)
+    kv_share = 2 * M3["Hkv"] * M3["D"] / (2 * M3["Hkv"] * M3["D"] + M3["Hpk"] * M3["D"])  # k, v of the gather
+    fwd_overlap = step - min(t_key / 3 * kv_share, select_ms / P)
     return step, step1_ms / (P * step), fwd_overlap, max(compute, t_comm)
 
 

@@ -13,7 +13,7 @@ spread over them):
   heads        share of a token's blocks that proxy head 1 shares with head 0
 TARGET holds these for the layer-0 selection of examples/lm_long_context.py's trained indexer (H200, 1000 steps,
 16 heads, 4 proxy heads, 1 proxy key head, 16k tokens, topk 16; the file selection_layer0_seq0.pt the example
-writes to --out, kept in git at tag lab-notebook-2026-12-07 under examples/results/lm_long_context/h200-1000steps/),
+writes to --out; git keeps the H200 run's copy at commit 54fd084, examples/results/lm_long_context/h200-1000steps/),
 measured with --selection on that file.
 
     python3 bench/tools/trained_pattern.py                       # 16k: trained-like, random, clustered vs TARGET

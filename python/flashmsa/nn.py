@@ -155,6 +155,8 @@ class MSAttention(nn.Module):
             self.vp_proj = nn.Linear(embed_dim, num_proxy_kv_heads * Dp, **kw)
             self.po_proj = nn.Linear(self.num_proxy_heads * Dp, embed_dim, **kw)
             nn.init.zeros_(self.po_proj.weight)
+            if self.po_proj.bias is not None:
+                nn.init.zeros_(self.po_proj.bias)
         self.last_indices: Optional[Tensor] = None  # set when record_indices is True
         self.last_kl: Optional[Tensor] = None  # the last forward's kl (filled in by its backward)
         self.record_indices = False
@@ -248,8 +250,8 @@ def last_kl(model: nn.Module, reduce: str = "mean") -> Tensor:
 
 def proxy_param_groups(model: nn.Module, proxy_lr: float) -> list:
     """Optimizer parameter groups: every parameter of `model`, with the proxy projections of
-    each MSAttention (qp_proj, kp_proj: trained by the kl term alone) in a group of their own at
-    learning rate proxy_lr. At the model's rate the proxy lags a fast-changing main attention and
+    each MSAttention (qp_proj, kp_proj: trained by the kl term, and with proxy_output=True by the task loss too) in a
+    group of their own at learning rate proxy_lr; vp_proj and po_proj (proxy_output=True) stay at the model's rate. At the model's rate the proxy lags a fast-changing main attention and
     the kl rises; 5x made it fall on real text (docs/lm_long_context.md). Without MSAttention the
     result is one group.
 

@@ -396,7 +396,9 @@ def proxy_attention(qp: Tensor, kp: Tensor, vp: Tensor, indices: Optional[Tensor
 
     Returns O_idx [total, Hp, Dp] (batched: [B, S, Hp, Dp]) in qp's dtype, differentiable in qp, kp and vp: the
     language-model loss through O_idx trains the proxy jointly with (or instead of) the kl term. It runs the
-    library's attention on the proxy's heads (given or dense mode, no proxy of its own), on every backend.
+    library's attention on the proxy's heads (given or dense mode, no proxy of its own), on every backend; errors
+    name the attention's arguments (qp, kp, vp as q, k, v; proxy_scale as softmax_scale; indices' last dimension as
+    topk; on CUDA, Dp as the head dim D).
     """
     if indices is None and not warmup:
         raise ValueError("flashmsa.proxy_attention: indices: the selection to attend over is required "
@@ -404,6 +406,8 @@ def proxy_attention(qp: Tensor, kp: Tensor, vp: Tensor, indices: Optional[Tensor
     fn = "flashmsa.proxy_attention"
     for name, t in (("qp", qp), ("kp", kp), ("vp", vp)):
         _tensor(name, t)
+    if qp.dim() not in (3, 4):
+        raise ValueError(f"{fn}: qp: expected [total, Hp, Dp] or [B, S, Hp, Dp], got {list(qp.shape)}")
     if vp.shape != kp.shape:
         raise ValueError(f"{fn}: vp: expected kp's shape {list(kp.shape)} (one value head per proxy key head), "
                          f"got {list(vp.shape)}")
@@ -413,7 +417,7 @@ def proxy_attention(qp: Tensor, kp: Tensor, vp: Tensor, indices: Optional[Tensor
     topk = 16
     if indices is not None:
         _tensor("indices", indices)
-        if indices.dim() != 3 or qp.dim() < 2 or indices.shape[0] != qp.shape[-2]:
+        if indices.dim() != 3 or indices.shape[0] != qp.shape[-2]:
             raise ValueError(f"{fn}: indices: expected [Hp, total, topk] with Hp = qp's {qp.shape[-2]} heads (one "
                              f"selection per proxy head), got {list(indices.shape)}")
         topk = indices.shape[-1]
@@ -422,7 +426,7 @@ def proxy_attention(qp: Tensor, kp: Tensor, vp: Tensor, indices: Optional[Tensor
                             warmup=warmup, indices=indices, softmax_scale=proxy_scale, proxy_scale=None,
                             compute_kl=False, return_lse=False, return_indices=False, numerics=numerics,
                             precise_dpsum=False, validate=validate, kl_from_backward=True)
-    except (ValueError, TypeError) as e:  # name the caller's tensors: qp, kp, vp run as q, k, v
+    except (ValueError, TypeError, NotImplementedError) as e:  # name the caller's tensors: qp, kp, vp run as q, k, v
         raise type(e)(f"{fn} (qp, kp, vp and proxy_scale run as the attention's q, k, v and softmax_scale): "
                       f"{e}") from None
     return out

@@ -323,9 +323,7 @@ def fake_run(tmp_path, monkeypatch):
     import types
     pytest.importorskip("torch")
     calls = dict(selection=[], bsa=[], flex=[], sdpa=[])
-    import user_path
     fake_up = types.SimpleNamespace(
-        PATTERNS=user_path.PATTERNS,
         selection=lambda cfg, T, pat, dev: (calls["selection"].append((T, pat)),
                                             np.tile((np.arange(T) // 128)[None, :, None], (cfg["Hp"], 1, cfg["topk"]))
                                             .astype(np.int32))[1],
@@ -489,7 +487,10 @@ def test_cudnn_bsa_peer_plumbing_on_the_cpu(shift, ok):
 
 def test_patterns_argument(capsys):
     """--patterns: the trained-like pattern only on the user's path (flashmsa_bench draws clustered and random);
-    unknown names refused."""
+    unknown names refused; the names are user_path's."""
+    pytest.importorskip("torch")
+    import user_path
+    assert rb.PATTERNS == user_path.PATTERNS
     assert rb.parse_args(["--user-only", "--patterns", "clustered,random,trained"]).pattern_list == \
         ["clustered", "random", "trained"]
     for argv, text in ((["--patterns", "trained"], "use --user-only"),

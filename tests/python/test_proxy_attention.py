@@ -74,13 +74,35 @@ def test_bad_input():
     kw = dict(cu_seqlens=x["cu_seqlens"], max_seqlen=x["max_seqlen"])
     with pytest.raises(ValueError, match="indices: the selection"):
         flashmsa.proxy_attention(x["qp"], x["kp"], vp, **kw)
-    with pytest.raises((ValueError, TypeError), match="v"):
+    with pytest.raises(ValueError, match="vp: expected kp's shape"):
         flashmsa.proxy_attention(x["qp"], x["kp"], vp[:, :1], warmup=True, **kw)      # vp heads != kp heads
-    with pytest.raises((ValueError, TypeError), match="v"):
+    with pytest.raises(TypeError, match="vp: expected kp's dtype"):
         flashmsa.proxy_attention(x["qp"], x["kp"], vp.float(), warmup=True, **kw)     # dtype
     _, _, idx = flashmsa.msa_attention(x["q"], x["k"], x["v"], x["qp"], x["kp"], topk=2, return_indices=True, **kw)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="indices: expected .Hp, total, topk. with Hp = qp's 4 heads"):
         flashmsa.proxy_attention(x["qp"], x["kp"], vp, idx[:1], **kw)                 # indices heads != Hp
+    with pytest.raises(ValueError, match="qp, kp, vp and proxy_scale run as"):
+        flashmsa.proxy_attention(x["qp"], x["kp"], vp, idx, warmup=True, **kw)        # a selection and warmup
+    with pytest.raises(ValueError, match="qp: expected"):
+        flashmsa.proxy_attention(x["qp"][0, 0], x["kp"], vp, idx, **kw)               # rank
+
+
+@pytest.mark.parametrize("warmup", [False, True])
+def test_batched_equals_varlen(warmup):
+    x = make_inputs(batch=2, seqlen=200, Hq=8, Hkv=2, Hp=4, Hpk=2, D=16, Dp=16, seed=9, requires_grad=True)
+    vp = torch.randn(x["kp"].shape, generator=torch.Generator().manual_seed(10), dtype=torch.float64)
+    idx = None
+    if not warmup:
+        _, _, idx = flashmsa.msa_attention(x["q"], x["k"], x["v"], x["qp"], x["kp"], topk=1, return_indices=True)
+    out = flashmsa.proxy_attention(x["qp"], x["kp"], vp, idx, warmup=warmup)
+    assert out.shape == x["qp"].shape
+    cu = torch.tensor([0, 200, 400], dtype=torch.int32)
+    flat = flashmsa.proxy_attention(x["qp"].reshape(400, 4, 16), x["kp"].reshape(400, 2, 16), vp.reshape(400, 2, 16),
+                                    idx, cu_seqlens=cu, max_seqlen=200, warmup=warmup)
+    assert rel_l2(out.reshape(400, 4, 16), flat) <= 1e-14
+    ref = dense_proxy_attention(x["qp"].reshape(400, 4, 16), x["kp"].reshape(400, 2, 16), vp.reshape(400, 2, 16),
+                                idx, [0, 200, 400], 16 ** -0.5)
+    assert rel_l2(flat, ref) <= 1e-12
 
 
 @pytest.mark.skipif(not flashmsa.cuda_available(), reason="no CUDA device")
@@ -98,6 +120,10 @@ def test_cuda_equals_the_cpu_backend():
     got = torch.autograd.grad(out, dev, g.cuda())
     for name, a, b in zip(("dqp", "dkp", "dvp"), got, want):
         assert rel_l2(a.cpu().double(), b.double()) <= 3e-2, name
+    # warmup (dense) mode: every causal key
+    ref = flashmsa.proxy_attention(x["qp"], x["kp"], vp, cu_seqlens=cu, max_seqlen=x["max_seqlen"], warmup=True)
+    out = flashmsa.proxy_attention(*dev, cu_seqlens=cu.cuda(), max_seqlen=x["max_seqlen"], warmup=True)
+    assert rel_l2(out.cpu().double(), ref.double()) <= 2e-2
 
 
 @pytest.mark.parametrize("warmup", [False, True])
@@ -105,11 +131,11 @@ def test_module_proxy_output(warmup):
     from flashmsa.nn import MSAttention
     torch.manual_seed(0)
     kw = dict(num_kv_heads=2, num_proxy_heads=2, head_dim=16, topk=2, kl_coef=0.0, warmup=warmup,
-              proxy_output=True, dtype=torch.float64)
+              proxy_output=True, bias=True, dtype=torch.float64)
     m = MSAttention(64, 4, **kw)
     r = MSAttention(64, 4, backend="reference", **kw)
     r.load_state_dict(m.state_dict())
-    assert float(m.po_proj.weight.detach().abs().max()) == 0  # starts as the kl-only layer
+    assert float(m.po_proj.weight.detach().abs().max()) == 0 == float(m.po_proj.bias.detach().abs().max())
     plain = MSAttention(64, 4, **{**kw, "proxy_output": False})
     plain.load_state_dict({k: v for k, v in m.state_dict().items() if not k.startswith(("vp_", "po_"))})
     x = torch.randn(300 + 129, 64, dtype=torch.float64)
