@@ -141,7 +141,11 @@ int main(int argc, char** argv) {
     for (const auto& pat_s : split(patterns)) {
       const int64_t T = std::atoll(sl.c_str());
       cli::Pattern pat;
-      cli::parse_pattern(pat_s, &pat);
+      if (!cli::parse_pattern(pat_s, &pat)) {
+        std::fprintf(stderr, "flashmsa_bench: --patterns: unknown pattern '%s' (random, clustered, trained)\n",
+                     pat_s.c_str());
+        return 2;
+      }
       std::vector<int64_t> cu{0, T};
       auto proxy = cli::draw_proxy(pat, cu, c.Hp, c.Hpk, D, 1234);
       void* q = select_only ? nullptr : upload_raw(main_values(cli::kStreamQ, size_t(T) * c.Hq * D));

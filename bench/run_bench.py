@@ -49,7 +49,7 @@ CONFIGS = {"m3": dict(Hq=64, Hkv=4, Hp=4, Hpk=1, topk=16), "fmsa": dict(Hq=16, H
 D = 128
 BK = 128
 PEERS = ("cudnn", "fa2", "flex", "cudnn_bsa", "torch_topk")
-PATTERNS = ("clustered", "random", "trained")  # user_path.PATTERNS (the trained-like one: the user's path only)
+PATTERNS = ("clustered", "random", "trained")  # user_path.PATTERNS, tools/patterns.cpp's
 CUDNN_FRONTEND_PIN = "nvidia-cudnn-frontend==1.32.0"  # the version whose SM90 block-sparse API the peer calls
 BSA_TOLERANCE = 0.05  # max error / max value of a bf16 attention output against an fp32 reference
 
@@ -696,9 +696,6 @@ def parse_args(argv=None, command=None):
     bad = [p for p in args.pattern_list if p not in PATTERNS]
     if bad:
         ap.error(f"unknown pattern(s) {','.join(bad)} (choose from {','.join(PATTERNS)})")
-    if "trained" in args.pattern_list and not args.user_only:
-        ap.error("the trained pattern is drawn in torch for the user's path: use --user-only (flashmsa_bench draws "
-                 "clustered and random)")
     return args
 
 

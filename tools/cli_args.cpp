@@ -30,7 +30,8 @@ const char* const kRunUsage =
     "  --batch B              batched [B, S, H, D] call of B sequences of --seqlen tokens\n"
     "  --topk K               blocks of 128 per token, 1..64 (default: 4 on the CPU, 16 on CUDA)\n"
     "  --dtype bf16|fp16|fp32|fp64   input dtype (default bf16; fp32, fp64: CPU backend only)\n"
-    "  --pattern random|clustered    proxy inputs (BENCHMARKS.md; default clustered)\n"
+    "  --pattern random|clustered|trained   proxy inputs (BENCHMARKS.md; trained: a trained indexer's\n"
+    "                         statistics, docs/performance.md; default clustered)\n"
     "  --seed S               random seed (default 0)\n"
     "step\n"
     "  --mode train|infer|warmup     train: select+fwd+bwd; infer: select+fwd (INFER numerics);\n"
@@ -162,7 +163,7 @@ bool parse_run_args(const std::vector<std::string>& args, Config& c) {
     else if (flag == "--pattern") {
       const std::string s = val();
       if (!parse_pattern(s, &c.pattern))
-        throw UsageError("--pattern: expected random or clustered, got '" + s + "'");
+        throw UsageError("--pattern: expected random, clustered or trained, got '" + s + "'");
     } else if (flag == "--seed") c.seed = parse_u64(flag, val());
     else if (flag == "--mode") {
       const std::string s = val();

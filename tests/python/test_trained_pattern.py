@@ -54,3 +54,25 @@ def test_trained_like_meets_the_trained_statistics_and_the_others_do_not(capsys)
         got = dict(union128=float(vals[vals.index("union128") + 1]), union4=float(vals[vals.index("union4") + 1]),
                    next=float(vals[vals.index("next") + 1]))
         assert any(abs(got[k] - TP.TARGET[k]) > TP.BOUNDS[k] for k in got), pattern
+
+
+def test_cli_draw_matches_the_python_draw(build_dir, tmp_path):
+    """tools/patterns.cpp's trained pattern (flashmsa run / flashmsa_bench --pattern trained) has the statistics of
+    bench/user_path.py's at 8k tokens: the selection the CLI saved against the one of the Python draw."""
+    import json
+    import subprocess
+    import numpy as np
+    T = 8192
+    out = tmp_path / "run"
+    subprocess.run([str(build_dir / "flashmsa"), "run", "--backend", "cpu", "--dtype", "fp32", "--mode", "infer",
+                    "--pattern", "trained", "--hq", "4", "--hkv", "1", "--hp", "4", "--hpk", "1", "--d", "128",
+                    "--dp", "128", "--seqlen", str(T), "--topk", "16", "--seed", "5", "--save", str(out), "--quiet"],
+                   check=True, timeout=900)
+    assert json.loads((out / "config.json").read_text())["pattern"] == "trained"
+    tiles = TP.sample_tiles(T, 0)
+    rows = torch.cat([torch.arange(t * 128, (t + 1) * 128) for t in tiles])
+    cli = TP.statistics(torch.from_numpy(np.load(out / "indices.npy")).long()[:, rows], rows // 128)
+    _, _, _, qp, kp, _ = user_path.make_inputs(TP.LM, T, "trained", torch.device("cpu"), dtype=torch.float32, seed=5)
+    py = TP.statistics(TP.select_tiles(qp.detach(), kp.detach(), tiles), rows // 128)
+    bad = TP.misses(cli, py)
+    assert not bad, f"the C++ draw's statistics differ from the Python draw's: {bad}"
