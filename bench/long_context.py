@@ -161,17 +161,20 @@ def main(argv=None):
     rows = []
     for name in args.configs.split(","):
         cfg = RB.CONFIGS[name]
-        longest = None  # (T, cuDNN step ms) of the longest measured length
-        for T in [int(x) for x in args.seqlens.split(",")]:
-            dense = None
-            if T <= args.dense_max:
-                RB.log(f"[long] cudnn dense causal {name} {T}")
-                try:
-                    dense = RB.sdpa_times(cfg, T, "cudnn", iters=3)
-                    longest = (T, dense["step_ms"])
-                except Exception as e:
-                    dense = dict(error=str(e)[:300])
-                torch.cuda.empty_cache()
+        lengths = [int(x) for x in args.seqlens.split(",")]
+        # cuDNN first, shortest to longest, so that every row above --dense-max gets its extrapolation whatever
+        # the order of --seqlens (the longest first lands the most valuable rows before a time limit)
+        dense_at, longest = {}, None  # longest: (T, cuDNN step ms) of the longest measured length
+        for T in sorted(t for t in set(lengths) if t <= args.dense_max):
+            RB.log(f"[long] cudnn dense causal {name} {T}")
+            try:
+                dense_at[T] = RB.sdpa_times(cfg, T, "cudnn", iters=3)
+                longest = (T, dense_at[T]["step_ms"])
+            except Exception as e:
+                dense_at[T] = dict(error=str(e)[:300])
+            torch.cuda.empty_cache()
+        for T in lengths:
+            dense = dense_at.get(T)
             for pattern in args.patterns.split(","):
                 row = dict(config=name, seqlen=T, pattern=pattern, cudnn=dense, gpu_total_gb=total)
                 if dense is None and longest:
