@@ -971,6 +971,12 @@ TEST(Deterministic, DenseG1) {
   run_bwd_case(Problem().heads(4, 2).proxy_heads(4, 2).with_topk(1).seqlens({300, 130}),
                BwdCase().dense().with_dkl(1.0).deterministic());
 }
+// The heads of tests/python/megatron_worker.py's distributed-optimizer model (4 query, 2 kv, 2 proxy heads, topk 2,
+// two packed 320-token sequences), whose loss stalled in its deterministic run while the non-deterministic one fell.
+TEST(Deterministic, MegatronWorkerHeads) {
+  run_bwd_case(Problem().heads(4, 2).proxy_heads(2, 1).with_topk(2).seqlens({320, 320}),
+               BwdCase().sparse().with_dkl(0.5).deterministic().with_kl_value());
+}
 TEST(Deterministic, SmallSparse) {
   run_bwd_case(Problem().heads(8, 2).proxy_heads(4, 1).with_topk(2).seqlens({130, 5, 300}),
                BwdCase().sparse().with_dlse().with_dkl(1.0).deterministic());
