@@ -178,7 +178,7 @@ class MSAttention(nn.Module):
         q = heads(self.q_proj(x), self.num_heads)
         k = heads(self.k_proj(x), self.num_kv_heads)
         v = heads(self.v_proj(x), self.num_kv_heads)
-        xp = x.detach() if self.detach_proxy_input else x
+        xp = self._proxy_input(x)
         qp = heads(self.qp_proj(xp), self.num_proxy_heads)
         kp = heads(self.kp_proj(xp), self.num_proxy_kv_heads)
         if self.rotary:
@@ -220,12 +220,14 @@ class MSAttention(nn.Module):
         self.last_kl = kl.detach()
         return y, kl if self.kl_coef == 1.0 else _ScaleGrad.apply(kl, self.kl_coef)
 
+    def _proxy_input(self, x: Tensor) -> Tensor:
+        """The proxy projections' input: x, detached with detach_proxy_input."""
+        return x.detach() if self.detach_proxy_input else x
 
     def _proxy_out(self, x, qp, kp, indices, cu_seqlens, max_seqlen) -> Tensor:
         """The proxy attention's output (proxy_output=True) over the main attention's keys: the selected blocks,
         or every causal key in warmup."""
-        xp = x.detach() if self.detach_proxy_input else x
-        vp = self.vp_proj(xp).view(*kp.shape)
+        vp = self.vp_proj(self._proxy_input(x)).view(*kp.shape)
         if self.backend == "flashmsa":
             return ops.proxy_attention(qp, kp, vp, indices, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
                                        warmup=self.warmup)
@@ -250,10 +252,10 @@ def last_kl(model: nn.Module, reduce: str = "mean") -> Tensor:
 
 def proxy_param_groups(model: nn.Module, proxy_lr: float) -> list:
     """Optimizer parameter groups: every parameter of `model`, with the proxy projections of
-    each MSAttention (qp_proj, kp_proj: trained by the kl term, and with proxy_output=True by the task loss too) in a
-    group of their own at learning rate proxy_lr; vp_proj and po_proj (proxy_output=True) stay at the model's rate. At the model's rate the proxy lags a fast-changing main attention and
-    the kl rises; 5x made it fall on real text (docs/lm_long_context.md). Without MSAttention the
-    result is one group.
+    each MSAttention (qp_proj, kp_proj: trained by the kl term, and with proxy_output=True by the task loss too) in
+    a group of their own at learning rate proxy_lr; vp_proj and po_proj (proxy_output=True) stay at the model's
+    rate. At the model's rate the proxy lags a fast-changing main attention and the kl rises; 5x made it fall on
+    real text (docs/lm_long_context.md). Without MSAttention the result is one group.
 
         opt = torch.optim.AdamW(proxy_param_groups(model, 5 * lr), lr=lr)
     """

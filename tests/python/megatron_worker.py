@@ -169,8 +169,8 @@ def distopt(use_distributed_optimizer, steps=30):
         loss.backward()
         ddp.finish_grad_sync()
         if it == 0:  # where the first step's gradients arrive (DDP's main_grad buffers, which the optimizer reads)
-            grad_norms = {n: float(getattr(p, "main_grad", p.grad).float().norm())
-                          if getattr(p, "main_grad", p.grad) is not None else None for n, p in ddp.named_parameters()}
+            grads = {n: getattr(p, "main_grad", p.grad) for n, p in ddp.named_parameters()}
+            grad_norms = {n: None if g is None else float(g.float().norm()) for n, g in grads.items()}
         ok, _, _ = opt.step()
         assert ok, "optimizer step skipped"
         losses.append(float(loss))
