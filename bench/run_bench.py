@@ -49,7 +49,7 @@ CONFIGS = {"m3": dict(Hq=64, Hkv=4, Hp=4, Hpk=1, topk=16), "fmsa": dict(Hq=16, H
 D = 128
 BK = 128
 PEERS = ("cudnn", "fa2", "flex", "cudnn_bsa", "torch_topk")
-PATTERNS = ("clustered", "random", "trained")  # user_path.PATTERNS, tools/patterns.cpp's
+PATTERNS = ("clustered", "random", "trained")  # user_path.py's draws and tools/patterns.cpp's
 CUDNN_FRONTEND_PIN = "nvidia-cudnn-frontend==1.32.0"  # the version whose SM90 block-sparse API the peer calls
 BSA_TOLERANCE = 0.05  # max error / max value of a bf16 attention output against an fp32 reference
 

@@ -20,11 +20,12 @@ import sys
 
 import torch
 
+from run_bench import PATTERNS  # (the harnesses' one list of selection patterns)
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 D = 128
 # the clustered pattern (tools/patterns.hpp)
 TOPICS, KEY_SPAN, QUERY_SPAN, TOPICS_PER_QUERY, TOPIC_NOISE = 64, 512, 128, 3, 0.5
-PATTERNS = ("clustered", "random", "trained")
 # The trained-like pattern (trained_like_proxy): how many target blocks a query row's proxy draws at each time scale
 # (every proxy head of a 64-token span, one head's 64-token span, one head's 8-token span, one token), the
 # distance law (block distance = U^gamma x the query's block), the share of target blocks that bring their left
@@ -49,8 +50,8 @@ def import_flashmsa():
 
 def make_inputs(cfg, T, pattern, device, dtype=torch.bfloat16, seed=0):
     """(q, k, v, qp, kp, cu): batch-1 varlen inputs [T, H, 128] of a benchmark selection pattern
-    (PATTERNS: "clustered", "random", or "trained", trained_like_proxy's), drawn in fp32 on `device` and cast to `dtype`; q, k, v, qp, kp are
-    leaves that require grad, cu = [0, T] int32. The clustered draw is tools/patterns.cpp's (one
+    (PATTERNS: "clustered", "random", or "trained", trained_like_proxy's), drawn in fp32 on `device` and cast to
+    `dtype`; q, k, v, qp, kp are leaves that require grad, cu = [0, T] int32. The clustered draw is tools/patterns.cpp's (one
     topic per 512-token span of keys and proxy key head, 3 distinct topics per 128-token span of
     queries and proxy head) with torch's generator: the C++ bench's distribution, other numbers."""
     g = torch.Generator(device=device).manual_seed(seed)
@@ -84,8 +85,8 @@ def make_inputs(cfg, T, pattern, device, dtype=torch.bfloat16, seed=0):
 
 def trained_like_proxy(T, Hp, Hpk, g, device, p=TRAINED):
     """(qp [T, Hp, D], kp [T, Hpk, D]) fp32 whose selection has a trained indexer's statistics (the trained-like
-    pattern of docs/performance.md, "Trained selections"). Every key block j of proxy key head h gets a random direction c[h, j] and its keys are
-    c[h, j] plus noise. Each query row's proxy is the sum of the directions of the blocks it should select, drawn at
+    pattern of docs/performance.md, "Trained selections"). Every key block j of proxy key head h gets a random
+    direction c[h, j] and its keys are c[h, j] plus noise. Each query row's proxy is the sum of the directions of the blocks it should select, drawn at
     four time scales: blocks every proxy head of a 64-token span shares, blocks of one head's 64-token span, of its
     8-token span, and of the token alone (consecutive tokens share about half their blocks, as trained selections
     do). A block lies U^gamma x (the query's block) blocks before the query's block (trained selections favour recent

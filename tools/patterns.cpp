@@ -123,7 +123,7 @@ void draw_trained(ProxyInputs& r, int64_t s0, int64_t len, int Hp, int Hpk, int 
   // the span and sub-span draws (serial: a span's tokens share them), then each token's own (threads over chunks
   // of tokens, each chunk its own stream: the same numbers for any thread count)
   const int64_t nspan = (len + p.span - 1) / p.span, nsub = (len + p.sub - 1) / p.sub;
-  std::vector<int64_t> shared, spans, subs, tmp;
+  std::vector<int64_t> shared, spans, subs;
   for (int64_t s = 0; s < nspan; ++s) draw_targets(rng, s * p.span / 128, p.n_shared, shared);
   for (int h = 0; h < Hp; ++h) {
     for (int64_t s = 0; s < nspan; ++s) draw_targets(rng, s * p.span / 128, p.n_span, spans);
@@ -169,13 +169,13 @@ ProxyInputs draw_proxy(Pattern pattern, const std::vector<int64_t>& cu, int Hp, 
                        uint64_t seed) {
   const int64_t total = cu.empty() ? 0 : cu.back();
   ProxyInputs r;
-  Rng rng(seed, kStreamProxy);
   if (pattern == Pattern::Trained) {
     r.qp.assign(size_t(total) * Hp * Dp, 0.0);
     r.kp.assign(size_t(total) * Hpk * Dp, 0.0);
     for (size_t b = 0; b + 1 < cu.size(); ++b) draw_trained(r, cu[b], cu[b + 1] - cu[b], Hp, Hpk, Dp, seed, b);
     return r;
   }
+  Rng rng(seed, kStreamProxy);
   if (pattern == Pattern::Random) {
     r.qp = normal_values(rng, size_t(total) * Hp * Dp);
     r.kp = normal_values(rng, size_t(total) * Hpk * Dp);
